@@ -1,0 +1,77 @@
+"""oar: Outcome-grounded Advantage Reshaping (OAR, arXiv 2601.07408) for GRPO-style RL of language models.
+
+Token-level credit assignment: each reasoning token's influence on the model's final-answer distribution
+(OAR-P: masking; OAR-G: gradient x input under embedding noise) reshapes the sequence advantage into
+per-token advantages that keep the total advantage mass (docs/method.md).
+
+Entry points:
+    oar.ops            tensor operators (torch.ops.oar.*), documented wrappers
+    oar.reference      plain-PyTorch references of every op
+    oar.OARConfig      configuration (one schema with the C++ side)
+    oar.build_info()   what this build contains; oar.has_cuda_kernels()
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from oar import _lib
+
+__version__ = "0.1.0"
+
+_C = _lib.load_extension()
+from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.oar.*)
+
+OARConfig = _C.OARConfig
+ReshapeOptions = _C.ReshapeOptions
+GroupAdvantageOptions = _C.GroupAdvantageOptions
+
+#: Folder to put on CMAKE_PREFIX_PATH so that find_package(oar) finds this installation.
+cmake_prefix_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share", "cmake")
+
+
+def build_info() -> dict:
+    """What this build of oar contains.
+
+    Returns a dict: ``version``, ``cuda_kernels`` (CUDA kernels compiled in), ``cuda_ops_registered``
+    (CUDA implementations registered with the dispatcher), ``torch_built_against``, ``torch_runtime``,
+    ``torch_cuda_built_against``, ``cuda_architectures``, ``ops_library`` (path loaded).
+    """
+    info = dict(_C.build_info())
+    import torch
+
+    info["torch_runtime"] = torch.__version__
+    info["ops_library"] = _lib.loaded_ops_library()
+    return info
+
+
+def has_cuda_kernels() -> bool:
+    """True when this build registered CUDA implementations of the ops (torch.ops.oar.* on CUDA tensors)."""
+    return bool(_C.build_info()["cuda_ops_registered"])
+
+
+def _warn_missing_cuda_once() -> None:
+    import torch
+
+    if torch.cuda.is_available() and not has_cuda_kernels():
+        warnings.warn(
+            "oar was built without CUDA kernels but a GPU is present: oar ops on CUDA tensors will raise "
+            "NotImplementedError. Rebuild with nvcc available (OAR_WITH_CUDA=ON ./setup.sh).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_warn_missing_cuda_once()
+
+__all__ = [
+    "__version__",
+    "ops",
+    "OARConfig",
+    "ReshapeOptions",
+    "GroupAdvantageOptions",
+    "build_info",
+    "has_cuda_kernels",
+    "cmake_prefix_path",
+]

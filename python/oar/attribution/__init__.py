@@ -1,0 +1,19 @@
+"""Attribution of reasoning tokens against the final-answer distribution (method.md sections 2-4, 8)."""
+
+from oar.attribution.context import DEFAULT_MARKERS, ProbeBatch, ProbeContextBuilder, reasoning_length
+from oar.attribution.engines import (
+    PROBES,
+    Attribution,
+    clean_probe_logits,
+    entropy_scores,
+    oar_g_scores,
+    oar_p_scores,
+    random_scores,
+)
+from oar.attribution.model import HFProbeModel, ProbeModel, as_probe_model
+
+__all__ = [
+    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
+    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "random_scores", "HFProbeModel",
+    "ProbeModel", "as_probe_model",
+]

@@ -1,0 +1,227 @@
+"""Probe contexts (method.md section 2): ``prompt + reasoning tokens + conclude + answer (+ suffix)``.
+
+Everything works on token ids. The only text operation is *decoding* the response to locate the last
+final-answer marker (``\\boxed{`` or ``####``); its character position is mapped back to a token index by
+binary search over decoded prefixes, so the model's own tokenization is never redone. The conclude
+string and the reference answer are ours, so they are encoded (once per distinct string).
+
+Layout of one probe context, left-padded into a batch of width ``T``::
+
+    [pad ... pad | prompt (P) | reasoning R (L) | conclude (C) | answer (K) | suffix (1)]
+                                                          ^ probe positions: the K positions whose
+                                                            next-token prediction is an answer token
+
+``probe_start`` (per row) is the index, inside the kept logits window of the last ``keep`` positions,
+of the position predicting the first answer token, so probe logits are ``logits[:, probe_start + k]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+#: Default final-answer markers searched in a response, last occurrence wins (method.md section 2).
+DEFAULT_MARKERS = ("\\boxed{", "####")
+
+
+def _as_list(ids) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        return [int(x) for x in ids.tolist()]
+    return [int(x) for x in ids]
+
+
+def reasoning_length(
+    response_ids: Sequence[int],
+    tokenizer,
+    markers: Sequence[str] = DEFAULT_MARKERS,
+    stop_ids: Sequence[int] = (),
+) -> int:
+    """Number of leading response tokens that form the reasoning span R (method.md section 2).
+
+    Args:
+        response_ids: the response token ids (no padding; may end with EOS).
+        tokenizer: a Hugging Face tokenizer (only ``decode`` is used).
+        markers: final-answer markers; the span ends before the token where the LAST occurrence of any
+            marker starts.
+        stop_ids: ids that end the response (EOS, PAD); they and everything after are never reasoning.
+
+    Returns:
+        L, with ``response_ids[:L]`` the reasoning tokens. Without a marker: the whole response up to the
+        first stop id. The token that contains the first character of the marker is excluded.
+    """
+    ids = _as_list(response_ids)
+    stops = set(int(s) for s in stop_ids)
+    end = len(ids)
+    for i, t in enumerate(ids):
+        if t in stops:
+            end = i
+            break
+    ids = ids[:end]
+    if not ids:
+        return 0
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    pos = max((text.rfind(m) for m in markers), default=-1)
+    if pos < 0:
+        return end
+    # Smallest k with len(decode(ids[:k])) > pos: token k-1 is the first one reaching into the marker.
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=False)) > pos:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
+
+
+@dataclass
+class ProbeBatch:
+    """A batch of probe contexts, left-padded. Built by :func:`build_probe_batch`.
+
+    Attributes:
+        input_ids: (B, T) int64, left-padded with ``pad_id``.
+        attention_mask: (B, T) int64, 0 on padding.
+        position_ids: (B, T) int64, ``cumsum(attention_mask) - 1`` (0 on padding), so a row's positions do
+            not depend on how much padding the batch needed.
+        reasoning_start: (B,) int64 column index of the first reasoning token in ``input_ids``.
+        reasoning_len: (B,) int64 L_i (may be 0).
+        answer_ids: (B, K_max) int64 answer token ids, padded with 0 past ``answer_len``.
+        answer_len: (B,) int64 K_i >= 1.
+        keep: number of trailing positions whose logits are needed (K_max + suffix length + ... ).
+        probe_start: (B,) int64 index inside the kept window of the position predicting answer token 0.
+        pad_id: the PAD id used for padding (and by OAR-P for masking).
+        context_len: (B,) int64 unpadded context lengths.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    reasoning_start: torch.Tensor
+    reasoning_len: torch.Tensor
+    answer_ids: torch.Tensor
+    answer_len: torch.Tensor
+    keep: int
+    probe_start: torch.Tensor
+    pad_id: int
+    context_len: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def reasoning_columns(self, row: int) -> torch.Tensor:
+        """Column indices (L_i,) of row ``row``'s reasoning tokens in ``input_ids``."""
+        s = int(self.reasoning_start[row])
+        return torch.arange(s, s + int(self.reasoning_len[row]))
+
+    def to(self, device) -> "ProbeBatch":
+        out = ProbeBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
+        return out
+
+
+class ProbeContextBuilder:
+    """Builds :class:`ProbeBatch` objects from prompt ids, response ids and reference answers.
+
+    Args:
+        tokenizer: Hugging Face tokenizer of the policy (used to decode responses and encode the conclude
+            string and answers, never to re-tokenize model text).
+        conclude: text appended after the reasoning (method.md section 2, default from OARConfig).
+        answer_suffix: text appended after the answer (default ``"}"`` closes ``\\boxed{``).
+        pad_id: PAD id; defaults to ``tokenizer.pad_token_id`` (then EOS).
+        markers: final-answer markers (see :func:`reasoning_length`).
+
+    Raises:
+        ValueError: tokenizer without pad and eos ids; an answer that encodes to no tokens.
+    """
+
+    def __init__(self, tokenizer, conclude: str, answer_suffix: str = "}", pad_id: int | None = None,
+                 markers: Sequence[str] = DEFAULT_MARKERS):
+        self.tokenizer = tokenizer
+        if pad_id is None:
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError("pad_id: the tokenizer has neither pad_token_id nor eos_token_id; pass pad_id explicitly")
+        self.pad_id = int(pad_id)
+        self.markers = tuple(markers)
+        self.conclude_ids = self._encode(conclude)
+        self.suffix_ids = self._encode(answer_suffix) if answer_suffix else []
+        stop = {self.pad_id}
+        if tokenizer.eos_token_id is not None:
+            stop.add(int(tokenizer.eos_token_id))
+        self.stop_ids = tuple(sorted(stop))
+        self._answer_cache: dict[str, list[int]] = {}
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def answer_ids(self, answer: str) -> list[int]:
+        """Token ids of a reference answer (cached). Raises ValueError for an empty encoding."""
+        ids = self._answer_cache.get(answer)
+        if ids is None:
+            ids = self._encode(str(answer))
+            if not ids:
+                raise ValueError(f"answers: reference answer {answer!r} encodes to no tokens")
+            self._answer_cache[answer] = ids
+        return ids
+
+    def build(self, prompt_ids: Sequence, response_ids: Sequence, answers: Sequence[str],
+              reasoning_lens: Sequence[int] | None = None) -> ProbeBatch:
+        """Builds the batch.
+
+        Args:
+            prompt_ids: B unpadded prompt id sequences (lists or 1-D tensors).
+            response_ids: B unpadded response id sequences (may end with EOS/padding; cut at the first stop id).
+            answers: B reference answers (strings).
+            reasoning_lens: optional precomputed L_i (else :func:`reasoning_length`).
+
+        Raises:
+            ValueError: mismatched lengths (naming the argument and both sizes).
+        """
+        B = len(prompt_ids)
+        for name, seq in (("response_ids", response_ids), ("answers", answers)):
+            if len(seq) != B:
+                raise ValueError(f"{name} must have one entry per prompt (B = {B}), got {len(seq)}")
+        if reasoning_lens is not None and len(reasoning_lens) != B:
+            raise ValueError(f"reasoning_lens must have B = {B} entries, got {len(reasoning_lens)}")
+        rows, starts, lens, ans, plen = [], [], [], [], []
+        for i in range(B):
+            p = _as_list(prompt_ids[i])
+            r = _as_list(response_ids[i])
+            L = (reasoning_length(r, self.tokenizer, self.markers, self.stop_ids)
+                 if reasoning_lens is None else int(reasoning_lens[i]))
+            if not 0 <= L <= len(r):
+                raise ValueError(f"reasoning_lens[{i}] must be in [0, {len(r)}], got {L}")
+            a = self.answer_ids(answers[i])
+            rows.append(p + r[:L] + self.conclude_ids + a + self.suffix_ids)
+            starts.append(len(p))
+            lens.append(L)
+            ans.append(a)
+            plen.append(len(p))
+        T = max(len(x) for x in rows) if rows else 0
+        K = max((len(a) for a in ans), default=1)
+        S = len(self.suffix_ids)
+        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, T), dtype=torch.long)
+        answer_ids = torch.zeros((B, K), dtype=torch.long)
+        for i, row in enumerate(rows):
+            off = T - len(row)
+            input_ids[i, off:] = torch.tensor(row, dtype=torch.long)
+            attn[i, off:] = 1
+            starts[i] += off
+            answer_ids[i, : len(ans[i])] = torch.tensor(ans[i], dtype=torch.long)
+        answer_len = torch.tensor([len(a) for a in ans], dtype=torch.long)
+        # Trailing window: the K_max answer-predicting positions of the longest answer end at T - 1 - S - 1.
+        keep = K + S + 1
+        # Row i's first answer token sits at column T - S - K_i; its predictor at T - S - K_i - 1, i.e.
+        # index keep - (S + K_i + 1) inside the window of the last `keep` columns.
+        probe_start = keep - (S + answer_len + 1)
+        position_ids = (attn.cumsum(-1) - 1).clamp_min(0)
+        return ProbeBatch(
+            input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+            reasoning_start=torch.tensor(starts, dtype=torch.long), reasoning_len=torch.tensor(lens, dtype=torch.long),
+            answer_ids=answer_ids, answer_len=answer_len, keep=keep, probe_start=probe_start, pad_id=self.pad_id,
+            context_len=torch.tensor([len(r) for r in rows], dtype=torch.long),
+        )

@@ -1,0 +1,292 @@
+"""Attribution engines: per-reasoning-token importance scores I_t >= 0 (method.md sections 3, 4, 8).
+
+Every engine takes a :class:`~oar.attribution.model.ProbeModel`, a :class:`~oar.attribution.context.ProbeBatch`
+and the rows to score, and returns an :class:`Attribution`: scores (B, L_max) float32 aligned with each
+row's reasoning tokens (column j = reasoning token j, i.e. completion column j), a mask of valid entries
+and timing/size stats. Rows not asked for get all-False masks. Nothing here writes parameter ``.grad``.
+
+- :func:`oar_p_scores`  OAR-P, exact: one PAD substitution per reasoning token, batched across rollouts
+  in chunks planned in C++ (``oar._C.plan_masked_chunks``) under a memory budget.
+- :func:`oar_g_scores`  OAR-G: gradient x input of the probe divergence under Gaussian embedding noise
+  on reasoning positions, ``torch.autograd.grad`` w.r.t. the input embeddings only.
+- :func:`entropy_scores`, :func:`random_scores`: the baselines of method.md section 8.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from oar import ops
+from oar._lib import load_extension
+from oar.attribution.context import ProbeBatch
+from oar.attribution.model import ProbeModel, gather_probe_logits
+
+_C = load_extension()
+
+PROBES = ("last", "answer_mean", "answer_joint")
+
+
+@dataclass
+class Attribution:
+    """Per-token importance of a batch of rollouts.
+
+    Attributes:
+        scores: (B, L_max) float32, >= 0, finite; column j is reasoning token j of the row.
+        mask: (B, L_max) bool, True on the first L_i columns of scored rows.
+        stats: counters and seconds (``forward_passes``, ``variants``, ``chunks``, ``seconds``).
+    """
+
+    scores: torch.Tensor
+    mask: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+def _check_probe(probe: str) -> str:
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
+    return probe
+
+
+def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
+    if rows is None:
+        return list(range(batch.batch_size))
+    out = sorted(set(int(r) for r in rows))
+    for r in out:
+        if not 0 <= r < batch.batch_size:
+            raise ValueError(f"rows must index the batch (0 <= row < {batch.batch_size}), got {r}")
+    return out
+
+
+def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
+    L = int(batch.reasoning_len.max()) if batch.batch_size else 0
+    mask = torch.zeros((batch.batch_size, L), dtype=torch.bool)
+    for r in rows:
+        mask[r, : int(batch.reasoning_len[r])] = True
+    return Attribution(torch.zeros((batch.batch_size, L), dtype=torch.float32), mask)
+
+
+def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int] | None = None) -> torch.Tensor:
+    """Probe logits (n, K_max, V) of the unperturbed contexts of ``rows`` (all rows by default), no grad."""
+    idx = torch.tensor(rows if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
+    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    with torch.no_grad():
+        window = model.tail_logits(input_ids=batch.input_ids[idx].to(dev), attention_mask=batch.attention_mask[idx].to(dev),
+                                   position_ids=batch.position_ids[idx].to(dev), keep=batch.keep)
+        return gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+
+
+def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_index: torch.Tensor,
+                probe: str) -> torch.Tensor:
+    dev = pert.device
+    lengths = batch.answer_len[row_index].to(dev)
+    answer_ids = batch.answer_ids[row_index].to(dev) if probe == "answer_joint" else None
+    return ops.probe_divergence(clean.to(pert.dtype), pert, probe=probe, answer_ids=answer_ids, lengths=lengths)
+
+
+def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
+                 memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
+                 clean_logits: torch.Tensor | None = None) -> Attribution:
+    """OAR-P importance (method.md section 3): I_t = KL(p_clean || p_masked_t), or the clamped drop of the
+    answer log-likelihood for ``probe="answer_joint"``.
+
+    Each variant replaces reasoning token t by ``batch.pad_id`` (same length, still attended). Variants of
+    all requested rows are flattened (rollout-major) and cut into chunks by the C++ planner so that the
+    estimated activation memory stays under ``memory_budget_mb``; each chunk is one left-padded forward of
+    width = the longest context in it, with the LM head run on the probe window only.
+
+    Args:
+        model: a ProbeModel (``oar.attribution.model.HFProbeModel`` for HF models).
+        batch: probe contexts.
+        probe: ``last`` | ``answer_mean`` | ``answer_joint``.
+        rows: rows to score (default all).
+        memory_budget_mb, max_variants_per_chunk: chunk planner limits (0 = no variant cap).
+        clean_logits: optional (B, K_max, V) clean probe logits already computed for all rows.
+
+    Returns:
+        Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``seconds``.
+    Raises:
+        ValueError: unknown probe, rows out of range, non-positive budget.
+    """
+    probe = _check_probe(probe)
+    rows = _rows(batch, rows)
+    if memory_budget_mb <= 0:
+        raise ValueError(f"memory_budget_mb must be > 0, got {memory_budget_mb}")
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
+    if not rows:
+        res.stats.update(forward_passes=0, variants=0, chunks=0, seconds=0.0)
+        return res
+    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    passes = 0
+    if clean_logits is None:
+        clean_all = clean_probe_logits(model, batch, rows)
+        clean_row = {r: i for i, r in enumerate(rows)}
+        passes += 1
+    else:
+        clean_all = clean_logits
+        clean_row = {r: r for r in rows}
+
+    # Flattened variant list, rollout-major: (row, column of the masked token, reasoning index j).
+    var_row, var_col, var_j = [], [], []
+    for r in rows:
+        L = int(batch.reasoning_len[r])
+        s = int(batch.reasoning_start[r])
+        var_row += [r] * L
+        var_col += list(range(s, s + L))
+        var_j += list(range(L))
+    T = batch.input_ids.shape[1]
+    widths = [int(batch.context_len[r]) for r in rows]
+    counts = [int(batch.reasoning_len[r]) for r in rows]
+    bytes_tok = model.activation_bytes_per_token(max(widths)) if hasattr(model, "activation_bytes_per_token") else 16384
+    bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
+    plan = _C.plan_masked_chunks(widths, counts, int(bytes_tok), int(bytes_var), int(memory_budget_mb) << 20,
+                                 int(max_variants_per_chunk))
+    var_row_t = torch.tensor(var_row, dtype=torch.long)
+    var_col_t = torch.tensor(var_col, dtype=torch.long)
+    var_j_t = torch.tensor(var_j, dtype=torch.long)
+    clean_index_t = torch.tensor([clean_row[r] for r in var_row], dtype=torch.long)
+    with torch.no_grad():
+        for ch in plan:
+            sl = slice(ch.begin, ch.end)
+            width = ch.max_context_len
+            off = T - width  # left padding: every context in the chunk lies within the last `width` columns
+            row_index = var_row_t[sl]
+            masked = ops.build_masked_batch(batch.input_ids[:, off:], row_index, var_col_t[sl] - off, batch.pad_id)
+            window = model.tail_logits(input_ids=masked.to(dev), attention_mask=batch.attention_mask[row_index, off:].to(dev),
+                                       position_ids=batch.position_ids[row_index, off:].to(dev), keep=batch.keep)
+            passes += 1
+            pert = gather_probe_logits(window, batch.probe_start[row_index], batch.answer_ids.shape[1])
+            clean = clean_all[clean_index_t[sl].to(clean_all.device)]
+            d = _divergence(clean, pert, batch, row_index, probe)
+            if probe == "answer_joint":
+                d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
+            res.scores[row_index, var_j_t[sl]] = d.float().cpu()
+    res.stats.update(forward_passes=passes, variants=len(var_row), chunks=len(plan), seconds=time.perf_counter() - t0)
+    return res
+
+
+def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
+                 sigma: float = 1e-3, noise_draws: int = 1, generator: torch.Generator | None = None,
+                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096) -> Attribution:
+    """OAR-G importance (method.md section 4): I_t = |sum_h g[t,h] E[t,h]| with g = dJ/dE,
+    J = KL(p_clean || p(E + delta)) (``answer_joint``: J = phi_clean - phi(E + delta)),
+    delta ~ N(0, sigma^2) on reasoning positions only, averaged over ``noise_draws`` draws.
+
+    Gradients are taken with ``torch.autograd.grad`` w.r.t. the embeddings only, so no parameter
+    ``.grad`` is written (safe inside a trainer's gradient accumulation). Rows are processed in chunks
+    whose estimated forward+backward memory stays under ``memory_budget_mb``.
+
+    Args:
+        sigma: noise std (absolute, > 0). noise_draws: K >= 1.
+        generator: torch.Generator for the noise (CPU); results are deterministic for a fixed seed.
+        Other args as in :func:`oar_p_scores`.
+    Raises:
+        ValueError: unknown probe, sigma <= 0, noise_draws < 1, rows out of range.
+    """
+    probe = _check_probe(probe)
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    if noise_draws < 1:
+        raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
+    rows = _rows(batch, rows)
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
+    if not rows:
+        res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
+        return res
+    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    passes = 0
+    if clean_logits is None:
+        clean_all = clean_probe_logits(model, batch, rows)
+        clean_row = {r: i for i, r in enumerate(rows)}
+        passes += 1
+    else:
+        clean_all = clean_logits
+        clean_row = {r: r for r in rows}
+    T = batch.input_ids.shape[1]
+    widths = [int(batch.context_len[r]) for r in rows]
+    bytes_tok = (model.activation_bytes_per_token(max(widths), backward=True)
+                 if hasattr(model, "activation_bytes_per_token") else 65536)
+    plan = _C.plan_masked_chunks(widths, [1] * len(rows), int(bytes_tok), 8 * batch.keep * int(getattr(model, "vocab_size", 50000)),
+                                 int(memory_budget_mb) << 20, 0)
+    backward = 0
+    for ch in plan:
+        chunk_rows = rows[ch.begin:ch.end]
+        idx = torch.tensor(chunk_rows, dtype=torch.long)
+        off = T - ch.max_context_len
+        ids = batch.input_ids[idx, off:].to(dev)
+        attn = batch.attention_mask[idx, off:].to(dev)
+        pos = batch.position_ids[idx, off:].to(dev)
+        noise_mask = torch.zeros(ids.shape, dtype=torch.bool)
+        for i, r in enumerate(chunk_rows):
+            s = int(batch.reasoning_start[r]) - off
+            noise_mask[i, s: s + int(batch.reasoning_len[r])] = True
+        noise_mask = noise_mask.to(dev).unsqueeze(-1)
+        with torch.no_grad():
+            E = model.embed(ids).detach()
+        clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
+        acc = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
+        for _ in range(noise_draws):
+            delta = torch.randn(E.shape, generator=generator, dtype=torch.float32).to(dev, E.dtype) * sigma
+            Ek = (E + delta * noise_mask).requires_grad_(True)
+            window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos, keep=batch.keep)
+            pert = gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+            J = _divergence(clean, pert, batch, idx, probe).sum()
+            (g,) = torch.autograd.grad(J, Ek)
+            passes += 1
+            backward += 1
+            acc += ops.grad_x_input(g.detach(), E)
+        acc /= noise_draws
+        acc = acc.cpu()
+        for i, r in enumerate(chunk_rows):
+            s = int(batch.reasoning_start[r]) - off
+            L = int(batch.reasoning_len[r])
+            res.scores[r, :L] = acc[i, s: s + L]
+    if not torch.isfinite(res.scores).all():
+        raise FloatingPointError("oar_g_scores: non-finite importance scores (check the model's logits for NaN/Inf)")
+    res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), seconds=time.perf_counter() - t0)
+    return res
+
+
+def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] | None = None) -> Attribution:
+    """Entropy baseline: I_t = H(softmax(logits predicting reasoning token t)), the full-vocabulary
+    entropy of the policy at the step that produced token t (temperature 1), in nats. The probe context's
+    prefix is exactly the generation context, so these equal the sampling-time entropies."""
+    rows = _rows(batch, rows)
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    with torch.no_grad():
+        for r in rows:
+            L = int(batch.reasoning_len[r])
+            if L == 0:
+                continue
+            s = int(batch.reasoning_start[r])
+            if s < 1 or int(batch.attention_mask[r, s - 1]) == 0:
+                raise ValueError(f"entropy_scores: row {r} has an empty prompt; the first reasoning token has no "
+                                 "predicting position")
+            keep = slice(s - 1, s + L - 1)
+            logits = model.full_logits(input_ids=batch.input_ids[r: r + 1].to(dev),
+                                       attention_mask=batch.attention_mask[r: r + 1].to(dev),
+                                       position_ids=batch.position_ids[r: r + 1].to(dev))[0, keep].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            res.scores[r, :L] = (-(logp.exp() * logp).sum(-1)).clamp_min(0).cpu()
+    res.stats.update(forward_passes=len(rows), seconds=time.perf_counter() - t0)
+    return res
+
+
+def random_scores(batch: ProbeBatch, *, rows: Sequence[int] | None = None,
+                  generator: torch.Generator | None = None) -> Attribution:
+    """Random-credit baseline (method.md section 8): I_t ~ U(0, 1) i.i.d."""
+    rows = _rows(batch, rows)
+    res = _empty(batch, rows)
+    rand = torch.rand(res.scores.shape, generator=generator)
+    res.scores = torch.where(res.mask, rand, torch.zeros_like(rand))
+    res.stats.update(forward_passes=0, seconds=0.0)
+    return res

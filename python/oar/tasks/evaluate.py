@@ -1,0 +1,113 @@
+"""Sampling completions from a causal LM and measuring a task's accuracy (pass@1 over samples).
+
+Plain ``model.generate`` with sampling, batched with left padding: enough for evaluation and for
+measuring whether a task has the reward variance GRPO needs (the arithmetic levels were tuned with
+:func:`sample_accuracy`). Imports torch, so ``oar.tasks`` does not import this module eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oar.tasks.base import Problem, Task
+
+__all__ = ["generate_completions", "sample_accuracy", "AccuracyReport"]
+
+
+def generate_completions(
+    model: Any,
+    tokenizer: Any,
+    messages: list[list[dict[str, str]]],
+    *,
+    num_samples: int = 1,
+    temperature: float = 0.8,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 96,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> list[list[str]]:
+    """Sample ``num_samples`` completions for each chat in ``messages``.
+
+    Args:
+        model, tokenizer: a causal LM and its tokenizer (left padding is forced for the call).
+        messages: one list of chat messages per prompt (``Task.prompt``).
+        num_samples: completions per prompt (the GRPO group size when estimating reward variance).
+        temperature: sampling temperature; 0 means greedy decoding.
+        top_p, top_k, max_new_tokens: as in ``transformers`` generation; ``top_k=0`` (default)
+            disables top-k filtering, as GRPO trainers sample (transformers' own default is 50).
+        batch_size: sequences per ``generate`` call (prompts x samples are flattened).
+        seed: ``torch.manual_seed`` applied before generation, inside a forked RNG state.
+
+    Returns:
+        ``out[i][j]``: the j-th completion of prompt i, decoded without special tokens.
+
+    Raises:
+        ValueError: ``num_samples``/``batch_size``/``max_new_tokens`` < 1 or ``temperature`` < 0.
+    """
+    for arg, v in (("num_samples", num_samples), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{arg} must be a positive int, got {v!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    flat = [t for t in texts for _ in range(num_samples)]
+    device = next(model.parameters()).device
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    outs: list[str] = []
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    else:
+        gen_kwargs.update(do_sample=False)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in range(0, len(flat), batch_size):
+                enc = tokenizer(
+                    flat[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(device)
+                gen = model.generate(**enc, **gen_kwargs)
+                new = gen[:, enc["input_ids"].shape[1] :]
+                outs.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = old_side
+    return [outs[i * num_samples : (i + 1) * num_samples] for i in range(len(messages))]
+
+
+@dataclass
+class AccuracyReport:
+    """Result of :func:`sample_accuracy`.
+
+    Attributes:
+        accuracy: mean reward over all problems x samples.
+        frac_mixed_groups: fraction of problems whose samples got both rewards (non-zero GRPO
+            advantage for that group).
+        rewards: ``rewards[i][j]`` for problem i, sample j.
+        completions: ``completions[i][j]``.
+    """
+
+    accuracy: float
+    frac_mixed_groups: float
+    rewards: list[list[float]] = field(repr=False)
+    completions: list[list[str]] = field(repr=False)
+
+
+def sample_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer: Any, **gen_kwargs: Any) -> AccuracyReport:
+    """Sample completions for ``problems`` (``generate_completions`` keywords) and score them.
+
+    Raises:
+        ValueError: empty ``problems`` or bad generation arguments.
+    """
+    if not problems:
+        raise ValueError("problems must not be empty")
+    comps = generate_completions(model, tokenizer, [task.prompt(p) for p in problems], **gen_kwargs)
+    rewards = [[task.reward(c, p) for c in cs] for cs, p in zip(comps, problems)]
+    total = sum(len(r) for r in rewards)
+    acc = sum(sum(r) for r in rewards) / total
+    mixed = sum(1 for r in rewards if 0.0 < sum(r) < len(r)) / len(rewards)
+    return AccuracyReport(acc, mixed, rewards, comps)

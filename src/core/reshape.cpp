@@ -1,0 +1,189 @@
+// Bi-level (dual-tier) sum-preserving advantage reshaping (method.md section 6).
+//
+// Per rollout, over its reasoning span R (|R| = L), with normalized scores s_hat in [0, 1]:
+//   tau = quantile_q(s_hat)                        (numpy "linear" definition)
+//   s < tau : w = max(s / (tau + eps), floor)      suppress tier   (boost-only: w = 1)
+//   s >= tau: w = 1 + beta (s - tau) / (1 - tau + eps)   boost tier (suppress-only: w = 1)
+//   w <- w * L / sum_R w                            mass preservation
+// eps = ReshapeOptions::kEps guards tau -> 0 and tau -> 1. The sum is never 0: the largest score is >= tau
+// (a quantile never exceeds the maximum), so at least one weight is >= 1.
+// Cost per row: O(T) plus one nth_element over the span for the quantile.
+#include "oar/core/reshape.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+#include "oar/core/importance.h"
+
+namespace oar::core {
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw InvalidArgument(msg); }
+
+template <Tiers K>
+void tier_weights(const float* s_hat, int64_t L, double tau, const ReshapeOptions& o, float* w) {
+  const double lo_den = tau + ReshapeOptions::kEps;
+  const double hi_den = 1.0 - tau + ReshapeOptions::kEps;
+  double sum = 0.0;
+  for (int64_t t = 0; t < L; ++t) {
+    const double s = static_cast<double>(s_hat[t]);
+    double x;
+    if (s < tau) {
+      if constexpr (K == Tiers::kBoostOnly) x = 1.0;
+      else x = std::max(s / lo_den, o.floor);
+    } else {
+      if constexpr (K == Tiers::kSuppressOnly) x = 1.0;
+      else x = 1.0 + o.beta * (s - tau) / hi_den;
+    }
+    w[t] = static_cast<float>(x);
+    sum += static_cast<double>(w[t]);
+  }
+  // Sum the stored floats, so that the rescaled floats sum to L up to one rounding per element. When every
+  // weight is 1 (e.g. all-equal scores), scale is exactly 1 and the weights stay exactly 1.
+  const double scale = static_cast<double>(L) / sum;
+  if (scale == 1.0) return;
+  for (int64_t t = 0; t < L; ++t) w[t] = static_cast<float>(static_cast<double>(w[t]) * scale);
+}
+
+}  // namespace
+
+void check_reshape_options(const ReshapeOptions& opts) {
+  std::ostringstream os;
+  if (!(opts.q > 0.0 && opts.q < 1.0)) {
+    os << "q must be in (0, 1), got " << opts.q;
+    fail(os.str());
+  }
+  if (!(opts.beta >= 0.0 && std::isfinite(opts.beta))) {
+    os << "beta must be finite and >= 0, got " << opts.beta;
+    fail(os.str());
+  }
+  if (!(opts.floor >= 0.0 && opts.floor < 1.0)) {
+    os << "floor must be in [0, 1), got " << opts.floor;
+    fail(os.str());
+  }
+  if (opts.tiers != Tiers::kBoth && opts.tiers != Tiers::kBoostOnly && opts.tiers != Tiers::kSuppressOnly) {
+    os << "tiers: unknown enum value " << static_cast<int>(opts.tiers);
+    fail(os.str());
+  }
+}
+
+double quantile_linear(float* values, int64_t n, double q) {
+  if (n < 1) fail("quantile_linear needs n >= 1 values, got n = " + std::to_string(n));
+  if (!(q >= 0.0 && q <= 1.0)) {
+    std::ostringstream os;
+    os << "q must be in [0, 1], got " << q;
+    fail(os.str());
+  }
+  // numpy "linear": virtual index h = (n - 1) q between order statistics x_(lo) and x_(lo+1).
+  const double h = static_cast<double>(n - 1) * q;
+  const int64_t lo = std::min<int64_t>(static_cast<int64_t>(std::floor(h)), n - 1);
+  const double frac = h - static_cast<double>(lo);
+  std::nth_element(values, values + lo, values + n);
+  const double a = static_cast<double>(values[lo]);
+  if (frac <= 0.0 || lo + 1 >= n) return a;
+  // After nth_element every element right of lo is >= values[lo]; the next order statistic is their min.
+  const double b = static_cast<double>(*std::min_element(values + lo + 1, values + n));
+  return a + frac * (b - a);
+}
+
+void reshape_span_weights(const float* s_hat, int64_t L, const ReshapeOptions& opts, float* w, float* scratch) {
+  if (L <= 0) return;
+  std::copy(s_hat, s_hat + L, scratch);
+  const double tau = quantile_linear(scratch, L, opts.q);
+  switch (opts.tiers) {
+    case Tiers::kBoth: tier_weights<Tiers::kBoth>(s_hat, L, tau, opts, w); return;
+    case Tiers::kBoostOnly: tier_weights<Tiers::kBoostOnly>(s_hat, L, tau, opts, w); return;
+    case Tiers::kSuppressOnly: tier_weights<Tiers::kSuppressOnly>(s_hat, L, tau, opts, w); return;
+  }
+  fail("tiers: unknown enum value " + std::to_string(static_cast<int>(opts.tiers)));
+}
+
+template <typename T>
+void reshape_advantages(const float* advantages, const T* scores, const bool* reasoning_mask,
+                        const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,
+                        bool scores_are_normalized, float* token_advantages, float* weights) {
+  check_reshape_options(opts);
+  if (B < 0 || T_len < 0) {
+    std::ostringstream os;
+    os << "scores must be (B, T) with B, T >= 0, got (" << B << ", " << T_len << ")";
+    fail(os.str());
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    if (!std::isfinite(advantages[b])) {
+      std::ostringstream os;
+      os << "advantages must be finite, got advantages[" << b << "] = " << advantages[b];
+      fail(os.str());
+    }
+  }
+  if (B == 0 || T_len == 0) return;
+  const int64_t numel = B * T_len;
+  for (int64_t i = 0; i < numel; ++i) {
+    if (reasoning_mask[i] && !response_mask[i]) {
+      std::ostringstream os;
+      os << "reasoning_mask must be a subset of response_mask, got reasoning_mask[" << i / T_len << ", "
+         << i % T_len << "] = True where response_mask is False";
+      fail(os.str());
+    }
+  }
+
+  // Normalized scores, (B, T) float, 0 off the span. The weights output doubles as this buffer: row b is
+  // gathered into `span` before row b of the weights is written.
+  std::vector<float> own;
+  const float* s_hat = nullptr;
+  if (!scores_are_normalized) {
+    float* buf = weights;
+    if (buf == nullptr) {
+      own.resize(static_cast<size_t>(numel));
+      buf = own.data();
+    }
+    normalize_importance(scores, reasoning_mask, B, T_len, buf);
+    s_hat = buf;
+  } else {
+    for (int64_t i = 0; i < numel; ++i) {
+      if (!reasoning_mask[i]) continue;
+      const double v = static_cast<double>(scores[i]);
+      if (!(v >= 0.0 && v <= 1.0)) {
+        std::ostringstream os;
+        os << "scores must lie in [0, 1] on reasoning_mask when scores_are_normalized=True, got scores["
+           << i / T_len << ", " << i % T_len << "] = " << v;
+        fail(os.str());
+      }
+    }
+  }
+
+  std::vector<float> span(static_cast<size_t>(T_len)), wspan(span.size()), scratch(span.size());
+  for (int64_t b = 0; b < B; ++b) {
+    const bool* rm = reasoning_mask + b * T_len;
+    const bool* pm = response_mask + b * T_len;
+    int64_t L = 0;
+    if (s_hat != nullptr) {
+      const float* row = s_hat + b * T_len;
+      for (int64_t t = 0; t < T_len; ++t)
+        if (rm[t]) span[L++] = row[t];
+    } else {
+      const T* row = scores + b * T_len;
+      for (int64_t t = 0; t < T_len; ++t)
+        if (rm[t]) span[L++] = static_cast<float>(row[t]);
+    }
+    reshape_span_weights(span.data(), L, opts, wspan.data(), scratch.data());
+
+    const float a = advantages[b];
+    float* ta = token_advantages + b * T_len;
+    float* wr = weights != nullptr ? weights + b * T_len : nullptr;
+    int64_t k = 0;
+    for (int64_t t = 0; t < T_len; ++t) {
+      const float w = rm[t] ? wspan[k++] : (pm[t] ? 1.0f : 0.0f);
+      ta[t] = w * a;
+      if (wr != nullptr) wr[t] = w;
+    }
+  }
+}
+
+template void reshape_advantages<float>(const float*, const float*, const bool*, const bool*, int64_t, int64_t,
+                                        const ReshapeOptions&, bool, float*, float*);
+template void reshape_advantages<double>(const float*, const double*, const bool*, const bool*, int64_t, int64_t,
+                                         const ReshapeOptions&, bool, float*, float*);
+
+}  // namespace oar::core

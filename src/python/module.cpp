@@ -1,0 +1,122 @@
+// oar._C: the pybind11 module (docs/architecture.md, layer 3). Configuration objects, the OAR-P chunk
+// planner and build information. Tensor operators are NOT exposed here: they are registered with the
+// PyTorch dispatcher (torch.ops.oar.*, src/torch) so that autograd, torch.compile and opcheck see them.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "oar/core/common.h"
+#include "oar/core/config.h"
+#include "oar/core/log.h"
+#include "oar/core/masked_batch.h"
+
+namespace py = pybind11;
+using namespace oar::core;
+
+#ifndef OAR_TORCH_VERSION
+#define OAR_TORCH_VERSION ""
+#endif
+#ifndef OAR_TORCH_CUDA_VERSION
+#define OAR_TORCH_CUDA_VERSION ""
+#endif
+#ifndef OAR_CUDA_ARCHS
+#define OAR_CUDA_ARCHS ""
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "oar native module: configs, OAR-P chunk planner, build info (tensor ops live in torch.ops.oar)";
+  py::register_exception<InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = version();
+    d["cuda_kernels"] = compiled_with_cuda();
+#ifdef OAR_TORCH_CUDA
+    d["cuda_ops_registered"] = true;
+#else
+    d["cuda_ops_registered"] = false;
+#endif
+    d["torch_built_against"] = OAR_TORCH_VERSION;
+    d["torch_cuda_built_against"] = OAR_TORCH_CUDA_VERSION;
+    d["cuda_architectures"] = OAR_CUDA_ARCHS;
+    return d;
+  }, "Build information: version, whether CUDA kernels are compiled in, torch/CUDA versions built against.");
+
+  m.def("set_log_level", [](const std::string& lvl) {
+    static const std::pair<const char*, log::Level> table[] = {
+        {"trace", log::Level::kTrace}, {"debug", log::Level::kDebug}, {"info", log::Level::kInfo},
+        {"warn", log::Level::kWarn}, {"error", log::Level::kError}, {"off", log::Level::kOff}};
+    for (const auto& [k, v] : table)
+      if (lvl == k) return log::set_level(v);
+    throw InvalidArgument("level must be one of {trace, debug, info, warn, error, off}, got \"" + lvl + "\"");
+  }, py::arg("level"), "Sets the level of oar's C++ logger (spdlog 'oar'; initial level from OAR_LOG_LEVEL).");
+
+  py::class_<ReshapeOptions>(m, "ReshapeOptions", "Bi-level reshaping parameters (method.md section 6).")
+      .def(py::init<>())
+      .def_readwrite("q", &ReshapeOptions::q)
+      .def_readwrite("beta", &ReshapeOptions::beta)
+      .def_readwrite("floor", &ReshapeOptions::floor)
+      .def_property("tiers", [](const ReshapeOptions& o) { return std::string(to_string(o.tiers)); },
+                    [](ReshapeOptions& o, const std::string& s) { o.tiers = parse_tiers(s); });
+
+  py::class_<GroupAdvantageOptions>(m, "GroupAdvantageOptions", "Sequence-advantage options (method.md section 1).")
+      .def(py::init<>())
+      .def_property("estimator", [](const GroupAdvantageOptions& o) { return std::string(to_string(o.estimator)); },
+                    [](GroupAdvantageOptions& o, const std::string& s) { o.estimator = parse_estimator(s); })
+      .def_property("std", [](const GroupAdvantageOptions& o) { return std::string(to_string(o.std_kind)); },
+                    [](GroupAdvantageOptions& o, const std::string& s) { o.std_kind = parse_std_kind(s); })
+      .def_readwrite("eps", &GroupAdvantageOptions::eps)
+      .def_property("singleton", [](const GroupAdvantageOptions& o) { return std::string(to_string(o.singleton)); },
+                    [](GroupAdvantageOptions& o, const std::string& s) { o.singleton = parse_singleton_policy(s); })
+      .def_readwrite("skip_nan", &GroupAdvantageOptions::skip_nan);
+
+  py::class_<OARConfig>(m, "OARConfig",
+                        "Everything that decides per-token advantages; parsed from the `oar:` section of a config "
+                        "(configs/*.yaml) by the C++ schema (nlohmann_json). Unknown keys and out-of-range values "
+                        "raise ValueError naming the key.")
+      .def(py::init<>())
+      .def_static("from_json", &parse_oar_config, py::arg("json_text"))
+      .def("to_json", [](const OARConfig& c) { return to_json(c); })
+      .def_property("method", [](const OARConfig& c) { return std::string(to_string(c.method)); },
+                    [](OARConfig& c, const std::string& s) { c.method = parse_method(s); })
+      .def_property("probe", [](const OARConfig& c) { return std::string(to_string(c.probe)); },
+                    [](OARConfig& c, const std::string& s) { c.probe = parse_probe(s); })
+      .def_readwrite("reshape", &OARConfig::reshape)
+      .def_readwrite("advantages", &OARConfig::advantages)
+      .def_readwrite("sigma", &OARConfig::sigma)
+      .def_readwrite("noise_draws", &OARConfig::noise_draws)
+      .def_readwrite("conclude", &OARConfig::conclude)
+      .def_readwrite("answer_suffix", &OARConfig::answer_suffix)
+      .def_readwrite("memory_budget_mb", &OARConfig::memory_budget_mb)
+      .def_readwrite("max_variants_per_chunk", &OARConfig::max_variants_per_chunk)
+      .def_readwrite("seed", &OARConfig::seed)
+      .def("__repr__", [](const OARConfig& c) { return "OARConfig(" + to_json(c) + ")"; });
+
+  py::class_<MaskedChunk>(m, "MaskedChunk", "Variants [begin, end) of the flattened OAR-P variant list.")
+      .def_readonly("begin", &MaskedChunk::begin)
+      .def_readonly("end", &MaskedChunk::end)
+      .def_readonly("max_context_len", &MaskedChunk::max_context_len)
+      .def("__repr__", [](const MaskedChunk& c) {
+        return "MaskedChunk(begin=" + std::to_string(c.begin) + ", end=" + std::to_string(c.end) +
+               ", max_context_len=" + std::to_string(c.max_context_len) + ")";
+      });
+
+  m.def("plan_masked_chunks",
+        [](std::vector<int64_t> context_len, std::vector<int64_t> num_variants, int64_t bytes_per_token,
+           int64_t bytes_per_variant, int64_t memory_budget_bytes, int64_t max_variants_per_chunk) {
+          MaskedPlanRequest req;
+          req.context_len = std::move(context_len);
+          req.num_variants = std::move(num_variants);
+          req.bytes_per_token = bytes_per_token;
+          req.bytes_per_variant = bytes_per_variant;
+          req.memory_budget_bytes = memory_budget_bytes;
+          req.max_variants_per_chunk = max_variants_per_chunk;
+          return plan_masked_chunks(req);
+        },
+        py::arg("context_len"), py::arg("num_variants"), py::arg("bytes_per_token"), py::arg("bytes_per_variant"),
+        py::arg("memory_budget_bytes"), py::arg("max_variants_per_chunk") = 0,
+        "OAR-P chunk plan (method.md section 3): greedy chunks of the flattened (rollout, masked position) "
+        "variants whose estimated memory (variants x padded width x bytes_per_token + variants x "
+        "bytes_per_variant) stays under memory_budget_bytes. Raises ValueError on bad sizes.");
+}

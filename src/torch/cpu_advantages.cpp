@@ -1,0 +1,176 @@
+// CPU implementations of the advantage ops (schemas in schemas.cpp; method.md sections 1, 5, 6):
+//   oar::group_advantages, oar::normalize_importance, oar::reshape_advantages.
+//
+// This file is the adapter boundary: it validates tensors (shape, dtype, device, CSR offsets, masks) with
+// messages that name the argument, parses mode strings into core enums once, promotes dtypes, makes the
+// inputs contiguous and calls the torch-free core (src/core), whose InvalidArgument becomes a ValueError.
+//
+// No autograd, by design: advantages and reshaping weights are constants of the policy-gradient loss (the
+// scores are detached, trainers.md "The contract"), so there is no derivative to define. There is no
+// CompositeExplicitAutograd kernel either (the ops are not composites of other ops). Instead the Autograd
+// key gets a fallthrough (bottom of this file): the dispatcher skips autograd, the outputs are plain
+// constants (requires_grad=False) even when an input requires grad, and the autograd "not implemented"
+// fallback (which warns and may silently produce wrong gradients on backward) never runs. The fallthrough is
+// device-independent, so it also covers CUDA kernels registered elsewhere. Fake (meta) kernels for
+// torch.compile live in python/oar/ops.py.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <string_view>
+#include <tuple>
+
+#include "checks.h"
+#include "oar/core/common.h"
+#include "oar/core/group_advantages.h"
+#include "oar/core/importance.h"
+#include "oar/core/reshape.h"
+
+namespace oar::torch_ops {
+namespace {
+
+// float64 stays float64 (the core accumulates in double anyway); every other real type, bool and integers
+// included, is read as float32 so that statistics never run in half precision or integer arithmetic.
+at::Tensor promote_real(const at::Tensor& t) {
+  if (t.scalar_type() == at::kDouble) return t.contiguous();
+  return t.to(at::kFloat).contiguous();
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor for the CPU kernel, got device ", t.device());
+}
+
+void check_floating(const at::Tensor& t, const char* name) {
+  check_dtype(t, name, {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16});
+}
+
+at::Tensor group_advantages_cpu(const at::Tensor& rewards, const at::Tensor& offsets, std::string_view estimator,
+                                std::string_view std_kind, double eps, std::string_view singleton,
+                                bool skip_nan) {
+  check_dim(rewards, "rewards", 1, "(N,)");
+  TORCH_CHECK_VALUE(!at::isComplexType(rewards.scalar_type()),
+                    "rewards must be real (float, integer or bool), got dtype ", c10::toString(rewards.scalar_type()));
+  check_dim(offsets, "offsets", 1, "(G + 1,)");
+  check_dtype(offsets, "offsets", {at::kLong});
+  check_cpu(offsets, "offsets");
+  check_same_device(rewards, "rewards", offsets, "offsets");
+  TORCH_CHECK_VALUE(offsets.numel() >= 1, "offsets must have G + 1 >= 1 entries (CSR row starts plus N), got shape ",
+                    shape_str(offsets.sizes()));
+
+  core::GroupAdvantageOptions opts;
+  rethrow_as_value_error([&] {
+    opts.estimator = core::parse_estimator(estimator, "estimator");
+    opts.std_kind = core::parse_std_kind(std_kind, "std");
+    opts.singleton = core::parse_singleton_policy(singleton, "singleton");
+    return 0;
+  });
+  opts.eps = eps;
+  opts.skip_nan = skip_nan;
+
+  const at::Tensor r = promote_real(rewards);
+  const at::Tensor off = offsets.contiguous();
+  const int64_t n = r.numel();
+  const int64_t num_groups = off.numel() - 1;
+  at::Tensor out = at::empty({n}, rewards.options().dtype(at::kFloat));
+
+  const core::GroupAdvantageStats st = rethrow_as_value_error([&] {
+    if (r.scalar_type() == at::kDouble)
+      return core::group_advantages(r.const_data_ptr<double>(), n, off.const_data_ptr<int64_t>(), num_groups, opts,
+                                    out.mutable_data_ptr<float>());
+    return core::group_advantages(r.const_data_ptr<float>(), n, off.const_data_ptr<int64_t>(), num_groups, opts,
+                                  out.mutable_data_ptr<float>());
+  });
+  // Every non-empty group has one response: the group baseline is the reward itself, so every advantage
+  // is 0 and nothing is learned. verl's policy gives such groups r / (1 + eps) on purpose, hence no warning.
+  if (opts.singleton != core::SingletonPolicy::kVerl && st.singleton_groups > 0 &&
+      st.singleton_groups + st.empty_groups == st.num_groups) {
+    TORCH_WARN_ONCE("oar.group_advantages: every group has a single response (", st.singleton_groups,
+                    " groups), so each reward is its own baseline and every advantage is 0. Sample several "
+                    "responses per prompt, check offsets/group_ids, or use singleton=\"verl\".");
+  }
+  return out;
+}
+
+// Validates scores (B, T) and a mask of the same shape; returns (scores promoted + contiguous, bool mask).
+std::tuple<at::Tensor, at::Tensor> scores_and_mask(const at::Tensor& scores, const at::Tensor& mask,
+                                                   const char* mask_name) {
+  check_dim(scores, "scores", 2, "(B, T)");
+  check_floating(scores, "scores");
+  check_same_device(scores, "scores", mask, mask_name);
+  const at::Tensor m = as_bool_mask(mask, mask_name, scores.sizes(), "(B, T)").contiguous();
+  return {promote_real(scores), m};
+}
+
+at::Tensor normalize_importance_cpu(const at::Tensor& scores, const at::Tensor& mask) {
+  auto [s, m] = scores_and_mask(scores, mask, "mask");
+  const int64_t B = s.size(0), T = s.size(1);
+  at::Tensor out = at::empty({B, T}, scores.options().dtype(at::kFloat));
+  rethrow_as_value_error([&] {
+    if (s.scalar_type() == at::kDouble)
+      core::normalize_importance(s.const_data_ptr<double>(), m.const_data_ptr<bool>(), B, T,
+                                 out.mutable_data_ptr<float>());
+    else
+      core::normalize_importance(s.const_data_ptr<float>(), m.const_data_ptr<bool>(), B, T,
+                                 out.mutable_data_ptr<float>());
+    return 0;
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> reshape_advantages_cpu(const at::Tensor& advantages, const at::Tensor& scores,
+                                                          const at::Tensor& reasoning_mask,
+                                                          const at::Tensor& response_mask, double q, double beta,
+                                                          double floor, std::string_view tiers,
+                                                          bool scores_are_normalized) {
+  auto [s, rm] = scores_and_mask(scores, reasoning_mask, "reasoning_mask");
+  const int64_t B = s.size(0), T = s.size(1);
+  check_same_device(scores, "scores", response_mask, "response_mask");
+  const at::Tensor pm = as_bool_mask(response_mask, "response_mask", scores.sizes(), "(B, T)").contiguous();
+  check_same_device(scores, "scores", advantages, "advantages");
+  check_shape(advantages, "advantages", {B}, "(B,) with B = scores.size(0)");
+  check_floating(advantages, "advantages");
+  const at::Tensor a = advantages.to(at::kFloat).contiguous();
+
+  core::ReshapeOptions opts;
+  opts.q = q;
+  opts.beta = beta;
+  opts.floor = floor;
+  rethrow_as_value_error([&] {
+    opts.tiers = core::parse_tiers(tiers, "tiers");
+    core::check_reshape_options(opts);
+    return 0;
+  });
+
+  at::Tensor token_adv = at::empty({B, T}, scores.options().dtype(at::kFloat));
+  at::Tensor weights = at::empty({B, T}, scores.options().dtype(at::kFloat));
+  rethrow_as_value_error([&] {
+    if (s.scalar_type() == at::kDouble)
+      core::reshape_advantages(a.const_data_ptr<float>(), s.const_data_ptr<double>(), rm.const_data_ptr<bool>(),
+                               pm.const_data_ptr<bool>(), B, T, opts, scores_are_normalized,
+                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>());
+    else
+      core::reshape_advantages(a.const_data_ptr<float>(), s.const_data_ptr<float>(), rm.const_data_ptr<bool>(),
+                               pm.const_data_ptr<bool>(), B, T, opts, scores_are_normalized,
+                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>());
+    return 0;
+  });
+  return {token_adv, weights};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(oar, CPU, m) {
+  m.impl("group_advantages", &group_advantages_cpu);
+  m.impl("normalize_importance", &normalize_importance_cpu);
+  m.impl("reshape_advantages", &reshape_advantages_cpu);
+}
+
+// Non-differentiable ops: skip the Autograd key (see the header comment), as PyTorch recommends for ops
+// whose outputs are constants.
+TORCH_LIBRARY_IMPL(oar, Autograd, m) {
+  m.impl("group_advantages", torch::CppFunction::makeFallthrough());
+  m.impl("normalize_importance", torch::CppFunction::makeFallthrough());
+  m.impl("reshape_advantages", torch::CppFunction::makeFallthrough());
+}
+
+}  // namespace oar::torch_ops

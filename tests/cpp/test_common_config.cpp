@@ -1,0 +1,92 @@
+// Enum parsing and the config schema (include/oar/core/common.h, config.h).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "oar/core/common.h"
+#include "oar/core/config.h"
+
+using namespace oar::core;
+
+namespace {
+
+// Expects an InvalidArgument whose message contains `needle`.
+template <typename F>
+void expect_error_containing(F&& f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected InvalidArgument containing: " << needle;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(CommonEnums, RoundTripEveryName) {
+  for (const char* s : {"grpo", "dr_grpo", "batch", "rloo"}) EXPECT_STREQ(to_string(parse_estimator(s)), s);
+  for (const char* s : {"unbiased", "biased"}) EXPECT_STREQ(to_string(parse_std_kind(s)), s);
+  for (const char* s : {"zero", "verl"}) EXPECT_STREQ(to_string(parse_singleton_policy(s)), s);
+  for (const char* s : {"both", "boost", "suppress"}) EXPECT_STREQ(to_string(parse_tiers(s)), s);
+  for (const char* s : {"last", "answer_mean", "answer_joint"}) EXPECT_STREQ(to_string(parse_probe(s)), s);
+  for (const char* s : {"grpo", "random", "entropy", "oar_p", "oar_g"}) EXPECT_STREQ(to_string(parse_method(s)), s);
+}
+
+TEST(CommonEnums, UnknownNameListsChoicesAndArgument) {
+  expect_error_containing([] { parse_probe("mean", "probe"); }, "probe must be one of");
+  expect_error_containing([] { parse_probe("mean", "probe"); }, "\"answer_mean\"");
+  expect_error_containing([] { parse_estimator("ppo", "estimator"); }, "got \"ppo\"");
+}
+
+TEST(Config, DefaultsFollowMethodMd) {
+  const OARConfig c = parse_oar_config("{}");
+  EXPECT_EQ(c.method, Method::kOarG);
+  EXPECT_EQ(c.probe, Probe::kAnswerMean);
+  EXPECT_DOUBLE_EQ(c.reshape.q, 0.25);
+  EXPECT_DOUBLE_EQ(c.reshape.beta, 1.0);
+  EXPECT_DOUBLE_EQ(c.reshape.floor, 0.1);
+  EXPECT_EQ(c.reshape.tiers, Tiers::kBoth);
+  EXPECT_DOUBLE_EQ(c.sigma, 1e-3);
+  EXPECT_EQ(c.noise_draws, 1);
+  EXPECT_EQ(c.conclude, "\nTherefore, the final answer is \\boxed{");
+}
+
+TEST(Config, ParsesEveryFieldAndRoundTrips) {
+  const std::string text = R"({"method": "oar_p", "probe": "answer_joint", "q": 0.5, "beta": 2.0, "floor": 0.2,
+    "tiers": "boost", "estimator": "rloo", "preset": "verl", "skip_nan": true, "sigma": 0.01, "noise_draws": 4,
+    "conclude": "\nAnswer: ", "answer_suffix": "", "memory_budget_mb": 64, "max_variants_per_chunk": 8, "seed": 7})";
+  const OARConfig c = parse_oar_config(text);
+  EXPECT_EQ(c.method, Method::kOarP);
+  EXPECT_EQ(c.probe, Probe::kAnswerJoint);
+  EXPECT_DOUBLE_EQ(c.reshape.q, 0.5);
+  EXPECT_EQ(c.reshape.tiers, Tiers::kBoostOnly);
+  EXPECT_EQ(c.advantages.estimator, Estimator::kRloo);
+  EXPECT_EQ(c.advantages.singleton, SingletonPolicy::kVerl);  // from the verl preset
+  EXPECT_DOUBLE_EQ(c.advantages.eps, 1e-6);
+  EXPECT_TRUE(c.advantages.skip_nan);
+  EXPECT_EQ(c.noise_draws, 4);
+  EXPECT_EQ(c.conclude, "\nAnswer: ");
+  EXPECT_EQ(c.max_variants_per_chunk, 8);
+
+  const OARConfig again = parse_oar_config(to_json(c));
+  EXPECT_EQ(to_json(again), to_json(c));
+}
+
+TEST(Config, ExplicitFieldsOverridePreset) {
+  const OARConfig c = parse_oar_config(R"({"preset": "trl", "eps": 0.5, "std": "biased"})");
+  EXPECT_DOUBLE_EQ(c.advantages.eps, 0.5);
+  EXPECT_EQ(c.advantages.std_kind, StdKind::kBiased);
+}
+
+TEST(Config, ErrorsNameTheKey) {
+  expect_error_containing([] { parse_oar_config(R"({"q": 1.5})"); }, "oar.q");
+  expect_error_containing([] { parse_oar_config(R"({"beta": -1})"); }, "oar.beta");
+  expect_error_containing([] { parse_oar_config(R"({"floor": 1.0})"); }, "oar.floor");
+  expect_error_containing([] { parse_oar_config(R"({"q": "big"})"); }, "oar.q must be a number");
+  expect_error_containing([] { parse_oar_config(R"({"probe": "mean"})"); }, "oar.probe must be one of");
+  expect_error_containing([] { parse_oar_config(R"({"noise_draws": 0})"); }, "oar.noise_draws");
+  expect_error_containing([] { parse_oar_config(R"({"sigma": 0})"); }, "oar.sigma");
+  expect_error_containing([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
+  expect_error_containing([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
+  expect_error_containing([] { parse_oar_config("{not json"); }, "not valid JSON");
+}

@@ -1,0 +1,225 @@
+"""Attribution engines against independent one-at-a-time implementations (method.md sections 2-4).
+
+Uses a tiny random Llama with the character-level tokenizer (oar.models), so token <-> character and
+every expected value is computed here with plain PyTorch on unpadded single sequences.
+"""
+
+import pytest
+import torch
+
+import oar
+from oar.attribution import (
+    HFProbeModel,
+    ProbeContextBuilder,
+    entropy_scores,
+    oar_g_scores,
+    oar_p_scores,
+    random_scores,
+    reasoning_length,
+)
+from oar.models import tiny_random_llama
+
+CONCLUDE = "\nTherefore, the final answer is \\boxed{"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=1)
+    # Default init gives near-uniform next-token distributions (KL ~ 1e-6), which would make value checks
+    # vacuous; sharpen them so that divergences are O(1e-2 .. 1).
+    with torch.no_grad():
+        for prm in model.parameters():
+            if prm.dim() > 1:
+                prm.mul_(6.0)
+    model.eval()
+    return model, tok
+
+
+def _rollouts(tok):
+    prompts = ["Q: 2+13?", "Q: what is 7-4? be brief"]
+    responses = ["2 plus 13 is 15. \\boxed{15}", "seven minus four gives 3 #### 3", "it is 15"]
+    answers = ["15", "3", "15"]
+    pids = [tok.encode(prompts[0], add_special_tokens=False), tok.encode(prompts[1], add_special_tokens=False),
+            tok.encode(prompts[0], add_special_tokens=False)]
+    rids = [tok.encode(r, add_special_tokens=False) + [tok.eos_token_id] for r in responses]
+    return pids, rids, answers
+
+
+def test_reasoning_length_marks_text_before_last_marker(tiny):
+    _, tok = tiny
+    ids = tok.encode("ab \\boxed{1} cd \\boxed{22}", add_special_tokens=False)
+    assert reasoning_length(ids, tok) == len("ab \\boxed{1} cd ")
+    ids = tok.encode("x #### 4", add_special_tokens=False)
+    assert reasoning_length(ids, tok) == len("x ")
+    ids = tok.encode("no marker here", add_special_tokens=False) + [tok.eos_token_id, tok.eos_token_id]
+    assert reasoning_length(ids, tok, stop_ids=[tok.eos_token_id]) == len("no marker here")
+    assert reasoning_length([], tok) == 0
+
+
+def test_probe_batch_layout(tiny):
+    _, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    b = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    T = b.input_ids.shape[1]
+    for i in range(3):
+        row = b.input_ids[i][b.attention_mask[i].bool()].tolist()
+        L = int(b.reasoning_len[i])
+        expected = pids[i] + rids[i][:L] + tok.encode(CONCLUDE + answers[i] + "}", add_special_tokens=False)
+        assert row == expected
+        # reasoning columns hold the response's first L tokens
+        cols = b.reasoning_columns(i)
+        assert b.input_ids[i, cols].tolist() == rids[i][:L]
+        # probe positions predict the answer tokens: the token after each probe position is an answer token
+        K = int(b.answer_len[i])
+        first_pred_col = T - b.keep + int(b.probe_start[i])
+        assert b.input_ids[i, first_pred_col + 1: first_pred_col + 1 + K].tolist() == b.answer_ids[i, :K].tolist()
+    assert int(b.reasoning_len[2]) == len("it is 15")  # no marker: whole response without EOS
+
+
+def _naive_probe(model, ids, P_answer_cols, answer_ids, probe):
+    """Probe statistic of ONE unpadded context, plain PyTorch, float64."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    z = logits[P_answer_cols]  # (K, V)
+    if probe == "last":
+        return torch.log_softmax(z[0], -1)
+    if probe == "answer_mean":
+        return torch.log_softmax(z.mean(0), -1)
+    lp = torch.log_softmax(z, -1)
+    return lp[torch.arange(len(answer_ids)), torch.tensor(answer_ids)].mean()
+
+
+def _naive_oar_p(model, tok, pids, rids, answers, probe):
+    out = []
+    for p, r, a in zip(pids, rids, answers):
+        L = reasoning_length(r, tok, stop_ids=[tok.eos_token_id])
+        a_ids = tok.encode(a, add_special_tokens=False)
+        ctx = p + r[:L] + tok.encode(CONCLUDE, add_special_tokens=False) + a_ids + tok.encode("}", add_special_tokens=False)
+        first = len(ctx) - 1 - len(a_ids) - 1  # position predicting answer token 0
+        cols = list(range(first, first + len(a_ids)))
+        clean = _naive_probe(model, ctx, cols, a_ids, probe)
+        scores = []
+        for t in range(L):
+            masked = list(ctx)
+            masked[len(p) + t] = tok.pad_token_id
+            pert = _naive_probe(model, masked, cols, a_ids, probe)
+            if probe == "answer_joint":
+                scores.append(max(0.0, float(clean - pert)))
+            else:
+                scores.append(float((clean.exp() * (clean - pert)).sum()))
+        out.append(scores)
+    return out
+
+
+@pytest.mark.parametrize("probe", ["last", "answer_mean", "answer_joint"])
+@pytest.mark.parametrize("max_variants", [0, 5])
+def test_oar_p_equals_one_at_a_time(tiny, probe, max_variants):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    res = oar_p_scores(HFProbeModel(model), batch, probe=probe, max_variants_per_chunk=max_variants)
+    expected = _naive_oar_p(model, tok, pids, rids, answers, probe)
+    assert max(max(e) for e in expected) > 1e-3, "test model too flat: the comparison would be vacuous"
+    for i, exp in enumerate(expected):
+        got = res.scores[i, : len(exp)]
+        assert res.mask[i].sum() == len(exp)
+        torch.testing.assert_close(got.double(), torch.tensor(exp, dtype=torch.float64), rtol=2e-3, atol=2e-6)
+    assert (res.scores >= 0).all()
+    assert res.stats["variants"] == sum(len(e) for e in expected)
+    if max_variants:
+        assert res.stats["chunks"] >= res.stats["variants"] // max_variants
+
+
+def test_oar_p_respects_rows(tiny):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    full = oar_p_scores(HFProbeModel(model), batch)
+    part = oar_p_scores(HFProbeModel(model), batch, rows=[1])
+    assert not part.mask[0].any() and not part.mask[2].any()
+    torch.testing.assert_close(part.scores[1], full.scores[1], rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="rows must index the batch"):
+        oar_p_scores(HFProbeModel(model), batch, rows=[3])
+    with pytest.raises(ValueError, match="probe must be one of"):
+        oar_p_scores(HFProbeModel(model), batch, probe="mean")
+
+
+def _naive_oar_g(model, tok, p, r, a, probe, sigma, seed_noise):
+    """OAR-G for ONE unpadded context with plain autograd and a plain-torch KL."""
+    L = reasoning_length(r, tok, stop_ids=[tok.eos_token_id])
+    a_ids = tok.encode(a, add_special_tokens=False)
+    ctx = p + r[:L] + tok.encode(CONCLUDE, add_special_tokens=False) + a_ids + tok.encode("}", add_special_tokens=False)
+    first = len(ctx) - 1 - len(a_ids) - 1
+    cols = list(range(first, first + len(a_ids)))
+    ids = torch.tensor([ctx])
+    E = model.get_input_embeddings()(ids).detach()
+    with torch.no_grad():
+        zc = model(inputs_embeds=E).logits[0, cols].float()
+    mask = torch.zeros_like(E)
+    mask[0, len(p): len(p) + L] = 1
+    Ek = (E + seed_noise * sigma * mask).requires_grad_(True)
+    zp = model(inputs_embeds=Ek).logits[0, cols].float()
+    if probe == "answer_mean":
+        lc, lp = torch.log_softmax(zc.mean(0), -1), torch.log_softmax(zp.mean(0), -1)
+        J = (lc.exp() * (lc - lp)).sum()
+    else:
+        lc, lp = torch.log_softmax(zc, -1), torch.log_softmax(zp, -1)
+        idx = torch.arange(len(a_ids)), torch.tensor(a_ids)
+        J = lc[idx].mean() - lp[idx].mean()
+    (g,) = torch.autograd.grad(J, Ek)
+    return (g * E).sum(-1).abs()[0, len(p): len(p) + L]
+
+
+@pytest.mark.parametrize("probe", ["answer_mean", "answer_joint"])
+def test_oar_g_matches_plain_autograd_and_writes_no_grad(tiny, probe):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids[:1], rids[:1], answers[:1])
+    for prm in model.parameters():
+        prm.grad = None
+    sigma = 1e-2
+    gen = torch.Generator().manual_seed(123)
+    res = oar_g_scores(HFProbeModel(model), batch, probe=probe, sigma=sigma, generator=gen)
+    assert all(prm.grad is None for prm in model.parameters()), "OAR-G wrote parameter .grad"
+    # Re-draw the same noise the engine drew (same generator, same shape: left-padded width T).
+    T = batch.input_ids.shape[1]
+    noise = torch.randn((1, T, model.config.hidden_size), generator=torch.Generator().manual_seed(123))
+    off = T - int(batch.context_len[0])
+    expected = _naive_oar_g(model, tok, pids[0], rids[0], answers[0], probe, sigma, noise[:, off:])
+    L = int(batch.reasoning_len[0])
+    assert expected.max() > 1e-4, "test model too flat: the comparison would be vacuous"
+    torch.testing.assert_close(res.scores[0, :L], expected, rtol=2e-3, atol=1e-9)
+
+
+def test_oar_g_deterministic_under_seed(tiny):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    a = oar_g_scores(pm, batch, generator=torch.Generator().manual_seed(0))
+    b = oar_g_scores(pm, batch, generator=torch.Generator().manual_seed(0))
+    c = oar_g_scores(pm, batch, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a.scores, b.scores)
+    assert not torch.equal(a.scores, c.scores)
+    k = oar_g_scores(pm, batch, noise_draws=3, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(k.scores).all() and (k.scores >= 0).all()
+    assert k.stats["backward_passes"] == 3 * a.stats["backward_passes"]
+    with pytest.raises(ValueError, match="sigma must be > 0"):
+        oar_g_scores(pm, batch, sigma=0.0)
+    with pytest.raises(ValueError, match="noise_draws must be >= 1"):
+        oar_g_scores(pm, batch, noise_draws=0)
+
+
+def test_entropy_and_random_baselines(tiny):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    ent = entropy_scores(HFProbeModel(model), batch)
+    # independent: entropy of the distribution that predicted reasoning token 0 of row 0
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([pids[0] + rids[0]])).logits[0]
+    lp = torch.log_softmax(logits[len(pids[0]) - 1].double(), -1)
+    torch.testing.assert_close(ent.scores[0, 0].double(), -(lp.exp() * lp).sum(), rtol=1e-4, atol=1e-6)
+    rnd = random_scores(batch, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(rnd.scores[~rnd.mask], torch.zeros_like(rnd.scores[~rnd.mask]))
+    assert ((rnd.scores[rnd.mask] >= 0) & (rnd.scores[rnd.mask] < 1)).all()

@@ -1,0 +1,103 @@
+"""TokenAdvantageHook: the trainer contract of docs/trainers.md, end to end on a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+import oar
+from oar.hook import TokenAdvantageHook
+from oar.metrics import ess_ratio, top_mass
+from oar.models import tiny_random_llama
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=2)
+    return model, tok
+
+
+def _batch(tok, C=40):
+    texts = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5"]
+    prompt = tok.encode("Q: 2+3?", add_special_tokens=False)
+    ids = torch.full((4, C), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((4, C), dtype=torch.long)
+    for i, t in enumerate(texts):
+        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
+    return [prompt] * 4, ids, mask
+
+
+def _cfg(**kw):
+    base = {"method": "oar_p", "probe": "answer_mean"}
+    base.update(kw)
+    return oar.OARConfig.from_json(json.dumps(base))
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g", "entropy", "random"])
+def test_contract_invariants(tiny, method):
+    model, tok = tiny
+    prompts, ids, mask = _batch(tok)
+    adv = torch.tensor([0.8, -1.2, 0.0, 0.4])
+    hook = TokenAdvantageHook(_cfg(method=method), tok)
+    out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4)
+    m = mask.bool()
+    assert out.advantages.shape == ids.shape and out.advantages.dtype == torch.float32
+    assert (out.advantages[~m] == 0).all() and (out.weights[~m] == 0).all()
+    assert (out.weights >= 0).all()
+    # mass preservation: sum_t A_t = A * |eligible tokens|
+    torch.testing.assert_close(out.advantages.sum(1), adv * m.sum(1), rtol=1e-5, atol=1e-5)
+    # sign preserved, zero rows stay zero
+    assert (out.advantages[0][m[0]] >= 0).all() and (out.advantages[1][m[1]] <= 0).all()
+    assert (out.advantages[2] == 0).all()
+    assert out.metrics["oar/skipped_rows_frac"] == pytest.approx(0.25)
+    # reasoning span: row 0 "so 2 and 3 make 5 " (18 chars), row 3 "2+3=5 " (6)
+    assert out.reasoning_mask[0].sum() == len("so 2 and 3 make 5 ")
+    assert out.reasoning_mask[3].sum() == len("2+3=5 ")
+    assert not out.reasoning_mask[2].any()  # skipped (A == 0)
+    assert 0 < out.metrics["oar/ess_ratio"] <= 1
+
+
+def test_grpo_method_is_uniform(tiny):
+    model, tok = tiny
+    prompts, ids, mask = _batch(tok)
+    adv = torch.tensor([0.5, -0.5, 1.0, 0.0])
+    out = TokenAdvantageHook(_cfg(method="grpo"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4)
+    torch.testing.assert_close(out.advantages, adv[:, None] * mask.float())
+    assert out.metrics["oar/ess_ratio"] == pytest.approx(1.0)
+
+
+def test_eligible_mask_excludes_tool_tokens(tiny):
+    model, tok = tiny
+    prompts, ids, mask = _batch(tok)
+    eligible = mask.clone()
+    eligible[0, 3:6] = 0  # e.g. tool output tokens
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    out = TokenAdvantageHook(_cfg(method="random"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4,
+                                                                  eligible_mask=eligible)
+    assert (out.advantages[0, 3:6] == 0).all()
+    torch.testing.assert_close(out.advantages.sum(1), adv * eligible.sum(1).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_names_argument(tiny):
+    model, tok = tiny
+    prompts, ids, mask = _batch(tok)
+    hook = TokenAdvantageHook(_cfg(method="random"), tok)
+    with pytest.raises(ValueError, match="advantages must be"):
+        hook.compute(model, prompts, ids, mask, torch.zeros(3), ["5"] * 4)
+    with pytest.raises(ValueError, match="completion_mask must be"):
+        hook.compute(model, prompts, ids, mask[:, :5], torch.zeros(4), ["5"] * 4)
+    with pytest.raises(ValueError, match="advantages must be finite"):
+        hook.compute(model, prompts, ids, mask, torch.tensor([1.0, float("nan"), 0, 0]), ["5"] * 4)
+
+
+def test_metrics_against_hand_values():
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 0.0, 1.0, 1.0]])
+    m = torch.ones_like(w, dtype=torch.bool)
+    torch.testing.assert_close(ess_ratio(w, m), torch.tensor([1.0, 16.0 / (4 * 6.0)]))
+    a = w * torch.tensor([[1.0], [-1.0]])
+    # row 1: the top ceil(0.25*4)=1 weighted token carries 2 of |A| mass 4
+    torch.testing.assert_close(top_mass(a, w, m, 0.25), torch.tensor([0.25, 0.5]))
+    with pytest.raises(ValueError, match="frac must be in"):
+        top_mass(a, w, m, 0.0)

@@ -1,0 +1,335 @@
+"""oar.ops.normalize_importance and oar.ops.reshape_advantages (method.md sections 5-6) against the float64
+reference, the section 6 invariants as hypothesis properties, errors, opcheck and one torch.compile parity test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oar  # noqa: F401  (loads the op library)
+from oar import ops
+from oar import reference as ref
+
+TIERS = ["both", "boost", "suppress"]
+
+
+def make_batch(B, T, seed=0, p_resp=0.85, p_reason=0.8, zeros=0.2, dtype=torch.float32):
+    """Right-padded responses of random length; the reasoning span is a random subset of the response."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    resp = torch.arange(T)[None, :] < lengths[:, None]
+    reason = resp & (torch.rand(B, T, generator=g) < p_reason)
+    scores = torch.rand(B, T, generator=g) ** 3 * 20
+    scores[torch.rand(B, T, generator=g) < zeros] = 0.0
+    adv = torch.randn(B, generator=g)
+    return adv, scores.to(dtype), reason, resp
+
+
+# ---- normalize_importance ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 47), (5, 131), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_normalize_matches_reference(B, T, dtype):
+    _, scores, reason, _ = make_batch(B, T, seed=B * T, dtype=dtype)
+    reason[0] = False  # an all-masked-out row
+    got = ops.normalize_importance(scores, reason)
+    want = ref.normalize_importance(scores.double(), reason)
+    assert got.dtype == torch.float32 and got.shape == (B, T)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got[~reason] == 0).all() and (got >= 0).all() and (got <= 1).all()
+
+
+def test_normalize_hand_values_and_mask_forms():
+    e = torch.e
+    scores = torch.tensor([[0.0, e - 1, e * e - 1, 123.0], [4.0, 4.0, 4.0, 4.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 0/1 integer mask is accepted
+    got = ops.normalize_importance(scores, mask)
+    torch.testing.assert_close(got, torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    # Off-mask values are ignored, even NaN.
+    s2 = scores.clone()
+    s2[0, 3] = float("nan")
+    torch.testing.assert_close(ops.normalize_importance(s2, mask.bool()), got)
+
+
+def test_normalize_non_contiguous_and_empty():
+    _, scores, reason, _ = make_batch(47, 5, seed=1)
+    s_t, m_t = scores.t(), reason.t()  # (5, 47) views
+    assert not s_t.is_contiguous()
+    want = ref.normalize_importance(s_t, m_t)
+    torch.testing.assert_close(ops.normalize_importance(s_t, m_t), want, rtol=1e-6, atol=1e-6)
+    assert ops.normalize_importance(torch.empty(0, 7), torch.empty(0, 7, dtype=torch.bool)).shape == (0, 7)
+    assert ops.normalize_importance(torch.empty(3, 0), torch.empty(3, 0, dtype=torch.bool)).shape == (3, 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.25])
+def test_normalize_bad_scores(bad):
+    scores = torch.ones(2, 3)
+    scores[1, 2] = bad
+    with pytest.raises(ValueError, match=r"scores must be finite and >= 0 .* got scores\[1, 2\]"):
+        ops.normalize_importance(scores, torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_normalize_argument_errors():
+    with pytest.raises(ValueError, match=r"scores must be 2-D \(B, T\), got shape \(6,\)"):
+        ops.normalize_importance(torch.ones(6), torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask must be \(B, T\) = \(2, 3\), got \(3, 2\)"):
+        ops.normalize_importance(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"scores must have dtype in \{.*\}, got Long"):
+        ops.normalize_importance(torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        ops.normalize_importance(torch.ones(2, 3), torch.ones(2, 3))
+
+
+# ---- reshape_advantages vs reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiers", TIERS)
+@pytest.mark.parametrize("q,beta,floor", [(0.25, 1.0, 0.1), (0.5, 0.5, 0.0), (0.9, 2.0, 0.5), (0.05, 0.0, 0.3)])
+def test_reshape_matches_reference(tiers, q, beta, floor):
+    adv, scores, reason, resp = make_batch(9, 131, seed=int(q * 100) + len(tiers))
+    kw = dict(q=q, beta=beta, floor=floor, tiers=tiers)
+    ta, w = ops.reshape_advantages(adv, scores, reason, resp, **kw)
+    ta_r, w_r = ref.reshape_advantages(adv, scores, reason, resp, **kw)
+    assert ta.dtype == w.dtype == torch.float32 and ta.shape == w.shape == scores.shape
+    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ta, ta_r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_reshape_dtypes(dtype):
+    adv, scores, reason, resp = make_batch(4, 47, seed=3, dtype=dtype)
+    ta, w = ops.reshape_advantages(adv.to(dtype), scores, reason, resp)
+    ta_r, w_r = ref.reshape_advantages(adv.to(dtype).double(), scores.double(), reason, resp)
+    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ta, ta_r, rtol=1e-5, atol=1e-6)
+
+
+def test_reshape_normalized_scores_path():
+    adv, scores, reason, resp = make_batch(6, 47, seed=5)
+    s_hat = ops.normalize_importance(scores, reason)
+    a = ops.reshape_advantages(adv, scores, reason, resp)
+    b = ops.reshape_advantages(adv, s_hat, reason, resp, scores_are_normalized=True)
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+
+
+def test_reshape_hand_example():
+    # One row: response = 6 tokens + 2 padding, reasoning = tokens 1..4 with s_hat {0, 0.5, 1, 0.25}, q = 0.5:
+    # tau = 0.375; raw w = {0.1, 1.2, 2, 2/3} (floor, boost, boost, suppress); scale 4 / 3.9667.
+    s_hat = torch.tensor([[0.7, 0.0, 0.5, 1.0, 0.25, 0.3, 0.9, 0.9]])
+    reason = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    resp = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    ta, w = ops.reshape_advantages(torch.tensor([-2.0]), s_hat, reason, resp, q=0.5, scores_are_normalized=True)
+    eps, tau = 1e-8, 0.375
+    raw = torch.tensor([0.1, 1 + 0.125 / (1 - tau + eps), 1 + 0.625 / (1 - tau + eps), 0.25 / (tau + eps)],
+                       dtype=torch.float64)
+    span = raw * 4 / raw.sum()
+    want = torch.tensor([1.0, *span.tolist(), 1.0, 0.0, 0.0])
+    torch.testing.assert_close(w[0], want.float())
+    torch.testing.assert_close(ta[0], -2.0 * want.float())
+
+
+def test_reshape_edge_rows():
+    T = 5
+    adv = torch.tensor([1.5, -1.0, 2.0, 0.7, 0.0])
+    scores = torch.rand(5, T) * 3
+    resp = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
+    reason = torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]).bool()
+    scores[3] = 2.5  # all-equal scores -> plain GRPO
+    ta, w = ops.reshape_advantages(adv, scores, reason, resp)
+    torch.testing.assert_close(w[0], resp[0].float())  # no reasoning span: 1 on the response
+    assert (w[1] == 0).all() and (ta[1] == 0).all()  # empty response
+    torch.testing.assert_close(w[2], torch.ones(T))  # span of one token
+    assert torch.equal(w[3], torch.ones(T))  # all-equal scores: exactly 1
+    assert torch.equal(ta[4], torch.zeros(T)) and (w[4] >= 0).all()  # A = 0 stays 0
+    for B, T2 in [(0, 4), (3, 0)]:
+        out = ops.reshape_advantages(torch.zeros(B), torch.zeros(B, T2), torch.zeros(B, T2, dtype=torch.bool),
+                                     torch.zeros(B, T2, dtype=torch.bool))
+        assert out[0].shape == out[1].shape == (B, T2)
+
+
+def test_reshape_non_contiguous():
+    adv, scores, reason, resp = make_batch(47, 8, seed=8)
+    args = (adv[::2], scores[::2], reason[::2], resp[::2])
+    assert not args[0].is_contiguous() and not args[1].is_contiguous()
+    got = ops.reshape_advantages(*args)
+    want = ops.reshape_advantages(*(a.contiguous() for a in args))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_boost_only_and_suppress_only_tiers():
+    adv, scores, reason, resp = make_batch(6, 64, seed=21, zeros=0.0)
+    s_hat = ops.normalize_importance(scores, reason)
+    for b in range(6):
+        x = s_hat[b][reason[b]]
+        if x.numel() < 2:
+            continue
+        tau = torch.quantile(x.double(), 0.25).item()
+        _, wb = ops.reshape_advantages(adv, scores, reason, resp, tiers="boost")
+        _, ws = ops.reshape_advantages(adv, scores, reason, resp, tiers="suppress")
+        low, high = x < tau, x >= tau
+        wbx, wsx = wb[b][reason[b]], ws[b][reason[b]]
+        # boost-only: every low token shares one weight (1 before rescaling), the boosted ones are >= it
+        if low.any():
+            assert torch.allclose(wbx[low], wbx[low][0].expand(int(low.sum())))
+            assert (wbx[high] >= wbx[low][0] - 1e-6).all()
+        # suppress-only: every high token shares one weight, the suppressed ones are <= it
+        assert torch.allclose(wsx[high], wsx[high][0].expand(int(high.sum())))
+        if low.any():
+            assert (wsx[low] <= wsx[high][0] + 1e-6).all()
+
+
+# ---- invariants (method.md section 6) as properties ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 6),
+    T=st.integers(1, 70),
+    seed=st.integers(0, 2**31 - 1),
+    q=st.floats(0.01, 0.99),
+    beta=st.floats(0.0, 3.0),
+    floor=st.floats(0.0, 0.95),
+    tiers=st.sampled_from(TIERS),
+    equal=st.booleans(),
+)
+def test_property_invariants(B, T, seed, q, beta, floor, tiers, equal):
+    adv, scores, reason, resp = make_batch(B, T, seed=seed)
+    adv[0] = 0.0
+    if equal:
+        scores = torch.full_like(scores, 0.37)
+    ta, w = ops.reshape_advantages(adv, scores, reason, resp, q=q, beta=beta, floor=floor, tiers=tiers)
+    n_resp = resp.sum(1).double()
+    # masked sum of token advantages == |response| * A
+    torch.testing.assert_close((ta.double() * resp).sum(1), n_resp * adv.double(), rtol=1e-5, atol=1e-5)
+    # the span keeps its mass
+    torch.testing.assert_close((w.double() * reason).sum(1), reason.sum(1).double(), rtol=1e-5, atol=1e-5)
+    assert (w >= 0).all()
+    assert (w[~resp] == 0).all() and (ta[~resp] == 0).all()  # padding
+    assert (w[resp & ~reason] == 1).all()  # response tokens outside the span
+    assert (ta[0] == 0).all()  # A = 0 stays 0
+    # sign preserved (strictly wherever the weight is positive, which a floor that survives float32 rounding
+    # of the rescaled weight guarantees)
+    assert ((ta * adv[:, None]) >= 0).all()
+    pos = w > 0
+    assert (torch.sign(ta[pos]) == torch.sign(adv[:, None].expand_as(ta)[pos])).all()
+    if floor >= 1e-3:
+        assert (w[reason] > 0).all()
+    if equal:
+        assert torch.equal(w, resp.float())  # all-equal scores: plain GRPO exactly
+    # Tier ablations: boost-only gives every token below tau the same weight (1 before rescaling) and no
+    # more to any token above; suppress-only mirrors it. Tokens within 1e-6 of tau are left out (rounding).
+    s_hat = ops.normalize_importance(scores, reason).double()
+    for b in range(B):
+        x, wx = s_hat[b][reason[b]], w[b][reason[b]].double()
+        if x.numel() == 0:
+            continue
+        tau = torch.quantile(x, q).item()
+        low, high = x < tau - 1e-6, x > tau + 1e-6
+        if tiers == "boost" and low.any():
+            assert torch.allclose(wx[low], wx[low][0].expand(int(low.sum())), rtol=1e-6, atol=0)
+            assert (wx[high] >= wx[low][0] * (1 - 1e-6)).all()
+        if tiers == "suppress" and high.any():
+            assert torch.allclose(wx[high], wx[high][0].expand(int(high.sum())), rtol=1e-6, atol=0)
+            assert (wx[low] <= wx[high][0] * (1 + 1e-6)).all()
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+
+def _ok():
+    adv, scores, reason, resp = make_batch(2, 5, seed=0)
+    return adv, scores, reason, resp
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(q=0.0), r"q must be in \(0, 1\), got 0"),
+        (dict(q=1.0), r"q must be in \(0, 1\), got 1"),
+        (dict(q=1.5), r"q must be in \(0, 1\), got 1.5"),
+        (dict(beta=-0.5), r"beta must be finite and >= 0, got -0.5"),
+        (dict(floor=1.0), r"floor must be in \[0, 1\), got 1"),
+        (dict(floor=-0.1), r"floor must be in \[0, 1\), got -0.1"),
+        (dict(tiers="boost_only"), r'tiers must be one of \{"both", "boost", "suppress"\}, got "boost_only"'),
+    ],
+)
+def test_reshape_option_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ops.reshape_advantages(*_ok(), **kw)
+
+
+def test_reshape_argument_errors():
+    adv, scores, reason, resp = _ok()
+    with pytest.raises(ValueError, match=r"advantages must be \(B,\) with B = scores.size\(0\) = \(2,\), got \(3,\)"):
+        ops.reshape_advantages(torch.zeros(3), scores, reason, resp)
+    with pytest.raises(ValueError, match=r"scores must be 2-D \(B, T\)"):
+        ops.reshape_advantages(adv, scores[0], reason, resp)
+    with pytest.raises(ValueError, match=r"reasoning_mask must be \(B, T\) = \(2, 5\), got \(2, 4\)"):
+        ops.reshape_advantages(adv, scores, reason[:, :4], resp)
+    with pytest.raises(ValueError, match=r"response_mask must be \(B, T\) = \(2, 5\), got \(5, 2\)"):
+        ops.reshape_advantages(adv, scores, reason, resp.t())
+    with pytest.raises(ValueError, match=r"advantages must have dtype in"):
+        ops.reshape_advantages(torch.zeros(2, dtype=torch.int64), scores, reason, resp)
+    with pytest.raises(ValueError, match=r"advantages must be finite, got advantages\[1\] = nan"):
+        ops.reshape_advantages(torch.tensor([0.0, float("nan")]), scores, reason, resp)
+
+
+def test_reshape_subset_and_score_errors():
+    adv = torch.ones(1)
+    resp = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    reason = torch.tensor([[1, 1, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"reasoning_mask must be a subset of response_mask, .*\[0, 3\]"):
+        ops.reshape_advantages(adv, torch.ones(1, 4), reason, resp)
+    reason = resp.clone()
+    for bad in (float("nan"), float("inf"), -1.0):
+        s = torch.ones(1, 4)
+        s[0, 1] = bad
+        with pytest.raises(ValueError, match=r"scores must be finite and >= 0 .*scores\[0, 1\]"):
+            ops.reshape_advantages(adv, s, reason, resp)
+    with pytest.raises(ValueError, match=r"scores must lie in \[0, 1\] .*scores_are_normalized=True.*scores\[0, 2\]"):
+        ops.reshape_advantages(adv, torch.tensor([[0.0, 0.5, 1.5, 9.0]]), reason, resp, scores_are_normalized=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reshape_device_mismatch():
+    adv, scores, reason, resp = _ok()
+    with pytest.raises((ValueError, RuntimeError, NotImplementedError)):
+        torch.ops.oar.reshape_advantages(adv.cuda(), scores, reason, resp)
+
+
+# ---- dispatcher integration ----------------------------------------------------------------------------------------
+
+
+def test_opcheck():
+    adv, scores, reason, resp = make_batch(3, 17, seed=2)
+    torch.library.opcheck(torch.ops.oar.normalize_importance.default, (scores, reason))
+    torch.library.opcheck(torch.ops.oar.normalize_importance.default, (scores.double(), reason.int()))
+    torch.library.opcheck(torch.ops.oar.reshape_advantages.default, (adv, scores, reason, resp))
+    torch.library.opcheck(
+        torch.ops.oar.reshape_advantages.default,
+        (adv.double(), scores.half(), reason, resp),
+        {"q": 0.5, "beta": 2.0, "floor": 0.0, "tiers": "suppress"},
+    )
+    # inputs that require grad: no autograd kernel is needed, outputs are constants
+    a, s = adv.clone().requires_grad_(), scores.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.oar.reshape_advantages.default, (a, s, reason, resp))
+    ta, w = ops.reshape_advantages(a, s, reason, resp)
+    assert not ta.requires_grad and not w.requires_grad
+
+
+def test_torch_compile_parity():
+    adv, scores, reason, resp = make_batch(4, 33, seed=6)
+
+    def f(a, s, rm, pm):
+        ta, w = ops.reshape_advantages(a, s, rm, pm, q=0.3)
+        return ta * 2.0, w
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = compiled(adv, scores, reason, resp)
+    want = f(adv, scores, reason, resp)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
