@@ -66,6 +66,12 @@ def _load_gguf(gguf_file: str, dtype: torch.dtype) -> tuple[Any, Any]:
     folder, fname = os.path.split(os.path.abspath(gguf_file))
     tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=fname))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype)
+    # transformers dequantizes every GGUF tensor to `dtype` but still marks the model as quantized, which
+    # makes Trainer refuse full fine-tuning. Nothing quantized is left, so drop the marks.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     return model, tokenizer
 
 
@@ -76,7 +82,7 @@ def _load_hf(name_or_path: str, dtype: torch.dtype) -> tuple[Any, Any]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: huggingface_hub rejects a malformed repo id
         where = "local directory" if is_dir else "local path or cached hub id"
         raise FileNotFoundError(
             f"name_or_path={name_or_path!r}: no loadable model found as a {where} (oar never downloads "

@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oar.tasks import Problem, available_tasks, get_task
-from oar.tasks.arithmetic import LEVELS
+from oar.tasks.arithmetic import _ITEMS as ARITH_ITEMS
+from oar.tasks.arithmetic import _NAMES as ARITH_NAMES
+from oar.tasks.arithmetic import FEW_SHOT_EXAMPLES, LEVELS
 from oar.tasks.gsm8k import load_gsm8k, parse_gsm8k_answer, solution_steps
 from oar.tasks.math500 import load_math500, parse_math_answer
 from oar.tasks.verify import (
@@ -191,6 +193,8 @@ def test_parse_number_forms():
     assert parse_number("1,234") == (Fraction(1234), False)
     assert parse_number("-0.25") == (Fraction(-1, 4), True)
     assert parse_number("\\frac{3}{4}") == (Fraction(3, 4), False)
+    assert parse_number("-\\frac{1}{2}") == (Fraction(-1, 2), False)
+    assert parse_number("\\dfrac{1}{-2}") == (Fraction(-1, 2), False)
     assert parse_number("50\\%") == (Fraction(50), False)
     assert parse_number("7 apples") is None
     assert parse_number("7 apples", single_only=True) == (Fraction(7), False)
@@ -210,6 +214,7 @@ _ARITH_FORMS = {
     r"There are (\d+) \w+ on the table\. \w+ takes (\d+) of them": lambda a, b: a - b,
     r"had (\d+) \w+ and lost (\d+) of them": lambda a, b: a - b,
     r"has (\d+) bags with (\d+) \w+ in each": lambda a, b: a * b,
+    r"has (\d+) boxes with (\d+) \w+ in each": lambda a, b: a * b,  # the few-shot example's form
     r"There are (\d+) boxes and each box holds (\d+)": lambda a, b: a * b,
     r"buys (\d+) packs of \w+\. Each pack has (\d+)": lambda a, b: a * b,
     r"has (\d+) \w+, buys (\d+) more, and then gives (\d+)": lambda a, b, c: a + b - c,
@@ -281,13 +286,28 @@ def test_arithmetic_bad_arguments():
 
 
 def test_prompt_format():
-    task = get_task("arithmetic")
+    task = get_task("arithmetic", level=2)
     p = task.problems("test", n=1)[0]
     msgs = task.prompt(p)
-    assert [m["role"] for m in msgs] == ["system", "user"]
-    assert msgs[1]["content"].startswith(p.question)
-    assert "\\boxed{}" in msgs[1]["content"]
-    assert [m["role"] for m in get_task("arithmetic", system_prompt=None).prompt(p)] == ["user"]
+    # system, then one worked example per operation of level 2 (add, sub), then the question
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert msgs[-1]["content"].startswith(p.question)
+    assert "\\boxed{}" in msgs[-1]["content"]
+    zero_shot = get_task("arithmetic", system_prompt=None, few_shot=())
+    assert [m["role"] for m in zero_shot.prompt(p)] == ["user"]
+    with pytest.raises(ValueError, match=r"few_shot\[0\] must be a \(question, answer_text\) pair"):
+        get_task("arithmetic", few_shot=["just a string"])
+
+
+@pytest.mark.parametrize("key", sorted(FEW_SHOT_EXAMPLES))
+def test_few_shot_examples_are_correct_and_not_generated(key):
+    question, answer_text = FEW_SHOT_EXAMPLES[key]
+    expected = _reference_answer(question)
+    assert extract_answer(answer_text) == str(expected)
+    for level in LEVELS:
+        generated = {p.question for p in get_task("arithmetic", level=level).problems("train", n=300)}
+        assert question not in generated
+    assert "Sara" not in ARITH_NAMES and "pens" not in ARITH_ITEMS
 
 
 def test_registry():

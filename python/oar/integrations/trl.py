@@ -119,6 +119,10 @@ def _make_trainer_class():
         """
 
         def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
+            # Refuse incompatible settings before TRL builds anything (GRPOTrainer(model, reward_funcs, args, ...)).
+            grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+            if grpo_args is not None:
+                _check_args(grpo_args)
             super().__init__(*args, **kwargs)
             self._oar_setup(oar_config, answer_column)
 

@@ -31,7 +31,15 @@ from collections.abc import Sequence
 
 from oar.tasks.base import Problem, Task, check_split, register_task
 
-__all__ = ["ArithmeticTask", "LEVELS", "DEFAULT_LEVEL", "LEVEL_ACCURACY", "generate_problem"]
+__all__ = [
+    "ArithmeticTask",
+    "LEVELS",
+    "DEFAULT_LEVEL",
+    "LEVEL_ACCURACY",
+    "FEW_SHOT_EXAMPLES",
+    "default_few_shot",
+    "generate_problem",
+]
 
 #: Level number -> short name.
 LEVELS = {1: "add1", 2: "addsub1", 3: "addsub2", 4: "mul1", 5: "two_step"}
@@ -43,6 +51,44 @@ DEFAULT_LEVEL = 1
 #: module's prompts: 32 test problems x 4 samples, temperature 0.8, max_new_tokens 96, default reward
 #: (last-number fallback on). Filled in from the measurement; see the project report.
 LEVEL_ACCURACY: dict[int, float] = {}
+
+# One worked example per operation, put before the question as a chat turn (Task.few_shot). Without it
+# SmolLM2-135M-Instruct rambles and rarely boxes its answer (level 1: 4-17 % accuracy depending on the
+# system prompt); with it, it answers in one line ending in \boxed{} (level 1: about 35 %). "Sara" and
+# "pens" are outside _NAMES/_ITEMS, so an example never equals a generated problem.
+FEW_SHOT_EXAMPLES: dict[str, tuple[str, str]] = {
+    "add1": ("Sara has 5 pens and buys 2 more. How many pens does Sara have now?", "Sara has 5 + 2 = 7 pens.\n\\boxed{7}"),
+    "sub1": (
+        "Sara has 9 pens and gives 3 of them to a friend. How many pens does Sara have left?",
+        "Sara has 9 - 3 = 6 pens left.\n\\boxed{6}",
+    ),
+    "add2": (
+        "Sara has 25 pens and buys 14 more. How many pens does Sara have now?",
+        "Sara has 25 + 14 = 39 pens.\n\\boxed{39}",
+    ),
+    "sub2": (
+        "Sara has 52 pens and gives 17 of them to a friend. How many pens does Sara have left?",
+        "Sara has 52 - 17 = 35 pens left.\n\\boxed{35}",
+    ),
+    "mul1": (
+        "Sara has 3 boxes with 4 pens in each box. How many pens does Sara have in total?",
+        "Sara has 3 * 4 = 12 pens.\n\\boxed{12}",
+    ),
+    "two_step": (
+        "Sara has 6 pens, buys 5 more, and then gives 4 to a friend. How many pens does Sara have now?",
+        "Sara has 6 + 5 = 11 pens, then 11 - 4 = 7 pens.\n\\boxed{7}",
+    ),
+}
+_LEVEL_EXAMPLES = {1: ("add1",), 2: ("add1", "sub1"), 3: ("add2", "sub2"), 4: ("mul1",), 5: ("two_step",)}
+
+
+def default_few_shot(levels: Sequence[int]) -> list[tuple[str, str]]:
+    """The worked examples for ``levels``: one per operation they use, without repeats."""
+    keys: list[str] = []
+    for lv in levels:
+        keys += [k for k in _LEVEL_EXAMPLES[lv] if k not in keys]
+    return [FEW_SHOT_EXAMPLES[k] for k in keys]
+
 
 _NAMES = ("Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Leo", "Emma", "Jack", "Nora", "Omar", "Zoe")
 _ITEMS = ("apples", "oranges", "cookies", "pencils", "stickers", "marbles", "books", "cards", "balloons", "shells")
@@ -125,7 +171,8 @@ class ArithmeticTask(Task):
     Args:
         level: a level number (1..5) or a sequence of them (each problem picks one uniformly).
         train_size / test_size: number of problems ``problems(split)`` returns when ``n`` is None.
-        **kwargs: :class:`oar.tasks.base.Task` options (prompts, reward settings).
+        **kwargs: :class:`oar.tasks.base.Task` options (prompts, reward settings). ``few_shot``
+            defaults to :func:`default_few_shot` of the levels; pass ``few_shot=()`` for zero-shot.
 
     Raises:
         ValueError: unknown level, empty level list, or negative sizes.
@@ -141,13 +188,14 @@ class ArithmeticTask(Task):
         test_size: int = 200,
         **kwargs,
     ) -> None:
-        super().__init__(**kwargs)
         levels = (level,) if isinstance(level, int) else tuple(level)
         if not levels:
             raise ValueError("level must be a level number or a non-empty sequence of them, got an empty sequence")
         for lv in levels:
             if lv not in LEVELS:
                 raise ValueError(f"level must be one of {sorted(LEVELS)}, got {lv!r}")
+        kwargs.setdefault("few_shot", default_few_shot(levels))
+        super().__init__(**kwargs)
         for arg, v in (("train_size", train_size), ("test_size", test_size)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{arg} must be a non-negative int, got {v!r}")

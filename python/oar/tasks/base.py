@@ -32,11 +32,10 @@ __all__ = [
 
 #: System message of every built-in task.
 DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful math assistant. Solve the problem with brief step-by-step reasoning, "
-    "then write the final answer as \\boxed{answer}."
+    "You are a helpful math assistant. Reason briefly, then give the final answer as \\boxed{answer}."
 )
 #: Appended to each question in the user message.
-DEFAULT_INSTRUCTION = "Reason briefly, then put your final answer in \\boxed{}."
+DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
 
 
 @dataclasses.dataclass(frozen=True)

@@ -269,8 +269,6 @@ def parse_number(s: str, *, single_only: bool = False) -> tuple[Fraction, bool] 
     t = t.replace("\\left", "").replace("\\right", "").replace("{,}", ",")
     t = _FRAC_RE.sub(lambda m: f"{m.group(1)}/{m.group(2)}", t)
     t = t.strip().rstrip(".").strip()
-    if t.startswith("-") and t[1:].startswith("\\frac"):
-        return None
     if not single_only:
         if re.fullmatch(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/[+-]?\d+(?:\.\d+)?)?|[+-]?\.\d+", t):
             return _to_fraction(t.lstrip("+"))
