@@ -94,7 +94,7 @@ def run_attribute(a) -> dict:
     import oar
     from oar import ops
     from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores
-    from oar.models import load_model
+    from oar.models import load_by_name
     from oar.tasks import get_task
 
     if a.num_generations < 1:
@@ -102,12 +102,14 @@ def run_attribute(a) -> dict:
     kwargs = {}
     if a.task in ("gsm8k", "math500") and a.data:
         kwargs = {"test_path": a.data} if a.task == "gsm8k" else {"path": a.data}
+    if a.task == "gsm8k" and getattr(a, "easiest", False):
+        kwargs["easiest"] = True
     task = get_task(a.task, **kwargs)
     problems = task.problems("test")
     if not 0 <= a.index < len(problems):
         raise ValueError(f"--index must be in [0, {len(problems)}), got {a.index}")
     prob = problems[a.index]
-    model, tok = load_model(a.model)
+    model, tok = load_by_name(a.model, **(getattr(a, "model_kwargs", None) or {}))
     s = sample_group(model, tok, task.prompt(prob), a.num_generations, a.max_new_tokens, a.temperature, a.seed)
     rewards = torch.tensor([task.reward(t, prob) for t in s.texts], dtype=torch.float32)
     adv = ops.group_advantages(rewards, torch.tensor([0, len(rewards)]), estimator="grpo", preset="trl")
@@ -145,6 +147,9 @@ def run_attribute(a) -> dict:
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump(record, f, indent=1)
     print(f"Question: {prob.question}\nReference answer: {prob.answer}")
+    if float(rewards.max()) == float(rewards.min()):
+        print(f"Note: all {B} completions got reward {float(rewards[0]):.0f}, so every GRPO advantage is 0 and so is every "
+              "token advantage; the importance scores below are still computed and shown.")
     for i in range(B):
         print(f"\n--- completion {i + 1}: reward {rewards[i]:.0f}, advantage {adv[i]:+.3f}")
         print(s.texts[i])

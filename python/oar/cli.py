@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--data", default=None, help="GSM8K JSONL (default: $OAR_DATA_DIR/gsm8k/test.jsonl)")
     at.add_argument("--index", type=int, default=0, help="question index in the file")
     at.add_argument("--task", default="gsm8k", help="gsm8k | arithmetic | math500")
+    at.add_argument("--easiest", action="store_true",
+                    help="GSM8K: index into the questions sorted by number of solution steps (easiest first)")
     at.add_argument("--model", default="smollm2-135m-instruct")
     at.add_argument("-G", "--num-generations", type=int, default=4)
     at.add_argument("--max-new-tokens", type=int, default=160)

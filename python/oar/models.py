@@ -297,3 +297,16 @@ def tiny_random_llama(
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
+
+
+#: Name that selects :func:`tiny_random_llama` in configs and on the command line (smoke tests).
+TINY_RANDOM_NAME = "tiny-random-llama"
+
+
+def load_by_name(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a config's ``model.name``: :data:`TINY_RANDOM_NAME` builds
+    :func:`tiny_random_llama` (``kwargs`` are its arguments), anything else goes to :func:`load_model`
+    (``kwargs`` are its keyword arguments)."""
+    if name == TINY_RANDOM_NAME:
+        return tiny_random_llama(dtype=dtype, seed=seed, **kwargs)
+    return load_model(name, dtype=dtype, **kwargs)

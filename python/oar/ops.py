@@ -50,12 +50,17 @@ from collections.abc import Sequence as _Sequence
 #: One deliberate difference from all three trainers: they compute ``r - mean`` in float32, so a group of
 #: equal but non-representable rewards (e.g. 0.1) can get rounding residue divided by (0 + eps); oar detects
 #: all-equal groups by comparing values and returns exactly 0. With 0/1 rewards the results coincide.
-ADVANTAGE_PRESETS: dict[str, dict] = {
-    "default": {"std": "unbiased", "eps": 1e-6, "singleton": "zero"},
-    "trl": {"std": "unbiased", "eps": 1e-4, "singleton": "zero"},
-    "verl": {"std": "unbiased", "eps": 1e-6, "singleton": "verl"},
-    "openrlhf": {"std": "unbiased", "eps": 1e-9, "singleton": "zero"},
-}
+def _presets_from_core() -> dict[str, dict]:
+    # One source of truth: the C++ table (oar::core::preset_options), read through the pybind11 module.
+    core = _lib.load_extension()
+    out = {}
+    for name in core.ADVANTAGE_PRESET_NAMES:
+        o = core.preset_options(name, "grpo")
+        out[name] = {"std": o.std, "eps": o.eps, "singleton": o.singleton}
+    return out
+
+
+ADVANTAGE_PRESETS: dict[str, dict] = _presets_from_core()
 
 ESTIMATORS = ("grpo", "dr_grpo", "batch", "rloo")
 TIERS = ("both", "boost", "suppress")

@@ -119,18 +119,14 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=()):
     from trl import GRPOConfig
 
     from oar.integrations.trl import OARGRPOTrainer
-    from oar.models import load_model, tiny_random_llama
+    from oar.models import load_by_name
     from oar.tasks import get_task
 
     seed = int(cfg.run.get("seed", 0))
     torch.manual_seed(seed)
     mcfg = dict(cfg.model)
     dtype = getattr(torch, str(mcfg.pop("dtype", "float32")))
-    name = mcfg.pop("name", "smollm2-135m-instruct")
-    if name == "tiny-random-llama":  # a seconds-fast random model for smoke tests of the whole job
-        model, tokenizer = tiny_random_llama(dtype=dtype, seed=seed, **mcfg)
-    else:
-        model, tokenizer = load_model(name, dtype=dtype, **mcfg)
+    model, tokenizer = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=seed, **mcfg)
     tcfg = dict(cfg.task)
     task = get_task(tcfg.pop("name", "arithmetic"), **(tcfg.pop("kwargs", None) or {}))
     problems = task.problems("train", n=tcfg.pop("train_size", None), seed=seed)

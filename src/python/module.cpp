@@ -71,6 +71,13 @@ PYBIND11_MODULE(_C, m) {
                     [](GroupAdvantageOptions& o, const std::string& s) { o.singleton = parse_singleton_policy(s); })
       .def_readwrite("skip_nan", &GroupAdvantageOptions::skip_nan);
 
+  m.def("preset_options", [](const std::string& preset, const std::string& estimator) {
+          return preset_options(preset, parse_estimator(estimator));
+        }, py::arg("preset"), py::arg("estimator") = "grpo",
+        "GroupAdvantageOptions of a trainer preset (default | trl | verl | openrlhf), as C++ callers get them "
+        "(oar::core::preset_options). Raises ValueError for an unknown preset or estimator.");
+  m.attr("ADVANTAGE_PRESET_NAMES") = py::make_tuple("default", "trl", "verl", "openrlhf");
+
   py::class_<OARConfig>(m, "OARConfig",
                         "Everything that decides per-token advantages; parsed from the `oar:` section of a config "
                         "(configs/*.yaml) by the C++ schema (nlohmann_json). Unknown keys and out-of-range values "

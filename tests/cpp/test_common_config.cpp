@@ -5,23 +5,11 @@
 
 #include "oar/core/common.h"
 #include "oar/core/config.h"
+#include "test_util.h"
+
+using oar::testing::expect_invalid;
 
 using namespace oar::core;
-
-namespace {
-
-// Expects an InvalidArgument whose message contains `needle`.
-template <typename F>
-void expect_error_containing(F&& f, const std::string& needle) {
-  try {
-    f();
-    FAIL() << "expected InvalidArgument containing: " << needle;
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message was: " << e.what();
-  }
-}
-
-}  // namespace
 
 TEST(CommonEnums, RoundTripEveryName) {
   for (const char* s : {"grpo", "dr_grpo", "batch", "rloo"}) EXPECT_STREQ(to_string(parse_estimator(s)), s);
@@ -33,9 +21,9 @@ TEST(CommonEnums, RoundTripEveryName) {
 }
 
 TEST(CommonEnums, UnknownNameListsChoicesAndArgument) {
-  expect_error_containing([] { parse_probe("mean", "probe"); }, "probe must be one of");
-  expect_error_containing([] { parse_probe("mean", "probe"); }, "\"answer_mean\"");
-  expect_error_containing([] { parse_estimator("ppo", "estimator"); }, "got \"ppo\"");
+  expect_invalid([] { parse_probe("mean", "probe"); }, "probe must be one of");
+  expect_invalid([] { parse_probe("mean", "probe"); }, "\"answer_mean\"");
+  expect_invalid([] { parse_estimator("ppo", "estimator"); }, "got \"ppo\"");
 }
 
 TEST(Config, DefaultsFollowMethodMd) {
@@ -79,14 +67,14 @@ TEST(Config, ExplicitFieldsOverridePreset) {
 }
 
 TEST(Config, ErrorsNameTheKey) {
-  expect_error_containing([] { parse_oar_config(R"({"q": 1.5})"); }, "oar.q");
-  expect_error_containing([] { parse_oar_config(R"({"beta": -1})"); }, "oar.beta");
-  expect_error_containing([] { parse_oar_config(R"({"floor": 1.0})"); }, "oar.floor");
-  expect_error_containing([] { parse_oar_config(R"({"q": "big"})"); }, "oar.q must be a number");
-  expect_error_containing([] { parse_oar_config(R"({"probe": "mean"})"); }, "oar.probe must be one of");
-  expect_error_containing([] { parse_oar_config(R"({"noise_draws": 0})"); }, "oar.noise_draws");
-  expect_error_containing([] { parse_oar_config(R"({"sigma": 0})"); }, "oar.sigma");
-  expect_error_containing([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
-  expect_error_containing([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
-  expect_error_containing([] { parse_oar_config("{not json"); }, "not valid JSON");
+  expect_invalid([] { parse_oar_config(R"({"q": 1.5})"); }, "oar.q");
+  expect_invalid([] { parse_oar_config(R"({"beta": -1})"); }, "oar.beta");
+  expect_invalid([] { parse_oar_config(R"({"floor": 1.0})"); }, "oar.floor");
+  expect_invalid([] { parse_oar_config(R"({"q": "big"})"); }, "oar.q must be a number");
+  expect_invalid([] { parse_oar_config(R"({"probe": "mean"})"); }, "oar.probe must be one of");
+  expect_invalid([] { parse_oar_config(R"({"noise_draws": 0})"); }, "oar.noise_draws");
+  expect_invalid([] { parse_oar_config(R"({"sigma": 0})"); }, "oar.sigma");
+  expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
+  expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
+  expect_invalid([] { parse_oar_config("{not json"); }, "not valid JSON");
 }

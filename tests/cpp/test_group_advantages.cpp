@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "oar/core/group_advantages.h"
+#include "test_util.h"
+
+using oar::testing::error_of;
 
 namespace oar::core {
 namespace {
@@ -36,16 +39,6 @@ std::vector<float> run(const std::vector<T>& r, const std::vector<int64_t>& off,
   return out;
 }
 
-// Runs `fn` and returns the InvalidArgument message ("" when nothing was thrown).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(GroupAdvantages, GrpoUnbiasedHandComputed) {
   // {1, 0, 1, 0}: mean 0.5, squared deviations 4 x 0.25 = 1, unbiased var 1/3, std 0.577350269.

@@ -9,6 +9,9 @@
 
 #include "oar/core/common.h"
 #include "oar/core/masked_batch.h"
+#include "test_util.h"
+
+using oar::testing::expect_invalid;
 
 namespace {
 
@@ -16,15 +19,6 @@ using oar::core::InvalidArgument;
 using oar::core::MaskedChunk;
 using oar::core::MaskedPlanRequest;
 
-template <typename Fn>
-void expect_invalid(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected InvalidArgument mentioning '" << needle << "'";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(MaskedBatch, OneSubstitutionPerVariant) {
   const int64_t B = 3, T = 5;

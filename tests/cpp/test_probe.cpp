@@ -18,6 +18,9 @@
 
 // Internal widening helpers (not installed), tested exhaustively below.
 #include "../../src/core/widen.h"
+#include "test_util.h"
+
+using oar::testing::expect_invalid;
 
 namespace {
 
@@ -317,16 +320,6 @@ TEST(Probe, RowRangeComputesOnlyItsRowsWithAbsoluteIndices) {
                InvalidArgument);
 }
 
-// Expects `fn` to throw InvalidArgument whose message contains `needle`.
-template <typename Fn>
-void expect_invalid(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected InvalidArgument mentioning '" << needle << "'";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(Probe, ValidationErrorsNameTheArgument) {
   constexpr int64_t N = 2, S = 3, V = 10;

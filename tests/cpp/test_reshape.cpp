@@ -12,21 +12,15 @@
 
 #include "oar/core/importance.h"
 #include "oar/core/reshape.h"
+#include "test_util.h"
+
+using oar::testing::error_of;
 
 namespace oar::core {
 namespace {
 
 constexpr double kE = ReshapeOptions::kEps;
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // std::vector<bool> has no data(); masks are byte vectors of 0/1 read as bool.
 std::vector<uint8_t> mask_of(std::initializer_list<int> v) { return std::vector<uint8_t>(v.begin(), v.end()); }

@@ -72,11 +72,22 @@ def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
 def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int] | None = None) -> torch.Tensor:
     """Probe logits (n, K_max, V) of the unperturbed contexts of ``rows`` (all rows by default), no grad."""
     idx = torch.tensor(rows if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
-    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    dev = _device(model, batch)
     with torch.no_grad():
         window = model.tail_logits(input_ids=batch.input_ids[idx].to(dev), attention_mask=batch.attention_mask[idx].to(dev),
                                    position_ids=batch.position_ids[idx].to(dev), keep=batch.keep)
         return gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+
+
+def _device(model: ProbeModel, batch: ProbeBatch) -> torch.device:
+    return model.device if hasattr(model, "device") else batch.input_ids.device
+
+
+def _clean(model: ProbeModel, batch: ProbeBatch, rows: list[int], clean_logits: torch.Tensor | None):
+    """Clean probe logits for ``rows``: (logits, row -> index into logits, forward passes spent)."""
+    if clean_logits is None:
+        return clean_probe_logits(model, batch, rows), {r: i for i, r in enumerate(rows)}, 1
+    return clean_logits, {r: r for r in rows}, 0
 
 
 def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_index: torch.Tensor,
@@ -121,15 +132,8 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, seconds=0.0)
         return res
-    dev = model.device if hasattr(model, "device") else batch.input_ids.device
-    passes = 0
-    if clean_logits is None:
-        clean_all = clean_probe_logits(model, batch, rows)
-        clean_row = {r: i for i, r in enumerate(rows)}
-        passes += 1
-    else:
-        clean_all = clean_logits
-        clean_row = {r: r for r in rows}
+    dev = _device(model, batch)
+    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
 
     # Flattened variant list, rollout-major: (row, column of the masked token, reasoning index j).
     var_row, var_col, var_j = [], [], []
@@ -200,15 +204,8 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not rows:
         res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
         return res
-    dev = model.device if hasattr(model, "device") else batch.input_ids.device
-    passes = 0
-    if clean_logits is None:
-        clean_all = clean_probe_logits(model, batch, rows)
-        clean_row = {r: i for i, r in enumerate(rows)}
-        passes += 1
-    else:
-        clean_all = clean_logits
-        clean_row = {r: r for r in rows}
+    dev = _device(model, batch)
+    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     bytes_tok = (model.activation_bytes_per_token(max(widths), backward=True)
@@ -261,7 +258,7 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
     rows = _rows(batch, rows)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    dev = model.device if hasattr(model, "device") else batch.input_ids.device
+    dev = _device(model, batch)
     with torch.no_grad():
         for r in rows:
             L = int(batch.reasoning_len[r])
