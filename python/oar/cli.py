@@ -8,7 +8,14 @@ import sys
 
 
 def _train(a) -> int:
+    from oar.config import load_config
     from oar.train import run_training
+
+    # Configuration errors are user errors: report them as such (exit 2, no traceback) before any work.
+    try:
+        load_config(a.config, a.set)
+    except (ValueError, FileNotFoundError) as e:
+        a.parser.error(str(e))
 
     summary = run_training(a.config, a.set, a.output_dir)
     print(json.dumps({k: v for k, v in summary.items() if k != "reward_per_step"}, indent=2))
@@ -37,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set oar.method=oar_p --set grpo.max_steps=5")
     t.add_argument("--output-dir", default=None)
-    t.set_defaults(func=_train)
+    t.set_defaults(func=_train, parser=t)
 
     at = sub.add_parser("attribute", help="sample G completions for one question, print per-token advantages, "
                                           "write an HTML heatmap comparing OAR-P and OAR-G")

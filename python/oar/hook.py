@@ -82,6 +82,38 @@ class TokenAdvantageHook:
             out.append(reasoning_length(ids, self.tokenizer, self.builder.markers, self.builder.stop_ids))
         return out
 
+    @staticmethod
+    def _check_token_ids(cids: torch.Tensor, cmask: torch.Tensor, prompt_ids: Sequence, rows: list[int],
+                         vocab: int) -> None:
+        """Completion tokens (under the mask) and prompts of ``rows`` must be ids in [0, vocab) (vocab 0: only
+        >= 0 is checked); otherwise decoding or the embedding fails with an opaque error."""
+        hi = vocab if vocab > 0 else None
+        sel = cids[rows][cmask[rows]]
+        if sel.numel() and (int(sel.min()) < 0 or (hi is not None and int(sel.max()) >= hi)):
+            bad = int(sel.min()) if int(sel.min()) < 0 else int(sel.max())
+            r, c = torch.nonzero((cids == bad) & cmask)[0].tolist()
+            raise ValueError(f"completion_ids must be token ids in [0, {hi or 'inf'}), got {bad} at [{r}, {c}]")
+        for i in rows:
+            p = prompt_ids[i]
+            if isinstance(p, torch.Tensor):
+                p = p.detach().cpu()
+                if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                    raise ValueError(f"prompt_ids[{i}] must be a 1-D integer tensor of token ids, got shape "
+                                     f"{tuple(p.shape)} and dtype {p.dtype}")
+            else:
+                vals = list(p)
+                for j, x in enumerate(vals):
+                    if isinstance(x, (bool, float)) or not hasattr(x, "__index__"):
+                        raise ValueError(f"prompt_ids[{i}] must hold integer token ids, got {x!r} at position {j}")
+                p = torch.tensor([int(x) for x in vals], dtype=torch.long)
+            if p.numel() == 0:
+                continue
+            bad = (p < 0) | (p >= hi) if hi is not None else p < 0
+            if bool(bad.any()):
+                j = int(torch.nonzero(bad)[0])
+                raise ValueError(f"prompt_ids[{i}] must be token ids in [0, {hi or 'inf'}), got {int(p[j])} at "
+                                 f"position {j}")
+
     def compute(self, model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                 advantages: torch.Tensor, answers: Sequence[str], eligible_mask: torch.Tensor | None = None) -> TokenAdvantages:
         """Per-token advantages for one generation batch.
@@ -99,11 +131,23 @@ class TokenAdvantageHook:
         Returns:
             :class:`TokenAdvantages` on ``advantages.device``.
         Raises:
-            ValueError: mismatched shapes (naming the argument), unknown method.
+            ValueError: arguments that are not tensors, mismatched shapes (naming the argument), non-integer
+                completion_ids, token ids outside [0, vocab_size), non-finite advantages or token advantages
+                beyond float32 range, unknown method.
         """
         t0 = time.perf_counter()
+        for name, t in (("completion_ids", completion_ids), ("completion_mask", completion_mask),
+                        ("advantages", advantages), ("eligible_mask", eligible_mask)):
+            if t is None and name == "eligible_mask":
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"{name} must hold data, got a tensor on the meta device")
         if completion_ids.dim() != 2:
             raise ValueError(f"completion_ids must be (B, C), got shape {tuple(completion_ids.shape)}")
+        if completion_ids.dtype.is_floating_point or completion_ids.dtype.is_complex or completion_ids.dtype == torch.bool:
+            raise ValueError(f"completion_ids must be an integer tensor of token ids, got dtype {completion_ids.dtype}")
         B, C = completion_ids.shape
         if completion_mask.shape != (B, C):
             raise ValueError(f"completion_mask must be (B, C) = {(B, C)}, got {tuple(completion_mask.shape)}")
@@ -115,9 +159,15 @@ class TokenAdvantageHook:
         eligible = (completion_mask if eligible_mask is None else eligible_mask).bool().cpu()
         if eligible.shape != (B, C):
             raise ValueError(f"eligible_mask must be (B, C) = {(B, C)}, got {tuple(eligible.shape)}")
-        adv = advantages.detach().float().cpu()
-        if not torch.isfinite(adv).all():
+        raw = advantages.detach().cpu()
+        if raw.dtype.is_complex:
+            raise ValueError(f"advantages must be real, got dtype {raw.dtype}")
+        if not torch.isfinite(raw).all():
             raise ValueError("advantages must be finite; got NaN/Inf at rows "
+                             f"{torch.nonzero(~torch.isfinite(raw)).flatten().tolist()[:8]}")
+        adv = raw.float()
+        if not torch.isfinite(adv).all():  # finite float64 beyond float32 range
+            raise ValueError("advantages must fit in float32 (|A| <= 3.4e38); got larger values at rows "
                              f"{torch.nonzero(~torch.isfinite(adv)).flatten().tolist()[:8]}")
         method = self.config.method
         scores = torch.zeros((B, C), dtype=torch.float32)
@@ -127,13 +177,15 @@ class TokenAdvantageHook:
         if method != "grpo" and active:
             cids = completion_ids.detach().cpu()
             cmask = completion_mask.detach().bool().cpu()
+            pm = as_probe_model(model) if method != "random" else None
+            vocab = int(getattr(pm, "vocab_size", 0) or 0) if pm is not None else 0
+            self._check_token_ids(cids, cmask, prompt_ids, active, vocab)
             lens = self.reasoning_lengths(cids, cmask)
             responses = [cids[i][cmask[i]] for i in range(B)]
             prompts = [p.detach().cpu() if isinstance(p, torch.Tensor) else p for p in prompt_ids]
             batch = self.builder.build([prompts[i] for i in active], [responses[i] for i in active],
                                        [answers[i] for i in active], [lens[i] for i in active])
-            pm = as_probe_model(model)
-            ctx = pm.eval_mode() if hasattr(pm, "eval_mode") else contextlib.nullcontext()
+            ctx = pm.eval_mode() if pm is not None and hasattr(pm, "eval_mode") else contextlib.nullcontext()
             with ctx:
                 if method == "oar_p":
                     att = oar_p_scores(pm, batch, probe=self.config.probe, memory_budget_mb=self.config.memory_budget_mb,

@@ -32,6 +32,52 @@ __all__ = [
 import warnings as _warnings
 from collections.abc import Sequence as _Sequence
 
+
+# Plain-Python argument checks, so that a wrong type gets a ValueError naming the argument instead of a
+# dispatcher RuntimeError ("Expected a value of type 'str' ...") or a silent coercion (bool("no") is True).
+def _str_arg(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _float_arg(name: str, value) -> float:
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
+
+
+def _bool_arg(name: str, value) -> bool:
+    ok = isinstance(value, bool)
+    if not ok and not isinstance(value, (str, bytes, float, torch.Tensor)):
+        try:
+            ok = value in (True, False)  # numpy bools, 0/1
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _int_arg(name: str, value) -> int:
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value.__index__())
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {v}")
+    return v
+
+
+def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
+    # Fake (meta) kernels: the real kernels refuse mixed devices, and a fake kernel that allocated on the
+    # first argument's device would hand back uninitialized real memory for e.g. (meta, cpu) inputs.
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
+
 #: Trainer presets for :func:`group_advantages`, mirroring ``oar::core::preset_options``
 #: (include/oar/core/group_advantages.h). Each maps to the keyword arguments ``std``, ``eps`` and
 #: ``singleton``; the estimator is chosen separately.
@@ -68,6 +114,8 @@ TIERS = ("both", "boost", "suppress")
 
 def _offsets_from_ids(group_ids, n: int) -> list[int]:
     """CSR offsets of the runs of equal consecutive ids; raises when an id appears in two separate runs."""
+    if isinstance(group_ids, (str, bytes)):
+        raise ValueError(f"group_ids must be a sequence with one id per reward, got {type(group_ids).__name__}")
     if isinstance(group_ids, torch.Tensor):
         if group_ids.dim() != 1:
             raise ValueError(f"group_ids must be 1-D (N,), got shape {tuple(group_ids.shape)}")
@@ -81,6 +129,10 @@ def _offsets_from_ids(group_ids, n: int) -> list[int]:
     starts = [i for i in range(n) if i == 0 or ids[i] != ids[i - 1]]
     seen: dict = {}
     for s in starts:
+        try:
+            hash(ids[s])
+        except TypeError:
+            raise ValueError(f"group_ids must hold hashable ids (ints, strings), got {ids[s]!r} at row {s}") from None
         if ids[s] in seen:
             raise ValueError(
                 f"group_ids must keep each group's rows contiguous (the rows of one prompt adjacent, as trainers "
@@ -97,9 +149,19 @@ def _resolve_offsets(rewards: torch.Tensor, offsets, group_ids, group_size) -> t
         raise ValueError(f"pass exactly one of offsets, group_ids, group_size; got {given or 'none'}")
     n = rewards.shape[0]
     if offsets is not None:
-        off = offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(offsets)
+        if isinstance(offsets, torch.Tensor):
+            off = offsets
+        else:
+            try:
+                # An empty list would default to float32; it is an empty (invalid) offsets array, not a dtype error.
+                off = torch.as_tensor(offsets, dtype=torch.int64 if len(offsets) == 0 else None)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"offsets must be a sequence of int64 CSR row starts (G + 1,), got {offsets!r} "
+                                 f"({e})") from None
         if off.dtype.is_floating_point or off.dtype.is_complex or off.dtype == torch.bool:
             raise ValueError(f"offsets must be an int64 tensor (G + 1,), got dtype {off.dtype}")
+        if off.device.type == "meta" and rewards.device.type != "meta":
+            raise ValueError(f"offsets must hold data (rewards are on {rewards.device}), got a meta tensor")
         return off.to(device=rewards.device, dtype=torch.int64)
     if group_size is not None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -165,14 +227,16 @@ def group_advantages(
     Raises:
         ValueError: naming the argument: wrong shape/dtype/device, malformed offsets (not starting at 0,
             decreasing, not ending at N), more or fewer than one of offsets/group_ids/group_size, unknown
-            estimator/preset/std/singleton, eps < 0, NaN (without ``skip_nan``) or infinite rewards.
+            estimator/preset/std/singleton (or not a str), eps < 0 or not a number, skip_nan not a bool, NaN
+            (without ``skip_nan``) or infinite rewards, float64 rewards whose group statistics overflow double
+            or whose advantages overflow float32.
     """
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"rewards must be a torch.Tensor (N,), got {type(rewards).__name__}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     name = "default" if preset is None else preset
-    if name not in ADVANTAGE_PRESETS:
+    if not isinstance(name, str) or name not in ADVANTAGE_PRESETS:
         raise ValueError(f"preset must be one of {sorted(ADVANTAGE_PRESETS)} or None, got {preset!r}")
     cfg = dict(ADVANTAGE_PRESETS[name])
     for key, value in (("std", std), ("eps", eps), ("singleton", singleton)):
@@ -180,9 +244,11 @@ def group_advantages(
             cfg[key] = value
     off = _resolve_offsets(rewards, offsets, group_ids, group_size)
     out = torch.ops.oar.group_advantages(
-        rewards, off, estimator, cfg["std"], float(cfg["eps"]), cfg["singleton"], bool(skip_nan)
+        rewards, off, _str_arg("estimator", estimator), _str_arg("std", cfg["std"]), _float_arg("eps", cfg["eps"]),
+        _str_arg("singleton", cfg["singleton"]), _bool_arg("skip_nan", skip_nan)
     )
-    if cfg["singleton"] != "verl" and off.numel() > 1 and rewards.numel() > 0:
+    # The single-response warning reads the data: skip it for meta (shape-only) tensors.
+    if cfg["singleton"] != "verl" and off.numel() > 1 and rewards.numel() > 0 and rewards.device.type != "meta":
         valid = ~torch.isnan(rewards) if rewards.is_floating_point() else torch.ones_like(rewards, dtype=torch.bool)
         csum = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
         counts = csum[off[1:]] - csum[off[:-1]]
@@ -262,11 +328,13 @@ def reshape_advantages(
     Raises:
         ValueError: naming the argument: wrong shapes/dtypes/devices, q outside (0, 1), beta < 0, floor
             outside [0, 1), unknown tiers, NaN/Inf/negative scores on the span (or outside [0, 1] when
-            normalized), non-finite advantages, reasoning_mask not a subset of response_mask.
+            normalized), non-finite advantages (or float64 ones beyond float32 range), reasoning_mask not a
+            subset of response_mask, a beta so large that the boost weights overflow float32, token advantages
+            (weight x advantage) that overflow float32.
     """
     return torch.ops.oar.reshape_advantages(
-        advantages, scores, reasoning_mask, response_mask, float(q), float(beta), float(floor), tiers,
-        bool(scores_are_normalized),
+        advantages, scores, reasoning_mask, response_mask, _float_arg("q", q), _float_arg("beta", beta),
+        _float_arg("floor", floor), _str_arg("tiers", tiers), _bool_arg("scores_are_normalized", scores_are_normalized),
     )
 
 
@@ -276,12 +344,14 @@ def _group_advantages_fake(rewards, offsets, estimator="grpo", std="unbiased", e
                            skip_nan=False):
     torch._check(rewards.dim() == 1, lambda: f"rewards must be 1-D (N,), got {rewards.dim()}-D")
     torch._check(offsets.dim() == 1, lambda: f"offsets must be 1-D (G + 1,), got {offsets.dim()}-D")
+    _same_device("rewards", rewards, offsets=offsets)
     return rewards.new_empty(rewards.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("oar::normalize_importance")
 def _normalize_importance_fake(scores, mask):
     torch._check(scores.dim() == 2, lambda: f"scores must be 2-D (B, T), got {scores.dim()}-D")
+    _same_device("scores", scores, mask=mask)
     return scores.new_empty(scores.shape, dtype=torch.float32)
 
 
@@ -289,6 +359,7 @@ def _normalize_importance_fake(scores, mask):
 def _reshape_advantages_fake(advantages, scores, reasoning_mask, response_mask, q=0.25, beta=1.0, floor=0.1,
                              tiers="both", scores_are_normalized=False):
     torch._check(scores.dim() == 2, lambda: f"scores must be 2-D (B, T), got {scores.dim()}-D")
+    _same_device("scores", scores, advantages=advantages, reasoning_mask=reasoning_mask, response_mask=response_mask)
     return (scores.new_empty(scores.shape, dtype=torch.float32), scores.new_empty(scores.shape, dtype=torch.float32))
 
 # ==== end section: advantages ===========================================================================
@@ -342,7 +413,8 @@ def probe_divergence(
     Autograd: differentiable w.r.t. ``perturbed_logits`` (OAR-G, method.md section 4), through
     ``torch.ops.oar.probe_divergence_backward``. ``clean_logits`` is treated as a constant (p_clean is
     computed without grad in OAR-G): it never receives a gradient, even if it requires one. The
-    gradient is of the unclamped value. Double backward is not supported.
+    gradient is of the unclamped value. Double backward is not supported (differentiating the gradient
+    raises NotImplementedError).
 
     Raises:
         ValueError: bad shapes, mismatched dtypes/devices, unknown ``probe``, ``answer_ids`` missing
@@ -350,7 +422,7 @@ def probe_divergence(
             (NaN/+inf logits, or a probed position without any finite logit). Messages name the
             argument, the expected and the actual value.
     """
-    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths, probe)
+    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths, _str_arg("probe", probe))
 
 
 def grad_x_input(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (torch naming)
@@ -370,7 +442,8 @@ def grad_x_input(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # no
 
     Raises:
         ValueError: ``input`` not 3-D, ``grad`` of another shape or dtype, unsupported dtype,
-            device mismatch.
+            device mismatch, a non-finite result (NaN/Inf in ``grad`` or ``input``, or a product sum beyond
+            float32 range; CPU kernel).
     """
     return torch.ops.oar.grad_x_input(grad, input)
 
@@ -395,9 +468,10 @@ def build_masked_batch(
 
     Raises:
         ValueError: wrong dims/dtypes, ``positions`` not shaped like ``row_index``, a row or position
-            out of range (the message names the offending entry), device mismatch.
+            out of range (the message names the offending entry), device mismatch, ``pad_id`` not an int
+            or outside int64.
     """
-    return torch.ops.oar.build_masked_batch(input_ids, row_index, positions, int(pad_id))
+    return torch.ops.oar.build_masked_batch(input_ids, row_index, positions, _int_arg("pad_id", pad_id))
 
 
 def _probe_setup_context(ctx, inputs, output):
@@ -422,8 +496,23 @@ torch.library.register_autograd(
 )
 
 
-def _fake_check_logits(clean_logits: torch.Tensor, perturbed_logits: torch.Tensor) -> None:
-    # Shape errors surface at trace time under torch.compile, as in eager mode.
+def _probe_double_backward(ctx, grad):
+    raise NotImplementedError(
+        "oar.probe_divergence: double backward (differentiating the gradient, e.g. after "
+        "torch.autograd.grad(..., create_graph=True)) is not supported"
+    )
+
+
+# Without an autograd kernel, create_graph=True would run the backward op through PyTorch's "autograd not
+# implemented" fallback (a warning, then a gradient silently disconnected from the graph).
+torch.library.register_autograd(
+    "oar::probe_divergence_backward", _probe_double_backward, setup_context=lambda ctx, inputs, output: None
+)
+
+
+def _fake_check_logits(clean_logits: torch.Tensor, perturbed_logits: torch.Tensor, **others) -> None:
+    # Shape and device errors surface at trace time under torch.compile, as in eager mode.
+    _same_device("perturbed_logits", perturbed_logits, clean_logits=clean_logits, **others)
     if perturbed_logits.dim() != 3:
         raise ValueError(
             f"perturbed_logits must be 3-D (N, S, V), got shape {tuple(perturbed_logits.shape)}"
@@ -437,13 +526,13 @@ def _fake_check_logits(clean_logits: torch.Tensor, perturbed_logits: torch.Tenso
 
 @torch.library.register_fake("oar::probe_divergence")
 def _probe_divergence_fake(clean_logits, perturbed_logits, answer_ids=None, lengths=None, probe="answer_mean"):
-    _fake_check_logits(clean_logits, perturbed_logits)
+    _fake_check_logits(clean_logits, perturbed_logits, answer_ids=answer_ids, lengths=lengths)
     return perturbed_logits.new_empty((perturbed_logits.shape[0],), dtype=torch.float32)
 
 
 @torch.library.register_fake("oar::probe_divergence_backward")
 def _probe_divergence_backward_fake(grad_out, clean_logits, perturbed_logits, answer_ids, lengths, probe):
-    _fake_check_logits(clean_logits, perturbed_logits)
+    _fake_check_logits(clean_logits, perturbed_logits, grad_out=grad_out, answer_ids=answer_ids, lengths=lengths)
     return perturbed_logits.new_empty(perturbed_logits.shape)
 
 
@@ -451,6 +540,7 @@ def _probe_divergence_backward_fake(grad_out, clean_logits, perturbed_logits, an
 def _grad_x_input_fake(grad, input):  # noqa: A002
     if input.dim() != 3:
         raise ValueError(f"input must be 3-D (B, L, H), got shape {tuple(input.shape)}")
+    _same_device("input", input, grad=grad)
     return input.new_empty(input.shape[:2], dtype=torch.float32)
 
 
@@ -458,6 +548,7 @@ def _grad_x_input_fake(grad, input):  # noqa: A002
 def _build_masked_batch_fake(input_ids, row_index, positions, pad_id):
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D (B, T), got shape {tuple(input_ids.shape)}")
+    _same_device("input_ids", input_ids, row_index=row_index, positions=positions)
     return input_ids.new_empty((row_index.shape[0], input_ids.shape[1]))
 
 

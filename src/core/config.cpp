@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -20,12 +21,15 @@ constexpr std::array<std::pair<const char*, Method>, 5> kMethods{{
   throw InvalidArgument("oar." + key + " " + what);
 }
 
-std::string type_name(const json& v) { return v.type_name(); }
+// A value for messages: its type and JSON text ("string \"x\"", "number 1.5"), or just "null".
+std::string describe(const json& v) {
+  return v.is_null() ? std::string("null") : std::string(v.type_name()) + " " + v.dump();
+}
 
 double get_number(const json& obj, const char* key, double dflt) {
   if (!obj.contains(key)) return dflt;
   const auto& v = obj.at(key);
-  if (!v.is_number()) fail(key, std::string("must be a number, got ") + type_name(v) + " " + v.dump());
+  if (!v.is_number()) fail(key, "must be a number, got " + describe(v));
   double d = v.get<double>();
   if (!std::isfinite(d)) fail(key, "must be finite, got " + v.dump());
   return d;
@@ -34,7 +38,10 @@ double get_number(const json& obj, const char* key, double dflt) {
 int64_t get_int(const json& obj, const char* key, int64_t dflt) {
   if (!obj.contains(key)) return dflt;
   const auto& v = obj.at(key);
-  if (!v.is_number_integer()) fail(key, std::string("must be an integer, got ") + type_name(v) + " " + v.dump());
+  if (!v.is_number_integer()) fail(key, "must be an integer, got " + describe(v));
+  // JSON integers above INT64_MAX parse as unsigned; get<int64_t>() would wrap them to negative values.
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    fail(key, "must fit in a signed 64-bit integer, got " + v.dump());
   return v.get<int64_t>();
 }
 
@@ -48,7 +55,7 @@ bool get_bool(const json& obj, const char* key, bool dflt) {
 std::string get_string(const json& obj, const char* key, const std::string& dflt) {
   if (!obj.contains(key)) return dflt;
   const auto& v = obj.at(key);
-  if (!v.is_string()) fail(key, std::string("must be a string, got ") + type_name(v) + " " + v.dump());
+  if (!v.is_string()) fail(key, "must be a string, got " + describe(v));
   return v.get<std::string>();
 }
 
@@ -58,7 +65,9 @@ auto parse_key(const char* /*key*/, F&& f) {
   try {
     return f();
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(std::string("oar.") + e.what());
+    // get_string already prefixes its messages ("oar.method must be a string ..."): do not prefix twice.
+    const std::string msg = e.what();
+    throw InvalidArgument(msg.rfind("oar.", 0) == 0 ? msg : "oar." + msg);
   }
 }
 
@@ -92,7 +101,8 @@ OARConfig parse_oar_config(const std::string& json_text) {
   json obj;
   try {
     obj = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for numbers beyond double ("1e400").
     throw InvalidArgument(std::string("oar config is not valid JSON: ") + e.what());
   }
   if (obj.is_null()) obj = json::object();

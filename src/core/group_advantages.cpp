@@ -47,6 +47,15 @@ Moments group_moments(const T* r, int64_t begin, int64_t end) {
   return m;
 }
 
+// Throws unless the group's mean and sum of squared deviations are finite in double.
+void check_moments_finite(const Moments& m, const std::string& where) {
+  if (std::isfinite(m.mean) && std::isfinite(m.ssq)) return;
+  std::ostringstream os;
+  os << "rewards: the statistics of " << where << " overflow double (mean = " << m.mean
+     << ", sum of squared deviations = " << m.ssq << "); rescale the rewards";
+  fail(os.str());
+}
+
 // Standard deviation from the moments; 0 when undefined (fewer than 2 values for unbiased, none for biased).
 double std_of(const Moments& m, StdKind kind) {
   const int64_t dof = kind == StdKind::kUnbiased ? m.count - 1 : m.count;
@@ -101,7 +110,9 @@ GroupAdvantageStats run(const T* r, int64_t n, const int64_t* off, int64_t num_g
   // degenerate std: then every group of >= 2 is all-equal (A = 0) and only verl-policy singletons read it.
   double batch_div = 1.0 + o.eps;
   if constexpr (E == Estimator::kBatch) {
-    const double s = std_of(group_moments(r, 0, n), o.std_kind);
+    const Moments all = group_moments(r, 0, n);
+    check_moments_finite(all, "the batch");
+    const double s = std_of(all, o.std_kind);
     batch_div = (s > 0.0 ? s : 1.0) + o.eps;
   }
 
@@ -120,6 +131,9 @@ GroupAdvantageStats run(const T* r, int64_t n, const int64_t* off, int64_t num_g
       kind = 0;
     } else {
       kind = 2;
+      // Finite rewards whose sum or squared deviations overflow double (|r| ~ 1e154 and beyond, float64
+      // input only) would give a mean or std of inf, hence advantages of 0 or NaN: refuse instead.
+      check_moments_finite(m, "group " + std::to_string(g));
     }
     const double group_div = E == Estimator::kGrpo ? std_of(m, o.std_kind) + o.eps : 1.0;
     for (int64_t i = b; i < e; ++i) {

@@ -65,13 +65,17 @@ void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t 
     const double s_lo = std::log1p(lo);
     const double range = std::log1p(hi) - s_lo;
     // max == min: every s_t - min is exactly 0, so any denominator works; 1 is the documented choice.
+    // A subnormal range (float64 scores below ~1e-308) has no finite reciprocal: divide instead, or
+    // 0 * inf would give NaN.
     const double inv = range > 0.0 ? 1.0 / range : 1.0;
+    const bool divide = !std::isfinite(inv);
     for (int64_t t = 0; t < T_len; ++t) {
       if (!m[t]) {
         o[t] = 0.0f;
         continue;
       }
-      double v = (std::log1p(static_cast<double>(s[t])) - s_lo) * inv;
+      const double d = std::log1p(static_cast<double>(s[t])) - s_lo;
+      double v = divide ? d / range : d * inv;
       // Multiplying by the reciprocal may land one ulp outside [0, 1]; the reshaping relies on the range.
       v = v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v);
       o[t] = static_cast<float>(v);

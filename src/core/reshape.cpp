@@ -40,6 +40,14 @@ void tier_weights(const float* s_hat, int64_t L, double tau, const ReshapeOption
     w[t] = static_cast<float>(x);
     sum += static_cast<double>(w[t]);
   }
+  // A huge beta (~1e38 and beyond) overflows the float32 boost weights; the rescaling would then turn them
+  // into NaN (inf * 0). Refuse rather than return NaN weights.
+  if (!std::isfinite(sum)) {
+    std::ostringstream os;
+    os << "beta = " << o.beta << " makes the boost weights 1 + beta * (s - tau) / (1 - tau) overflow float32; "
+       << "use a smaller beta";
+    fail(os.str());
+  }
   // Sum the stored floats, so that the rescaled floats sum to L up to one rounding per element. When every
   // weight is 1 (e.g. all-equal scores), scale is exactly 1 and the weights stay exactly 1.
   const double scale = static_cast<double>(L) / sum;
@@ -175,7 +183,15 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
     int64_t k = 0;
     for (int64_t t = 0; t < T_len; ++t) {
       const float w = rm[t] ? wspan[k++] : (pm[t] ? 1.0f : 0.0f);
-      ta[t] = w * a;
+      const float x = w * a;
+      // w <= L, so only advantages near the float32 limit can overflow here.
+      if (!std::isfinite(x)) {
+        std::ostringstream os;
+        os << "advantages: advantages[" << b << "] = " << a << " times its weight " << w << " at column " << t
+           << " overflows float32; rescale the advantages";
+        fail(os.str());
+      }
+      ta[t] = x;
       if (wr != nullptr) wr[t] = w;
     }
   }

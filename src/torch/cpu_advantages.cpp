@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <string_view>
 #include <tuple>
 
@@ -129,6 +130,15 @@ std::tuple<at::Tensor, at::Tensor> reshape_advantages_cpu(const at::Tensor& adva
   check_same_device(scores, "scores", advantages, "advantages");
   check_shape(advantages, "advantages", {B}, "(B,) with B = scores.size(0)");
   check_floating(advantages, "advantages");
+  if (advantages.scalar_type() == at::kDouble) {
+    // Read as float32 below: a finite float64 beyond float32 range would turn into inf and be reported as such.
+    const at::Tensor over = advantages.abs() > static_cast<double>(std::numeric_limits<float>::max());
+    if (over.any().item<bool>()) {
+      const int64_t i = over.nonzero().select(0, 0).item<int64_t>();
+      TORCH_CHECK_VALUE(false, "advantages must fit in float32 (|A| <= ", std::numeric_limits<float>::max(),
+                        "), got advantages[", i, "] = ", advantages[i].item<double>());
+    }
+  }
   const at::Tensor a = advantages.to(at::kFloat).contiguous();
 
   core::ReshapeOptions opts;

@@ -205,6 +205,9 @@ at::Tensor grad_x_input_cpu(const at::Tensor& grad, const at::Tensor& input) {
       return 0;
     });
   });
+  // NaN/Inf in grad or input, or a sum beyond float32 range, would otherwise reach the scores silently.
+  check_finite_result(out, "grad_x_input",
+                      "grad and input must be finite and |sum_h grad * input| must fit in float32");
   return out;
 }
 

@@ -36,6 +36,9 @@ at::Tensor grad_x_input_cuda(const at::Tensor& grad, const at::Tensor& input) {
   cuda::launch_grad_x_input(to_core_dtype(g.scalar_type()), g.data_ptr(), x.data_ptr(), g.size(0) * g.size(1),
                             g.size(2), out.data_ptr<float>(),
                             reinterpret_cast<cuda::Stream>(c10::cuda::getCurrentCUDAStream().stream()));
+  // Same contract as the CPU kernel: never hand back NaN/Inf silently.
+  check_finite_result(out, "grad_x_input",
+                      "grad or input holds NaN/Inf, or |sum_h grad*input| exceeds the float32 range");
   return out;
 }
 

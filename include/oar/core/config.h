@@ -31,8 +31,9 @@ struct OARConfig {
   int64_t seed = 0;                          ///< noise / random-baseline seed
 };
 
-/// Parses a JSON object (all keys optional, defaults above). Unknown keys, wrong types and out-of-range
-/// values throw InvalidArgument naming the key ("oar.q must be in (0, 1), got 1.5").
+/// Parses a JSON object (all keys optional, defaults above). Unknown keys, wrong types, integers beyond int64
+/// and out-of-range values throw InvalidArgument naming the key ("oar.q must be in (0, 1), got 1.5"); invalid
+/// JSON (numbers beyond double included) throws InvalidArgument too.
 OARConfig parse_oar_config(const std::string& json_text);
 /// Serializes every field (round-trips through parse_oar_config).
 std::string to_json(const OARConfig& cfg);

@@ -46,7 +46,9 @@ void check_offsets(const int64_t* offsets, int64_t num_groups, int64_t n, const 
 ///   - kBatch divides by the (unbiased/biased) std of all non-NaN rewards in the call;
 ///   - kRloo: A_i = r_i - mean_{j != i} r_j; a singleton gets 0.
 /// Empty groups (offsets[g] == offsets[g+1]) are allowed and contribute nothing.
-/// Throws InvalidArgument: malformed offsets, eps < 0 or non-finite, NaN/Inf reward (Inf always throws).
+/// Throws InvalidArgument: malformed offsets, eps < 0 or non-finite, NaN/Inf reward (Inf always throws), a group
+/// (or, for kBatch, the batch) whose mean or sum of squared deviations overflows double, an advantage that is
+/// not finite in float32.
 /// T is float or double.
 template <typename T>
 GroupAdvantageStats group_advantages(const T* rewards, int64_t n, const int64_t* offsets, int64_t num_groups,

@@ -37,7 +37,8 @@ void reshape_span_weights(const float* s_hat, int64_t L, const ReshapeOptions& o
 ///   token_advantages[b,t] = w[b,t] * advantages[b]
 /// `weights` may be null. reasoning_mask must be a subset of response_mask (InvalidArgument otherwise,
 /// naming the first offending (row, column)). Scores on the span must be finite and >= 0.
-/// T is float or double (scores); advantages are float32 (B,), non-finite values throw.
+/// T is float or double (scores); advantages are float32 (B,), non-finite values throw. Also throws when a
+/// huge beta makes the boost weights overflow float32, or a token advantage w * A overflows float32.
 template <typename T>
 void reshape_advantages(const float* advantages, const T* scores, const bool* reasoning_mask,
                         const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,

@@ -26,10 +26,21 @@ import torch
 DEFAULT_MARKERS = ("\\boxed{", "####")
 
 
-def _as_list(ids) -> list[int]:
+def _as_list(ids, name: str = "ids") -> list[int]:
+    """A 1-D sequence of token ids as a list of ints; ValueError naming ``name`` otherwise."""
     if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor of token ids, got shape {tuple(ids.shape)} and "
+                             f"dtype {ids.dtype}")
         return [int(x) for x in ids.tolist()]
-    return [int(x) for x in ids]
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of token ids, got {type(ids).__name__} {ids!r}")
+    out = []
+    for x in ids:
+        if isinstance(x, (bool, float)) or not hasattr(x, "__index__"):
+            raise ValueError(f"{name} must hold integer token ids, got {type(x).__name__} {x!r}")
+        out.append(int(x))
+    return out
 
 
 def reasoning_length(
@@ -51,7 +62,7 @@ def reasoning_length(
         L, with ``response_ids[:L]`` the reasoning tokens. Without a marker: the whole response up to the
         first stop id. The token that contains the first character of the marker is excluded.
     """
-    ids = _as_list(response_ids)
+    ids = _as_list(response_ids, "response_ids")
     stops = set(int(s) for s in stop_ids)
     end = len(ids)
     for i, t in enumerate(ids):
@@ -144,6 +155,8 @@ class ProbeContextBuilder:
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise ValueError("pad_id: the tokenizer has neither pad_token_id nor eos_token_id; pass pad_id explicitly")
+        if isinstance(pad_id, bool) or not hasattr(pad_id, "__index__") or int(pad_id) < 0:
+            raise ValueError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
         self.pad_id = int(pad_id)
         self.markers = tuple(markers)
         self.conclude_ids = self._encode(conclude)
@@ -188,10 +201,17 @@ class ProbeContextBuilder:
             raise ValueError(f"reasoning_lens must have B = {B} entries, got {len(reasoning_lens)}")
         rows, starts, lens, ans, plen = [], [], [], [], []
         for i in range(B):
-            p = _as_list(prompt_ids[i])
-            r = _as_list(response_ids[i])
-            L = (reasoning_length(r, self.tokenizer, self.markers, self.stop_ids)
-                 if reasoning_lens is None else int(reasoning_lens[i]))
+            p = _as_list(prompt_ids[i], f"prompt_ids[{i}]")
+            r = _as_list(response_ids[i], f"response_ids[{i}]")
+            if reasoning_lens is None:
+                L = reasoning_length(r, self.tokenizer, self.markers, self.stop_ids)
+            else:
+                L = reasoning_lens[i]
+                if isinstance(L, torch.Tensor) and L.dim() == 0 and not L.dtype.is_floating_point:
+                    L = int(L)
+                if isinstance(L, bool) or not hasattr(L, "__index__"):
+                    raise ValueError(f"reasoning_lens[{i}] must be an int, got {type(L).__name__} {L!r}")
+                L = int(L)
             if not 0 <= L <= len(r):
                 raise ValueError(f"reasoning_lens[{i}] must be in [0, {len(r)}], got {L}")
             a = self.answer_ids(answers[i])

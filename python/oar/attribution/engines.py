@@ -51,14 +51,57 @@ def _check_probe(probe: str) -> str:
     return probe
 
 
+def _int_value(name: str, v) -> int:
+    """``v`` as an int: Python/numpy integers and integer 0-d tensors; floats, bools and strings are refused
+    (int(0.5) would silently pick row 0)."""
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0 or v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            raise ValueError(f"{name} must be an int, got tensor of shape {tuple(v.shape)} and dtype {v.dtype}")
+        return int(v)
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    return int(v.__index__())
+
+
 def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
     if rows is None:
         return list(range(batch.batch_size))
-    out = sorted(set(int(r) for r in rows))
+    if isinstance(rows, (str, bytes)) or (isinstance(rows, torch.Tensor) and rows.dim() != 1):
+        raise ValueError(f"rows must be a sequence of row indices, got {rows!r}")
+    out = sorted(set(_int_value("rows[i]", r) for r in rows))
     for r in out:
         if not 0 <= r < batch.batch_size:
             raise ValueError(f"rows must index the batch (0 <= row < {batch.batch_size}), got {r}")
     return out
+
+
+def _budget_bytes(memory_budget_mb) -> int:
+    """memory_budget_mb (an int >= 1) in bytes, capped so that the planner's int64 never overflows."""
+    try:
+        mb = _int_value("memory_budget_mb", memory_budget_mb)
+    except ValueError:
+        mb = None
+    if mb is None or mb < 1:
+        raise ValueError(f"memory_budget_mb must be an int >= 1, got {memory_budget_mb!r}")
+    return min(mb, (1 << 43) - 1) << 20
+
+
+def _check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
+    """Token ids the model will embed must be valid rows of its embedding table (else an opaque IndexError,
+    or a device-side assert on CUDA)."""
+    vocab = int(getattr(model, "vocab_size", 0) or 0)
+    hi = f"{vocab}" if vocab > 0 else "inf"
+    if not (0 <= batch.pad_id and (vocab <= 0 or batch.pad_id < vocab)):
+        raise ValueError(f"pad_id must be a token id in [0, vocab_size={hi}), got {batch.pad_id}")
+    ids = batch.input_ids[batch.attention_mask.bool()]
+    if ids.numel() == 0:
+        return
+    lo, top = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab > 0 and top >= vocab):
+        bad = lo if lo < 0 else top
+        r, c = (torch.nonzero((batch.input_ids == bad) & batch.attention_mask.bool())[0]).tolist()
+        raise ValueError(f"batch.input_ids must be token ids in [0, vocab_size={hi}) of the model, got {bad} at "
+                         f"row {r}, column {c} (prompt, reasoning or answer token)")
 
 
 def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
@@ -87,6 +130,10 @@ def _clean(model: ProbeModel, batch: ProbeBatch, rows: list[int], clean_logits: 
     """Clean probe logits for ``rows``: (logits, row -> index into logits, forward passes spent)."""
     if clean_logits is None:
         return clean_probe_logits(model, batch, rows), {r: i for i, r in enumerate(rows)}, 1
+    want = (batch.batch_size, batch.answer_ids.shape[1])
+    if not isinstance(clean_logits, torch.Tensor) or clean_logits.dim() != 3 or tuple(clean_logits.shape[:2]) != want:
+        got = tuple(clean_logits.shape) if isinstance(clean_logits, torch.Tensor) else type(clean_logits).__name__
+        raise ValueError(f"clean_logits must be (B, K_max, V) with (B, K_max) = {want}, got {got}")
     return clean_logits, {r: r for r in rows}, 0
 
 
@@ -120,12 +167,18 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     Returns:
         Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``seconds``.
     Raises:
-        ValueError: unknown probe, rows out of range, non-positive budget.
+        ValueError: unknown probe, rows out of range or not integers, memory_budget_mb not an int >= 1,
+            max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary, clean_logits of
+            the wrong shape, a masked variant whose divergence is infinite (zero probability where the clean
+            distribution has mass).
     """
     probe = _check_probe(probe)
     rows = _rows(batch, rows)
-    if memory_budget_mb <= 0:
-        raise ValueError(f"memory_budget_mb must be > 0, got {memory_budget_mb}")
+    budget = _budget_bytes(memory_budget_mb)
+    max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
+    if max_variants < 0:
+        raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
+    _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
@@ -148,8 +201,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     counts = [int(batch.reasoning_len[r]) for r in rows]
     bytes_tok = model.activation_bytes_per_token(max(widths)) if hasattr(model, "activation_bytes_per_token") else 16384
     bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
-    plan = _C.plan_masked_chunks(widths, counts, int(bytes_tok), int(bytes_var), int(memory_budget_mb) << 20,
-                                 int(max_variants_per_chunk))
+    plan = _C.plan_masked_chunks(widths, counts, int(bytes_tok), int(bytes_var), budget, max_variants)
     var_row_t = torch.tensor(var_row, dtype=torch.long)
     var_col_t = torch.tensor(var_col, dtype=torch.long)
     var_j_t = torch.tensor(var_j, dtype=torch.long)
@@ -167,6 +219,15 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             pert = gather_probe_logits(window, batch.probe_start[row_index], batch.answer_ids.shape[1])
             clean = clean_all[clean_index_t[sl].to(clean_all.device)]
             d = _divergence(clean, pert, batch, row_index, probe)
+            if not bool(torch.isfinite(d).all()):
+                # probe_divergence returns +inf when the masked model gives zero probability (a -inf logit) to
+                # a token the clean model predicts; such a score cannot be normalized.
+                k = int(torch.nonzero(~torch.isfinite(d))[0])
+                raise ValueError(
+                    f"oar_p_scores: masking reasoning token {int(var_j_t[ch.begin + k])} of row {int(row_index[k])} "
+                    f"gives a non-finite divergence ({float(d[k])}): the masked probe distribution puts zero "
+                    "probability (-inf logits) where the clean one has mass"
+                )
             if probe == "answer_joint":
                 d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
             res.scores[row_index, var_j_t[sl]] = d.float().cpu()
@@ -190,14 +251,19 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         generator: torch.Generator for the noise (CPU); results are deterministic for a fixed seed.
         Other args as in :func:`oar_p_scores`.
     Raises:
-        ValueError: unknown probe, sigma <= 0, noise_draws < 1, rows out of range.
+        ValueError: unknown probe, sigma not finite and > 0, noise_draws not an int >= 1, rows out of range,
+            memory_budget_mb not an int >= 1, token ids outside the model's vocabulary.
+        FloatingPointError: non-finite scores (NaN/Inf logits or gradients).
     """
     probe = _check_probe(probe)
-    if not sigma > 0:
-        raise ValueError(f"sigma must be > 0, got {sigma}")
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 < sigma < float("inf")):
+        raise ValueError(f"sigma must be > 0 and finite, got {sigma!r}")
+    noise_draws = _int_value("noise_draws", noise_draws)
     if noise_draws < 1:
         raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
     rows = _rows(batch, rows)
+    budget = _budget_bytes(memory_budget_mb)
+    _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
@@ -211,7 +277,7 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     bytes_tok = (model.activation_bytes_per_token(max(widths), backward=True)
                  if hasattr(model, "activation_bytes_per_token") else 65536)
     plan = _C.plan_masked_chunks(widths, [1] * len(rows), int(bytes_tok), 8 * batch.keep * int(getattr(model, "vocab_size", 50000)),
-                                 int(memory_budget_mb) << 20, 0)
+                                 budget, 0)
     backward = 0
     for ch in plan:
         chunk_rows = rows[ch.begin:ch.end]
@@ -256,6 +322,7 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
     entropy of the policy at the step that produced token t (temperature 1), in nats. The probe context's
     prefix is exactly the generation context, so these equal the sampling-time entropies."""
     rows = _rows(batch, rows)
+    _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     dev = _device(model, batch)

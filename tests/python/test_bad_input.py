@@ -1,0 +1,430 @@
+"""Adversarial inputs: every public entry point either raises a ValueError that names the argument, the
+expected and the actual value, or returns a finite, well-formed result. Never NaN/Inf silently, never a
+crash, never uninitialized memory handed back as a result. One test (or parametrized case) per finding."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import oar
+from oar import ops
+from oar.attribution import ProbeContextBuilder, as_probe_model, oar_g_scores, oar_p_scores
+from oar.config import load_config, parse_overrides
+from oar.hook import TokenAdvantageHook
+from oar.models import tiny_random_llama
+
+R = torch.tensor([1.0, 0.0, 1.0, 0.0])
+S = torch.rand(2, 5, generator=torch.Generator().manual_seed(0))
+M = torch.ones(2, 5, dtype=torch.bool)
+A = torch.tensor([1.0, -1.0])
+
+
+# ---- group_advantages ----------------------------------------------------------------------------------------
+
+def test_group_advantages_float64_statistics_overflow_raises():
+    # Finite float64 rewards whose squared deviations overflow double used to give A = 0 silently.
+    r = torch.tensor([1.7e308, -1.7e308, 1.0, 0.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"statistics of group 0 overflow double .*rescale the rewards"):
+        ops.group_advantages(r, group_size=2)
+    with pytest.raises(ValueError, match=r"statistics of the batch overflow double"):
+        ops.group_advantages(r, group_size=2, estimator="batch")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(estimator=None), r"estimator must be a str, got NoneType None"),
+    (dict(estimator=3), r"estimator must be a str, got int 3"),
+    (dict(std=1), r"std must be a str, got int 1"),
+    (dict(singleton=0), r"singleton must be a str, got int 0"),
+    (dict(preset=["trl"]), r"preset must be one of .* or None, got \['trl'\]"),
+    (dict(eps="1e-4"), r"eps must be a real number, got str '1e-4'"),
+    (dict(eps=None, preset="nope"), r"preset must be one of"),
+    (dict(skip_nan="no"), r"skip_nan must be True or False, got str 'no'"),
+    (dict(skip_nan=torch.tensor(True)), r"skip_nan must be True or False, got Tensor"),
+])
+def test_group_advantages_argument_types(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ops.group_advantages(R, group_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("grouping, match", [
+    (dict(offsets=[]), r"offsets must have G \+ 1 >= 1 entries .*got shape \(0,\)"),
+    (dict(offsets=[0, 2**64, 4]), r"offsets must be a sequence of int64 CSR row starts"),
+    (dict(offsets=torch.tensor([0, 2, 4], device="meta")), r"offsets must hold data .*got a meta tensor"),
+    (dict(group_ids=[[0], [0], [1], [1]]), r"group_ids must hold hashable ids .*got \[0\] at row 0"),
+    (dict(group_ids="aabb"), r"group_ids must be a sequence with one id per reward, got str"),
+])
+def test_group_advantages_bad_grouping(grouping, match):
+    with pytest.raises(ValueError, match=match):
+        ops.group_advantages(R, **grouping)
+
+
+def test_group_advantages_meta_tensor_gives_shape_only():
+    # The single-response warning used to call .item() on meta data (RuntimeError).
+    out = ops.group_advantages(torch.empty(4, device="meta"), group_size=2)
+    assert out.device.type == "meta" and out.shape == (4,) and out.dtype == torch.float32
+
+
+def test_group_advantages_fake_kernel_refuses_mixed_devices():
+    with pytest.raises(ValueError, match=r"offsets must be on the same device as rewards \(meta\), got cpu"):
+        torch.ops.oar.group_advantages(torch.empty(4, device="meta"), torch.tensor([0, 2, 4]))
+
+
+# ---- normalize_importance / reshape_advantages ----------------------------------------------------------------
+
+def test_normalize_importance_subnormal_float64_range_is_finite():
+    # A subnormal max-min range has no finite reciprocal: (0 - 0) * inf used to give NaN.
+    s = torch.tensor([[5e-324, 0.0, 2.5e-324]], dtype=torch.float64)
+    out = ops.normalize_importance(s, torch.ones(1, 3, dtype=torch.bool))
+    assert torch.isfinite(out).all()
+    assert out[0, 0] == 1.0 and out[0, 1] == 0.0 and 0.0 <= out[0, 2] <= 1.0
+    tok, w = ops.reshape_advantages(torch.tensor([1.0]), s, torch.ones(1, 3, dtype=torch.bool),
+                                    torch.ones(1, 3, dtype=torch.bool))
+    assert torch.isfinite(w).all() and torch.isfinite(tok).all()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.normalize_importance(S, None), r"mask must be a tensor, got None"),
+    (lambda: torch.ops.oar.normalize_importance(None, M), r"scores must be a tensor, got None"),
+    (lambda: torch.ops.oar.group_advantages(R, None), r"offsets must be a tensor, got None"),
+    (lambda: torch.ops.oar.reshape_advantages(None, S, M, M), r"advantages must be a tensor, got None"),
+    (lambda: torch.ops.oar.reshape_advantages(A, S, M, None), r"response_mask must be a tensor, got None"),
+    (lambda: ops.probe_divergence(None, torch.zeros(1, 1, 2)), r"clean_logits must be a tensor, got None"),
+    (lambda: ops.grad_x_input(None, torch.zeros(1, 1, 2)), r"grad must be a tensor, got None"),
+    (lambda: ops.build_masked_batch(torch.zeros(1, 2, dtype=torch.long), None, torch.tensor([0]), 0),
+     r"row_index must be a tensor, got None"),
+])
+def test_none_for_a_tensor_argument_is_named(call, match):
+    # An undefined tensor used to be reported as shape (0,), dtype UNKNOWN_SCALAR or "tensor does not have a device".
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_reshape_token_advantage_overflow_raises():
+    with pytest.raises(ValueError, match=r"advantages\[0\] = 3e\+38 times its weight .* overflows float32"):
+        ops.reshape_advantages(torch.tensor([3e38, 1.0]), S, M, M)
+
+
+def test_reshape_float64_advantages_beyond_float32_are_named():
+    with pytest.raises(ValueError, match=r"advantages must fit in float32 .*got advantages\[0\] = 1e\+300"):
+        ops.reshape_advantages(torch.tensor([1e300, 1.0], dtype=torch.float64), S, M, M)
+
+
+def test_reshape_huge_beta_raises_instead_of_nan_weights():
+    with pytest.raises(ValueError, match=r"beta = 1e\+308 makes the boost weights .* overflow float32"):
+        ops.reshape_advantages(A, S, M, M, beta=1e308)
+    tok, w = ops.reshape_advantages(A, S, M, M, beta=1e30)  # large but representable: still finite
+    assert torch.isfinite(tok).all() and torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q="0.3"), r"q must be a real number, got str '0.3'"),
+    (dict(q=None), r"q must be a real number, got NoneType None"),
+    (dict(beta=True), r"beta must be a real number, got bool True"),
+    (dict(floor="x"), r"floor must be a real number, got str 'x'"),
+    (dict(tiers=None), r"tiers must be a str, got NoneType None"),
+    (dict(scores_are_normalized="false"), r"scores_are_normalized must be True or False, got str 'false'"),
+])
+def test_reshape_argument_types(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ops.reshape_advantages(A, S, M, M, **kwargs)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.reshape_advantages(A.to("meta"), S, M, M),
+     r"advantages must be on the same device as scores \(cpu\), got meta"),
+    (lambda: ops.normalize_importance(S.to("meta"), M), r"mask must be on the same device as scores \(meta\), got cpu"),
+    (lambda: ops.probe_divergence(torch.zeros(1, 1, 3, device="meta"), torch.zeros(1, 1, 3)),
+     r"clean_logits must be on the same device as perturbed_logits \(cpu\), got meta"),
+    (lambda: ops.grad_x_input(torch.zeros(1, 1, 3, device="meta"), torch.zeros(1, 1, 3)),
+     r"grad must be on the same device as input \(cpu\), got meta"),
+    (lambda: ops.build_masked_batch(torch.zeros(1, 3, dtype=torch.long), torch.tensor([0], device="meta"),
+                                    torch.tensor([0]), 0),
+     r"row_index must be on the same device as input_ids \(cpu\), got meta"),
+])
+def test_fake_kernels_refuse_mixed_meta_and_real_devices(call, match):
+    # The meta kernels used to allocate on the first argument's device and return uninitialized CPU memory.
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- probe_divergence / grad_x_input / build_masked_batch -----------------------------------------------------
+
+def test_probe_divergence_probe_must_be_a_string():
+    with pytest.raises(ValueError, match=r"probe must be a str, got NoneType None"):
+        ops.probe_divergence(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), probe=None)
+
+
+def test_probe_divergence_double_backward_raises_clearly():
+    clean, pert = torch.randn(2, 2, 5), torch.randn(2, 2, 5, requires_grad=True)
+    (g,) = torch.autograd.grad(ops.probe_divergence(clean, pert).sum(), pert, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"double backward .* is not supported"):
+        torch.autograd.grad(g.sum(), pert)
+    # First-order gradients are unaffected.
+    (g1,) = torch.autograd.grad(ops.probe_divergence(clean, pert).sum(), pert)
+    assert torch.isfinite(g1).all()
+
+
+@pytest.mark.parametrize("grad, inp", [
+    (torch.tensor([[[float("nan"), 1.0]]]), torch.ones(1, 1, 2)),
+    (torch.tensor([[[float("inf"), 1.0]]]), torch.ones(1, 1, 2)),
+    (torch.full((1, 1, 4), 1e30), torch.full((1, 1, 4), 1e30)),                                 # float32 overflow
+    (torch.full((1, 1, 4), 1e30, dtype=torch.float64), torch.full((1, 1, 4), 1e30, dtype=torch.float64)),
+])
+def test_grad_x_input_non_finite_result_raises(grad, inp):
+    with pytest.raises(ValueError, match=r"grad_x_input: the result at \[0, 0\] is not finite .*grad and input"):
+        ops.grad_x_input(grad, inp)
+
+
+@pytest.mark.parametrize("pad, match", [
+    (1.7, r"pad_id must be an int, got float 1.7"),
+    ("a", r"pad_id must be an int, got str 'a'"),
+    (None, r"pad_id must be an int, got NoneType None"),
+    (2**63, r"pad_id must fit in int64, got 9223372036854775808"),
+])
+def test_build_masked_batch_pad_id_type(pad, match):
+    with pytest.raises(ValueError, match=match):
+        ops.build_masked_batch(torch.zeros(1, 3, dtype=torch.long), torch.tensor([0]), torch.tensor([1]), pad)
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, match", [
+    ('{"q": 1e400}', r"oar config is not valid JSON: .*number overflow parsing '1e400'"),
+    ('{"seed": 9223372036854775808}', r"oar\.seed must fit in a signed 64-bit integer, got 9223372036854775808"),
+    ('{"memory_budget_mb": 18446744073709551615}', r"oar\.memory_budget_mb must fit in a signed 64-bit integer"),
+    ('{"method": 1}', r"^oar\.method must be a string, got number 1$"),
+    ('{"std": null}', r"^oar\.std must be a string, got null$"),
+    ('{"q": null}', r"^oar\.q must be a number, got null$"),
+])
+def test_oar_config_from_json_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        oar.OARConfig.from_json(text)
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("oar: {q: .inf}", r"oar\.q must be finite, got inf"),
+    ("oar: {q: .nan}", r"oar\.q must be finite, got nan"),
+    ("oar: {when: 2020-01-01}", r"oar\.when must be a number, string, bool or list, got date"),
+    ("oar: {q: 0.3", r"is not valid YAML"),
+    ("run: {seed: abc}", r"run\.seed must be an integer, got str 'abc'"),
+    ("model: {dtype: zeros}", r"model\.dtype must name a floating torch dtype .*got 'zeros'"),
+])
+def test_load_config_errors(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(_yaml(tmp_path, text))
+
+
+def test_load_config_directory_is_not_a_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(or is not a file\)"):
+        load_config(str(tmp_path))
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path):
+    # PyYAML (YAML 1.1) reads 1e-3 as a string, which the schema then refused as "not a number".
+    cfg = load_config(_yaml(tmp_path, "oar: {sigma: 1e-3, q: 2.5E-1}"))
+    assert cfg.oar.sigma == pytest.approx(1e-3) and cfg.oar.reshape.q == pytest.approx(0.25)
+    assert load_config(None, ["oar.sigma=2e-3"]).oar.sigma == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize("items, match", [
+    (["oar..q=1"], r"has an empty key part"),
+    (["oar.q=[1"], r"the value of override 'oar\.q=\[1' is not valid YAML"),
+    (["oar.q=1", "oar.q.x=2"], r"sets a key inside 'q'"),
+])
+def test_parse_overrides_errors(items, match):
+    with pytest.raises(ValueError, match=match):
+        parse_overrides(items)
+
+
+@pytest.mark.parametrize("item, match", [
+    ("oar.q=2", r"oar\.q must be in \(0, 1\), got 2"),
+    ("grpo.max_steps=abc", r"grpo\.max_steps must be an integer"),
+])
+def test_cli_train_bad_set_is_a_usage_error(tmp_path, capsys, item, match):
+    from oar.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--set", item, "--output-dir", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # nothing written for a rejected config
+
+
+# ---- hook and engines ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal")
+
+
+def _hook_batch(tok, C=12):
+    texts = ["so 2 and 3 \\boxed{5}", "hmm 9"]
+    ids = torch.full((2, C), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((2, C), dtype=torch.long)
+    for i, t in enumerate(texts):
+        e = tok.encode(t, add_special_tokens=False)[:C]
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
+    return [tok.encode("Q: 2+3?", add_special_tokens=False)] * 2, ids, mask
+
+
+def _hook(tok, method="oar_p"):
+    return TokenAdvantageHook(oar.OARConfig.from_json(json.dumps({"method": method})), tok)
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+def test_hook_bad_arguments(tiny, method):
+    model, tok = tiny
+    P, ids, mask = _hook_batch(tok)
+    h = _hook(tok, method)
+    ans = ["5", "5"]
+    cases = [
+        (dict(advantages=[1.0, -1.0]), r"advantages must be a torch\.Tensor, got list"),
+        (dict(completion_ids=None), r"completion_ids must be a torch\.Tensor, got NoneType"),
+        (dict(completion_ids=ids.float()), r"completion_ids must be an integer tensor of token ids, got dtype torch\.float32"),
+        (dict(completion_ids=ids + 100000), r"completion_ids must be token ids in \[0, \d+\), got \d+ at \[0, 0\]"),
+        (dict(completion_ids=ids - 100000), r"completion_ids must be token ids in \[0, \d+\), got -\d+"),
+        (dict(prompt_ids=[[10**6], [1]]), r"prompt_ids\[0\] must be token ids in \[0, \d+\), got 1000000 at position 0"),
+        (dict(prompt_ids=[torch.tensor([P[0]])] * 2), r"prompt_ids\[0\] must be a 1-D integer tensor of token ids"),
+        (dict(prompt_ids=[[1.5], [1]]), r"prompt_ids\[0\] must hold integer token ids, got 1\.5"),
+        (dict(advantages=torch.tensor([3e38, -1.0])), r"advantages\[0\] = 3e\+38 times its weight .* overflows float32"),
+        (dict(advantages=torch.tensor([1e300, -1.0], dtype=torch.float64)), r"advantages must fit in float32"),
+        (dict(advantages=torch.ones(2, device="meta")), r"advantages must hold data, got a tensor on the meta device"),
+    ]
+    for over, match in cases:
+        args = dict(prompt_ids=P, completion_ids=ids, completion_mask=mask, advantages=torch.tensor([1.0, -1.0]),
+                    answers=ans)
+        args.update(over)
+        with pytest.raises(ValueError, match=match):
+            h.compute(model, **args)
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g", "entropy", "random"])
+def test_hook_degenerate_batches_are_well_formed(tiny, method):
+    model, tok = tiny
+    P, ids, mask = _hook_batch(tok)
+    h = _hook(tok, method)
+    A2 = torch.tensor([1.0, -1.0])
+    for p, i, m, a, ans in [
+        ([], ids[:0], mask[:0], A2[:0], []),                       # B = 0
+        (P, ids[:, :0], mask[:, :0], A2, ["5", "5"]),              # completions of length 0
+        (P, ids, torch.zeros_like(mask), A2, ["5", "5"]),          # all-padding rows
+    ]:
+        out = h.compute(model, p, i, m, a, ans)
+        assert out.advantages.shape == i.shape and torch.isfinite(out.advantages).all()
+        assert (out.advantages[~m.bool()] == 0).all()
+    with pytest.raises(ValueError, match=r"answers: reference answer '' encodes to no tokens"):
+        h.compute(model, P, ids, mask, A2, ["", "5"])
+
+
+@pytest.fixture(scope="module")
+def probe_batch(tiny):
+    model, tok = tiny
+    b = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{")
+    P = tok.encode("Q: 2+3?", add_special_tokens=False)
+    batch = b.build([P, P], [tok.encode("so 2 and 3 ", add_special_tokens=False), tok.encode("hmm", add_special_tokens=False)],
+                    ["5", "15"])
+    return as_probe_model(model), batch, b
+
+
+@pytest.mark.parametrize("engine", [oar_p_scores, oar_g_scores])
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rows=[0.5]), r"rows\[i\] must be an int, got float 0\.5"),
+    (dict(rows=[True]), r"rows\[i\] must be an int, got bool True"),
+    (dict(rows="0"), r"rows must be a sequence of row indices"),
+    (dict(memory_budget_mb=0), r"memory_budget_mb must be an int >= 1, got 0"),
+    (dict(memory_budget_mb=0.5), r"memory_budget_mb must be an int >= 1, got 0\.5"),
+    (dict(memory_budget_mb=None), r"memory_budget_mb must be an int >= 1, got None"),
+    (dict(clean_logits=torch.zeros(1, 1, 1)), r"clean_logits must be \(B, K_max, V\) with \(B, K_max\) = \(2, 2\), got \(1, 1, 1\)"),
+])
+def test_engine_bad_arguments(probe_batch, engine, kwargs, match):
+    pm, batch, _ = probe_batch
+    with pytest.raises(ValueError, match=match):
+        engine(pm, batch, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_variants_per_chunk=1.5), r"max_variants_per_chunk must be an int, got float 1\.5"),
+    (dict(max_variants_per_chunk=-1), r"max_variants_per_chunk must be >= 0"),
+])
+def test_oar_p_bad_chunking(probe_batch, kwargs, match):
+    pm, batch, _ = probe_batch
+    with pytest.raises(ValueError, match=match):
+        oar_p_scores(pm, batch, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sigma=float("inf")), r"sigma must be > 0 and finite, got inf"),
+    (dict(noise_draws=1.5), r"noise_draws must be an int, got float 1\.5"),
+])
+def test_oar_g_bad_noise(probe_batch, kwargs, match):
+    pm, batch, _ = probe_batch
+    with pytest.raises(ValueError, match=match):
+        oar_g_scores(pm, batch, **kwargs)
+
+
+def test_engine_budget_extremes_plan_correctly(probe_batch):
+    pm, batch, _ = probe_batch
+    ref = oar_p_scores(pm, batch).scores
+    for kw in (dict(memory_budget_mb=1), dict(memory_budget_mb=2**50), dict(max_variants_per_chunk=1)):
+        got = oar_p_scores(pm, batch, **kw).scores
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-6)
+    assert torch.isfinite(oar_g_scores(pm, batch, memory_budget_mb=2**50).scores).all()
+
+
+def test_pad_id_must_be_a_valid_token(tiny, probe_batch):
+    model, tok = tiny
+    pm, _, _ = probe_batch
+    with pytest.raises(ValueError, match=r"pad_id must be a token id \(an int >= 0\), got -1"):
+        ProbeContextBuilder(tok, "x", pad_id=-1)
+    big = ProbeContextBuilder(tok, "x", pad_id=10**6).build([[5, 6]], [[7, 8]], ["5"])
+    with pytest.raises(ValueError, match=r"pad_id must be a token id in \[0, vocab_size=\d+\), got 1000000"):
+        oar_p_scores(pm, big)
+
+
+def test_build_reasoning_lens_must_be_integers(probe_batch):
+    _, _, b = probe_batch
+    with pytest.raises(ValueError, match=r"reasoning_lens\[0\] must be an int, got float 1\.5"):
+        b.build([[5]], [[6, 7]], ["5"], reasoning_lens=[1.5])
+
+
+class _ZeroProbModel:
+    """A ProbeModel whose logits put -inf on token 0 whenever a real (attended) position holds PAD: every OAR-P
+    variant then gives zero probability where the clean distribution has mass (KL = +inf)."""
+
+    vocab_size = 8
+    hidden_size = 4
+
+    def __init__(self, pad_id):
+        self.pad_id = pad_id
+
+    def embed(self, input_ids):
+        return torch.zeros(*input_ids.shape, self.hidden_size)
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        out = torch.zeros(input_ids.shape[0], keep, self.vocab_size)
+        masked = ((input_ids == self.pad_id) & (attention_mask == 1)).any(1)
+        out[masked, :, 0] = float("-inf")
+        return out
+
+
+def test_oar_p_infinite_divergence_is_an_error():
+    b = ProbeContextBuilder(type("Tok", (), {"pad_token_id": 7, "eos_token_id": 7,
+                                             "encode": lambda self, s, add_special_tokens=False: [1] * len(s),
+                                             "decode": lambda self, ids, skip_special_tokens=False: "x" * len(ids)})(),
+                            "c", answer_suffix="")
+    batch = b.build([[2, 3]], [[4, 5, 6]], ["a"], reasoning_lens=[3])
+    with pytest.raises(ValueError, match=r"oar_p_scores: masking reasoning token 0 of row 0 gives a non-finite "
+                                         r"divergence \(inf\)"):
+        oar_p_scores(_ZeroProbModel(7), batch)
+    assert math.isinf(float(ops.probe_divergence(torch.zeros(1, 1, 3), torch.tensor([[[-math.inf, 0.0, 0.0]]]),
+                                                 probe="last")))  # the op itself documents +inf
