@@ -7,15 +7,18 @@
 # even for a CPU-only consumer. We still ask Python for torch.utils.cmake_prefix_path, as
 # docs/architecture.md asks, and derive the include/lib folders from it. See docs/design.md.
 #
-# Inputs:  OAR_PYTHON_EXECUTABLE (or Python_EXECUTABLE) -- the interpreter whose torch to use.
-# Outputs: OAR_TORCH_VERSION, OAR_TORCH_HAS_CUDA, OAR_TORCH_LIB_DIR, OAR_TORCH_CUDA_VERSION.
+# Inputs:  OAR_PYTHON_EXECUTABLE (or Python_EXECUTABLE) -- the interpreter whose torch to use;
+#          OAR_TORCH_OPTIONAL -- when true, a missing torch is reported and OAR_TORCH_FOUND left FALSE
+#          instead of stopping (used by the installed oarConfig.cmake so oar::core works without torch).
+# Outputs: OAR_TORCH_FOUND, OAR_TORCH_VERSION, OAR_TORCH_HAS_CUDA, OAR_TORCH_LIB_DIR, OAR_TORCH_CUDA_VERSION.
 include_guard(GLOBAL)
 
+set(OAR_TORCH_FOUND FALSE)
 if(NOT OAR_PYTHON_EXECUTABLE)
   if(Python_EXECUTABLE)
     set(OAR_PYTHON_EXECUTABLE "${Python_EXECUTABLE}")
   else()
-    find_program(OAR_PYTHON_EXECUTABLE NAMES python3 python REQUIRED)
+    find_program(OAR_PYTHON_EXECUTABLE NAMES python3 python)
   endif()
 endif()
 
@@ -27,8 +30,14 @@ execute_process(
   ERROR_VARIABLE _oar_torch_err
   OUTPUT_STRIP_TRAILING_WHITESPACE)
 if(NOT _oar_torch_rc EQUAL 0)
-  message(FATAL_ERROR "oar: could not import torch with ${OAR_PYTHON_EXECUTABLE}: ${_oar_torch_err}\n"
-                      "Install the pinned wheel (pip install torch==2.14.1) or pass -DOAR_PYTHON_EXECUTABLE=...")
+  set(_oar_msg "oar: could not import torch with '${OAR_PYTHON_EXECUTABLE}': ${_oar_torch_err}\n"
+               "Install the pinned wheel (pip install torch==2.14.1), activate the environment that has it, "
+               "or pass -DOAR_PYTHON_EXECUTABLE=/path/to/python")
+  if(OAR_TORCH_OPTIONAL)
+    message(STATUS "${_oar_msg}\noar: oar::torch is not available; oar::core is.")
+    return()
+  endif()
+  message(FATAL_ERROR "${_oar_msg}")
 endif()
 list(GET _oar_torch_info 0 OAR_TORCH_VERSION)
 list(GET _oar_torch_info 1 _oar_torch_root)
@@ -65,4 +74,5 @@ if(OAR_TORCH_HAS_CUDA AND NOT TARGET oar_torch::cuda)
     set(OAR_TORCH_HAS_CUDA OFF)
   endif()
 endif()
+set(OAR_TORCH_FOUND TRUE)
 message(STATUS "oar: torch ${OAR_TORCH_VERSION} at ${_oar_torch_root} (CUDA: ${OAR_TORCH_CUDA_VERSION}, cxx11 abi ${_oar_torch_abi})")

@@ -13,7 +13,8 @@ def _train(a) -> int:
 
     # Configuration errors are user errors: report them as such (exit 2, no traceback) before any work.
     try:
-        load_config(a.config, a.set)
+        cfg = load_config(a.config, a.set)
+        _task_problems(dict(cfg.task), "train")  # missing data fails here, before the model is loaded
     except (ValueError, FileNotFoundError) as e:
         a.parser.error(str(e))
 
@@ -22,9 +23,27 @@ def _train(a) -> int:
     return 0
 
 
+def _task_problems(task_cfg: dict, split: str):
+    """Builds a config's task and reads one problem of ``split`` (fails fast on missing data files)."""
+    from oar.tasks import get_task
+
+    task_cfg.pop("train_size", None)
+    task = get_task(task_cfg.pop("name", "arithmetic"), **(task_cfg.pop("kwargs", None) or {}))
+    try:
+        return task.problems(split, n=1)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{e}. Download the data (docs/data.md) and pass its path (--data for `oar attribute`, "
+                      "task.kwargs.train_path for `oar train`) or set OAR_DATA_DIR") from None
+
+
 def _attribute(a) -> int:
     from oar.attribute import run_attribute
 
+    try:
+        kwargs = {"test_path": a.data} if a.task == "gsm8k" and a.data else ({"path": a.data} if a.data else {})
+        _task_problems({"name": a.task, "kwargs": kwargs}, "test")
+    except (ValueError, FileNotFoundError) as e:
+        a.parser.error(str(e))
     run_attribute(a)
     return 0
 
@@ -61,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--seed", type=int, default=0)
     at.add_argument("--out", default="runs/attribute/heatmap.html")
     at.add_argument("--top", type=int, default=10, help="print the top-N tokens per method")
-    at.set_defaults(func=_attribute)
+    at.set_defaults(func=_attribute, parser=at)
 
     i = sub.add_parser("info", help="print build information (CUDA kernels, torch versions)")
     i.set_defaults(func=_info)

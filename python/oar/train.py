@@ -124,14 +124,14 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=()):
 
     seed = int(cfg.run.get("seed", 0))
     torch.manual_seed(seed)
-    mcfg = dict(cfg.model)
-    dtype = getattr(torch, str(mcfg.pop("dtype", "float32")))
-    model, tokenizer = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=seed, **mcfg)
     tcfg = dict(cfg.task)
     task = get_task(tcfg.pop("name", "arithmetic"), **(tcfg.pop("kwargs", None) or {}))
     problems = task.problems("train", n=tcfg.pop("train_size", None), seed=seed)
     if not problems:
         raise ValueError(f"task {task!r} produced no training problems")
+    mcfg = dict(cfg.model)
+    dtype = getattr(torch, str(mcfg.pop("dtype", "float32")))
+    model, tokenizer = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=seed, **mcfg)
     ds = Dataset.from_list(_rows_for_dataset(task, problems))
     grpo = dict(cfg.grpo)
     grpo.setdefault("report_to", "none")
@@ -181,11 +181,11 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
         "reward_first5": mean("reward_mean", slice(0, 5)),
         "reward_last5": mean("reward_mean", slice(-5, None)),
         "reward_per_step": [r.get("reward_mean") for r in rows],
-        "time_generation_s": mean("time_generation_s"),
-        "time_attribution_s": mean("time_attribution_s"),
-        "time_update_s": mean("time_update_s"),
-        "ess_ratio": mean("ess_ratio"),
-        "top10_mass": mean("top10_mass"),
+        "mean_time_generation_s": mean("time_generation_s"),
+        "mean_time_attribution_s": mean("time_attribution_s"),
+        "mean_time_update_s": mean("time_update_s"),
+        "mean_ess_ratio": mean("ess_ratio"),
+        "mean_top10_mass": mean("top10_mass"),
         "load_seconds": load_s,
         "wall_seconds": time.perf_counter() - t0,
         "output_dir": out,

@@ -33,18 +33,32 @@ def _cmake():
     return exe
 
 
-@pytest.fixture(scope="module")
-def consumer_build(tmp_path_factory):
-    build = tmp_path_factory.mktemp("consumer")
+def _configure_and_build(build, python_exe):
     cmake = _cmake()
     gen = ["-G", "Ninja"] if shutil.which("ninja", path=os.path.dirname(sys.executable)) or shutil.which("ninja") else []
     cfg = subprocess.run([cmake, "-S", CONSUMER, "-B", str(build), *gen, f"-DCMAKE_PREFIX_PATH={oar.cmake_prefix_path}",
-                          f"-DOAR_PYTHON_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"],
+                          f"-DOAR_PYTHON_EXECUTABLE={python_exe}", "-DCMAKE_BUILD_TYPE=Release"],
                          capture_output=True, text=True)
     assert cfg.returncode == 0, cfg.stdout + cfg.stderr
     b = subprocess.run([cmake, "--build", str(build), "-j2"], capture_output=True, text=True)
     assert b.returncode == 0, b.stdout + b.stderr
+    return cfg.stdout
+
+
+@pytest.fixture(scope="module")
+def consumer_build(tmp_path_factory):
+    build = tmp_path_factory.mktemp("consumer")
+    _configure_and_build(build, sys.executable)
     return build
+
+
+def test_core_only_consumer_needs_no_torch(tmp_path):
+    """With no usable Python/torch, find_package(oar) still provides oar::core (and says why not oar::torch)."""
+    log = _configure_and_build(tmp_path, "/bin/false")
+    assert "oar::torch is not available" in log
+    assert (tmp_path / "consumer_core").exists() and not (tmp_path / "consumer_torch").exists()
+    got = _run(str(tmp_path / "consumer_core"))
+    assert len(got["advantages"]) == 4
 
 
 def _run(path):

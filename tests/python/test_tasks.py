@@ -1,11 +1,12 @@
 """Tests of oar.tasks: answer extraction, verification, the arithmetic generator, GSM8K/MATH500 loaders.
 
-Fast (no model). The real data files are read from ../shared/data when present, else skipped.
+Fast (no model). The real data files are read from $OAR_DATA_DIR or ../shared/data when present, else skipped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from fractions import Fraction
@@ -31,7 +32,7 @@ from oar.tasks.verify import (
     verify_answer,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("OAR_DATA_DIR") or Path(__file__).resolve().parents[3] / "shared" / "data")
 GSM8K_TEST = SHARED_DATA / "gsm8k" / "test.jsonl"
 MATH500_TEST = SHARED_DATA / "math500" / "test.jsonl"
 
@@ -405,7 +406,7 @@ def test_math500_loader_small_file(tmp_path):
 # the real files, when ../shared/data is present
 
 
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="shared GSM8K data absent")
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"GSM8K data absent ({SHARED_DATA}/gsm8k/test.jsonl; set OAR_DATA_DIR)")
 def test_gsm8k_real_test_file():
     ps = load_gsm8k(str(GSM8K_TEST), split="test")
     assert len(ps) == 1319
@@ -419,7 +420,7 @@ def test_gsm8k_real_test_file():
     assert sorted(p.metadata["steps"] for p in easy) == [p.metadata["steps"] for p in easy]
 
 
-@pytest.mark.skipif(not MATH500_TEST.exists(), reason="shared MATH500 data absent")
+@pytest.mark.skipif(not MATH500_TEST.exists(), reason=f"MATH500 data absent ({SHARED_DATA}/math500/test.jsonl; set OAR_DATA_DIR)")
 def test_math500_real_file_boxed_matches_answer():
     ps = load_math500(str(MATH500_TEST))
     assert len(ps) == 500

@@ -57,3 +57,15 @@ def test_train_job_writes_metrics_plot_summary(tmp_path):
     saved = json.load(open(out / "summary.json"))
     assert saved["steps"] == 2 and saved == json.loads(json.dumps(summary))
     assert json.load(open(out / "config.json"))["oar"]["method"] == "oar_g"
+
+
+def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):
+    from oar.cli import main
+
+    monkeypatch.delenv("OAR_DATA_DIR", raising=False)
+    for argv in (["attribute", "--data", "/nonexistent/test.jsonl"], ["train", "--config", "gsm8k"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "docs/data.md" in err and "Traceback" not in err
