@@ -71,7 +71,14 @@ for base in sys.path:
         print(p); raise SystemExit
 PY
 )
-    [ -n "$cand" ] && NVCC=$cand
+    if [ -n "$cand" ]; then
+      NVCC=$cand
+      # The wheels lay the toolkit out as bin/ + lib/; nvcc links from lib64/ and CMake's FindCUDAToolkit
+      # wants an unversioned libcudart.so. Add both as links inside the venv's own copy.
+      cu=$(dirname "$(dirname "$cand")")
+      [ -e "$cu/lib64" ] || ln -s lib "$cu/lib64"
+      [ -e "$cu/lib/libcudart.so" ] || ln -s "$(basename "$(ls "$cu"/lib/libcudart.so.* | head -1)")" "$cu/lib/libcudart.so"
+    fi
   fi
   if [ -z "$NVCC" ] && [ "$WITH_CUDA" = ON ]; then echo "OAR_WITH_CUDA=ON but no nvcc found" >&2; exit 1; fi
 fi
