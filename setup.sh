@@ -7,6 +7,7 @@
 # Environment knobs:
 #   OAR_WITH_CUDA=ON|OFF|AUTO   build the CUDA kernels (AUTO: when nvcc is found; default AUTO)
 #   OAR_SKIP_APT=1              do not touch system packages (you installed them yourself)
+#   OAR_NVCC=wheel              ignore an installed nvcc and use the pip CUDA-compiler wheels (tests that path)
 #   OAR_VENV=path               virtual environment location (default .venv)
 #   OAR_BUILD_DIR=path          CMake build tree shared by pip and ctest (default build)
 set -euo pipefail
@@ -59,8 +60,8 @@ fi
 # 3. CUDA compiler: /usr/local/cuda if present, else the pip nvcc wheels (compile-only; no GPU needed).
 NVCC=""
 if [ "$WITH_CUDA" != OFF ]; then
-  if command -v nvcc >/dev/null 2>&1; then NVCC=$(command -v nvcc)
-  elif [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc
+  if [ "${OAR_NVCC:-}" != wheel ] && command -v nvcc >/dev/null 2>&1; then NVCC=$(command -v nvcc)
+  elif [ "${OAR_NVCC:-}" != wheel ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc
   else
     log "nvcc not found: installing the nvidia-cuda-nvcc wheels into the venv"
     "$VPY" -m pip install -q -r requirements/cuda.txt || true
