@@ -8,6 +8,8 @@ Entry points:
     oar.ops            tensor operators (torch.ops.oar.*), documented wrappers
     oar.reference      plain-PyTorch references of every op
     oar.OARConfig      configuration (one schema with the C++ side)
+    oar.token_advantages(...)  rewards -> per-token advantages in one call (custom training loops)
+    oar.baselines      entropy shaping, KTAE, IRPO rewards (oar.irpo_rewards)
     oar.build_info()   what this build contains; oar.has_cuda_kernels()
 """
 
@@ -26,6 +28,9 @@ from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.o
 OARConfig = _C.OARConfig
 ReshapeOptions = _C.ReshapeOptions
 GroupAdvantageOptions = _C.GroupAdvantageOptions
+
+from oar.api import METHODS, sequence_advantages, token_advantages  # noqa: E402  (functional API)
+from oar.baselines import irpo_advantages, irpo_rewards  # noqa: E402
 
 #: Folder to put on CMAKE_PREFIX_PATH so that find_package(oar) finds this installation.
 cmake_prefix_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "share", "cmake")
@@ -71,6 +76,11 @@ __all__ = [
     "OARConfig",
     "ReshapeOptions",
     "GroupAdvantageOptions",
+    "METHODS",
+    "token_advantages",
+    "sequence_advantages",
+    "irpo_rewards",
+    "irpo_advantages",
     "build_info",
     "has_cuda_kernels",
     "cmake_prefix_path",

@@ -48,6 +48,22 @@ def _attribute(a) -> int:
     return 0
 
 
+def _eval_attribution(a) -> int:
+    from oar.eval_attribution import run
+
+    if "gsm8k" in a.tasks:
+        try:
+            _task_problems({"name": "gsm8k", "kwargs": {"test_path": a.data} if a.data else {}}, "test")
+        except (ValueError, FileNotFoundError) as e:
+            a.parser.error(str(e))
+    for name, v, lo in (("--traces", a.traces, 1), ("--draws", a.draws, 1), ("--problems", a.problems, 1),
+                        ("--num-generations", a.num_generations, 1)):
+        if v < lo:
+            a.parser.error(f"{name} must be >= {lo}, got {v}")
+    run(a)
+    return 0
+
+
 def _info(a) -> int:
     import oar
 
@@ -81,6 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--out", default="runs/attribute/heatmap.html")
     at.add_argument("--top", type=int, default=10, help="print the top-N tokens per method")
     at.set_defaults(func=_attribute, parser=at)
+
+    ev = sub.add_parser("eval-attribution",
+                        help="recall of oracle-causal tokens among the top 10/20/30%% by OAR-P, OAR-G, entropy, random")
+    ev.add_argument("--tasks", nargs="+", default=["arithmetic", "gsm8k"], choices=["arithmetic", "gsm8k", "math500"])
+    ev.add_argument("--data", default=None, help="GSM8K test JSONL (default: $OAR_DATA_DIR/gsm8k/test.jsonl)")
+    ev.add_argument("--model", default="smollm2-135m-instruct")
+    ev.add_argument("--problems", type=int, default=60, help="problems sampled per task (easiest first for GSM8K)")
+    ev.add_argument("--traces", type=int, default=16, help="correct traces to keep per task")
+    ev.add_argument("-G", "--num-generations", type=int, default=8, help="samples per problem to find a correct one")
+    ev.add_argument("--max-new-tokens", type=int, default=160)
+    ev.add_argument("--temperature", type=float, default=0.8)
+    ev.add_argument("--draws", type=int, default=8, help="OAR-G noise draws K (reported with K = 1 too)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", default="runs/eval_attribution/recall", help="output prefix (.csv .md .png .json)")
+    ev.set_defaults(func=_eval_attribution, parser=ev)
 
     i = sub.add_parser("info", help="print build information (CUDA kernels, torch versions)")
     i.set_defaults(func=_info)

@@ -51,6 +51,8 @@ class TokenAdvantages:
     scores: torch.Tensor
     reasoning_mask: torch.Tensor
     metrics: dict = field(default_factory=dict)
+    #: (B,) float32 sequence advantages the token advantages were built from (set by :func:`oar.token_advantages`).
+    sequence_advantages: torch.Tensor | None = None
 
 
 class TokenAdvantageHook:
@@ -66,7 +68,11 @@ class TokenAdvantageHook:
     the weights) and reports the skipped share as ``oar/skipped_rows_frac``.
     """
 
-    def __init__(self, config, tokenizer, markers: Sequence[str] = DEFAULT_MARKERS, pad_id: int | None = None):
+    def __init__(self, config, tokenizer, markers: Sequence[str] = DEFAULT_MARKERS, pad_id: int | None = None,
+                 sync_forwards: bool | None = None):
+        # sync_forwards: keep attribution forwards in step across ranks (oar.distributed.ForwardGate); None =
+        # whenever torch.distributed runs with more than one process (required under ZeRO-3 / FSDP).
+        self.sync_forwards = sync_forwards
         self.config = config
         self.tokenizer = tokenizer
         self.builder = ProbeContextBuilder(tokenizer, config.conclude, config.answer_suffix, pad_id=pad_id,
@@ -115,7 +121,8 @@ class TokenAdvantageHook:
                                  f"position {j}")
 
     def compute(self, model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                advantages: torch.Tensor, answers: Sequence[str], eligible_mask: torch.Tensor | None = None) -> TokenAdvantages:
+                advantages: torch.Tensor, answers: Sequence[str], eligible_mask: torch.Tensor | None = None,
+                rewards: torch.Tensor | None = None, group_offsets=None) -> TokenAdvantages:
         """Per-token advantages for one generation batch.
 
         Args:
@@ -127,6 +134,11 @@ class TokenAdvantageHook:
             answers: B reference answers (strings).
             eligible_mask: (B, C) tokens that carry loss (default completion_mask; e.g. completion_mask *
                 tool_mask). Reasoning tokens outside it are not scored.
+            rewards, group_offsets: (B,) rewards and the groups (CSR offsets (G + 1,) or an int group size);
+                used by method "ktae" only (correctness and per-group token tables; see oar.baselines).
+
+        Methods "entropy_shaping" and "ktae" add a bonus to A instead of reshaping (method.md section 8; no
+        sum preservation); "dr_grpo" gives uniform credit like "grpo".
 
         Returns:
             :class:`TokenAdvantages` on ``advantages.device``.
@@ -170,14 +182,25 @@ class TokenAdvantageHook:
             raise ValueError("advantages must fit in float32 (|A| <= 3.4e38); got larger values at rows "
                              f"{torch.nonzero(~torch.isfinite(adv)).flatten().tolist()[:8]}")
         method = self.config.method
+        if method in ("entropy_shaping", "ktae"):
+            from oar.api import additive_baseline
+
+            return additive_baseline(self, model, prompt_ids, completion_ids, completion_mask, adv, eligible, out_dev,
+                                     t0, rewards=rewards, group_offsets=group_offsets)
+        gate = None
+        if method in ("oar_p", "oar_g", "entropy"):
+            from oar.distributed import ForwardGate, distributed_world
+
+            if self.sync_forwards or (self.sync_forwards is None and distributed_world()):
+                gate = ForwardGate(as_probe_model(model), pad_id=self.builder.pad_id)
         scores = torch.zeros((B, C), dtype=torch.float32)
         reasoning = torch.zeros((B, C), dtype=torch.bool)
         stats: dict = {}
         active = [i for i in range(B) if float(adv[i]) != 0.0]
-        if method != "grpo" and active:
+        if method not in ("grpo", "dr_grpo") and active:
             cids = completion_ids.detach().cpu()
             cmask = completion_mask.detach().bool().cpu()
-            pm = as_probe_model(model) if method != "random" else None
+            pm = (gate if gate is not None else as_probe_model(model)) if method != "random" else None
             vocab = int(getattr(pm, "vocab_size", 0) or 0) if pm is not None else 0
             self._check_token_ids(cids, cmask, prompt_ids, active, vocab)
             lens = self.reasoning_lengths(cids, cmask)
@@ -207,6 +230,9 @@ class TokenAdvantageHook:
                 scores[i, cols] = att.scores[k, :L]
                 reasoning[i, cols] = True
             reasoning &= eligible
+        if gate is not None:
+            gate.finish()  # dummy forwards until every rank is done (collective: also on ranks with no rows)
+            stats = dict(stats, padding_forwards=sum(gate.dummy_calls.values()))
         r = self.config.reshape
         tok_adv, weights = ops.reshape_advantages(adv, scores, reasoning, eligible, q=r.q, beta=r.beta, floor=r.floor,
                                                   tiers=r.tiers)
@@ -218,6 +244,7 @@ class TokenAdvantageHook:
             "oar/reasoning_frac": float(reasoning.sum() / eligible.sum().clamp_min(1)),
             "oar/skipped_rows_frac": 1.0 - len(active) / max(B, 1),
             "oar/forward_passes": float(stats.get("forward_passes", 0)),
+            "oar/padding_forwards": float(stats.get("padding_forwards", 0)),
             "oar/attribution_seconds": time.perf_counter() - t0,
         }
         return TokenAdvantages(tok_adv.to(out_dev), weights.to(out_dev), scores.to(out_dev), reasoning.to(out_dev), metrics)

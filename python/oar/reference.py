@@ -161,6 +161,33 @@ def reshape_advantages(
     return (w * a[:, None]).to(torch.float32), w.to(torch.float32)
 
 
+def reshape_advantages_vectorized(advantages: torch.Tensor, scores: torch.Tensor, reasoning_mask: torch.Tensor,
+                                  response_mask: torch.Tensor, *, q: float = 0.25, beta: float = 1.0,
+                                  floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize + reshape (tiers "both") the way a user would vectorize it in plain PyTorch, float32, on
+    any device: log1p, masked min-max via where, the per-row quantile via ``torch.nanquantile`` on a
+    NaN-filled copy, then tiers and mass preservation. Same math as :func:`reshape_advantages` (tested);
+    the benchmarks' "what users would write" provider. Returns ``(token_advantages, weights)``."""
+    eps = 1e-8
+    rm = reasoning_mask.bool()
+    pm = response_mask.bool()
+    s = torch.log1p(scores.float())
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(rm, s, torch.full_like(s, big)).amin(1, keepdim=True)
+    hi = torch.where(rm, s, torch.full_like(s, -big)).amax(1, keepdim=True)
+    den = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    x = torch.where(rm, (s - lo) / den, torch.zeros_like(s))
+    tau = torch.nanquantile(torch.where(rm, x, torch.full_like(x, float("nan"))), q, dim=1, keepdim=True,
+                            interpolation="linear")
+    tau = torch.nan_to_num(tau, nan=0.0)
+    w = torch.where(x < tau, torch.clamp(x / (tau + eps), min=floor), 1.0 + beta * (x - tau) / (1.0 - tau + eps))
+    w = torch.where(rm, w, torch.zeros_like(w))
+    L = rm.sum(1, keepdim=True).float()
+    w = w * (L / w.sum(1, keepdim=True).clamp_min(1e-30))
+    w = torch.where(rm, w, pm.float())
+    return w * advantages.float()[:, None], w
+
+
 # ==== end section: advantages ===========================================================================
 
 # ==== section: probe ====================================================================================
@@ -234,3 +261,61 @@ def build_masked_batch(
 
 
 # ==== end section: probe ================================================================================
+
+# ==== section: attribution (naive OAR-P, what a user would write; benchmarks and tests) ==================
+
+
+def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tensor, probe: str) -> torch.Tensor:
+    """Probe statistic of ONE context's full logits (T, V): log-distribution (V,) or phi (scalar), float64."""
+    z = logits[cols].double()
+    if probe == "last":
+        return torch.log_softmax(z[0], -1)
+    if probe == "answer_mean":
+        return torch.log_softmax(z.mean(0), -1)
+    lp = torch.log_softmax(z, -1)
+    return lp[torch.arange(len(cols)), answer_ids].mean()
+
+
+def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched", rows=None, positions=None,
+                variants_per_forward: int = 32) -> dict:
+    """OAR-P the way a user would write it from method.md section 3 with Hugging Face: mask each reasoning
+    token with PAD, run ``model(input_ids).logits`` over the WHOLE context (full logits, every position),
+    take log_softmax at the probe positions and the KL (or the clamped answer log-likelihood drop).
+
+    ``mode="serial"``: one unpadded context per forward. ``mode="batched"``: ``variants_per_forward``
+    masked copies of one rollout per forward. ``positions``: optional {row: list of reasoning indices} to
+    score a subset (benchmarks extrapolate from it). Returns {row: {reasoning index j: score}}.
+    """
+    out = {}
+    rows = range(batch.batch_size) if rows is None else rows
+    with torch.no_grad():
+        for r in rows:
+            m = batch.attention_mask[r].bool()
+            ids = batch.input_ids[r][m]  # unpadded context
+            off = int((~m).sum())
+            s = int(batch.reasoning_start[r]) - off
+            L = int(batch.reasoning_len[r])
+            K = int(batch.answer_len[r])
+            first = ids.numel() - (batch.keep - int(batch.probe_start[r]))  # position predicting answer token 0
+            cols = torch.arange(first, first + K)
+            a_ids = batch.answer_ids[r, :K]
+            clean = _probe_stat(model(input_ids=ids[None]).logits[0], cols, a_ids, probe)
+            js = list(range(L)) if positions is None else list(positions[r])
+            scores = {}
+            step = 1 if mode == "serial" else max(1, int(variants_per_forward))
+            for k in range(0, len(js), step):
+                chunk = js[k:k + step]
+                masked = ids.repeat(len(chunk), 1)
+                masked[torch.arange(len(chunk)), torch.tensor(chunk) + s] = batch.pad_id
+                logits = model(input_ids=masked).logits
+                for i, j in enumerate(chunk):
+                    pert = _probe_stat(logits[i], cols, a_ids, probe)
+                    if probe == "answer_joint":
+                        scores[j] = max(0.0, float(clean - pert))
+                    else:
+                        scores[j] = float((clean.exp() * (clean - pert)).sum().clamp_min(0))
+            out[r] = scores
+    return out
+
+
+# ==== end section: attribution ============================================================================

@@ -13,8 +13,9 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr std::array<std::pair<const char*, Method>, 5> kMethods{{
-    {"grpo", Method::kGrpo}, {"random", Method::kRandom}, {"entropy", Method::kEntropy},
+constexpr std::array<std::pair<const char*, Method>, 8> kMethods{{
+    {"grpo", Method::kGrpo}, {"dr_grpo", Method::kDrGrpo}, {"random", Method::kRandom},
+    {"entropy", Method::kEntropy}, {"entropy_shaping", Method::kEntropyShaping}, {"ktae", Method::kKtae},
     {"oar_p", Method::kOarP}, {"oar_g", Method::kOarG}}};
 
 [[noreturn]] void fail(const std::string& key, const std::string& what) {
@@ -75,7 +76,8 @@ const std::set<std::string>& known_keys() {
   static const std::set<std::string> keys{
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
-      "preset"};
+      "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
+      "ktae_threshold"};
   return keys;
 }
 
@@ -89,6 +91,12 @@ Method parse_method(std::string_view name, std::string_view arg) {
   for (size_t i = 0; i < kMethods.size(); ++i) os << (i ? ", " : "") << '"' << kMethods[i].first << '"';
   os << "}, got \"" << name << '"';
   throw InvalidArgument(os.str());
+}
+
+std::vector<std::string> method_names() {
+  std::vector<std::string> out;
+  for (const auto& [key, value] : kMethods) out.emplace_back(key);
+  return out;
 }
 
 const char* to_string(Method v) {
@@ -133,8 +141,13 @@ OARConfig parse_oar_config(const std::string& json_text) {
     return 0;
   });
 
-  const auto estimator =
-      parse_key("estimator", [&] { return parse_estimator(get_string(obj, "estimator", "grpo"), "estimator"); });
+  // Dr. GRPO is a choice of sequence estimator (no std scaling, method.md section 1) with uniform credit.
+  const bool dr = cfg.method == Method::kDrGrpo;
+  const auto estimator = parse_key(
+      "estimator", [&] { return parse_estimator(get_string(obj, "estimator", dr ? "dr_grpo" : "grpo"), "estimator"); });
+  if (dr && estimator != Estimator::kDrGrpo)
+    fail("estimator", std::string("must be \"dr_grpo\" (or absent) when oar.method is \"dr_grpo\", got \"") +
+                          to_string(estimator) + "\"");
   const std::string preset = get_string(obj, "preset", "default");
   cfg.advantages = parse_key("preset", [&] { return preset_options(preset, estimator); });
   if (obj.contains("std"))
@@ -158,6 +171,25 @@ OARConfig parse_oar_config(const std::string& json_text) {
   if (cfg.max_variants_per_chunk < 0)
     fail("max_variants_per_chunk", "must be >= 0 (0 = unlimited), got " + std::to_string(cfg.max_variants_per_chunk));
   cfg.seed = get_int(obj, "seed", cfg.seed);
+
+  auto& es = cfg.entropy_shaping;
+  es.alpha = get_number(obj, "entropy_alpha", es.alpha);
+  if (es.alpha < 0) fail("entropy_alpha", "must be >= 0, got " + obj.at("entropy_alpha").dump());
+  es.kappa = get_number(obj, "entropy_kappa", es.kappa);
+  if (!(es.kappa > 0)) fail("entropy_kappa", "must be > 0, got " + obj.at("entropy_kappa").dump());
+
+  auto& kt = cfg.ktae;
+  kt.alpha = get_number(obj, "ktae_alpha", kt.alpha);
+  if (kt.alpha < 0) fail("ktae_alpha", "must be >= 0, got " + obj.at("ktae_alpha").dump());
+  kt.beta = get_number(obj, "ktae_beta", kt.beta);
+  if (kt.beta < 0) fail("ktae_beta", "must be >= 0, got " + obj.at("ktae_beta").dump());
+  if (!(kt.alpha + kt.beta > 0))
+    fail("ktae_alpha", "+ oar.ktae_beta must be > 0 (both weights are 0), got " + std::to_string(kt.alpha) + " + " +
+                           std::to_string(kt.beta));
+  kt.tf = get_bool(obj, "ktae_tf", kt.tf);
+  kt.scale = get_number(obj, "ktae_scale", kt.scale);
+  if (!(kt.scale > 0)) fail("ktae_scale", "must be > 0, got " + obj.at("ktae_scale").dump());
+  kt.threshold = get_number(obj, "ktae_threshold", kt.threshold);
   return cfg;
 }
 
@@ -181,6 +213,13 @@ std::string to_json(const OARConfig& cfg) {
   j["memory_budget_mb"] = cfg.memory_budget_mb;
   j["max_variants_per_chunk"] = cfg.max_variants_per_chunk;
   j["seed"] = cfg.seed;
+  j["entropy_alpha"] = cfg.entropy_shaping.alpha;
+  j["entropy_kappa"] = cfg.entropy_shaping.kappa;
+  j["ktae_alpha"] = cfg.ktae.alpha;
+  j["ktae_beta"] = cfg.ktae.beta;
+  j["ktae_tf"] = cfg.ktae.tf;
+  j["ktae_scale"] = cfg.ktae.scale;
+  j["ktae_threshold"] = cfg.ktae.threshold;
   return j.dump(2);
 }
 

@@ -92,4 +92,51 @@ std::vector<MaskedChunk> plan_masked_chunks(const MaskedPlanRequest& req) {
   return plan;
 }
 
+std::vector<PrefixChunk> plan_prefix_chunks(const PrefixPlanRequest& req) {
+  require_non_negative(req.width, "width");
+  require_non_negative(req.bytes_per_token, "bytes_per_token");
+  require_non_negative(req.kv_bytes_per_token, "kv_bytes_per_token");
+  require_non_negative(req.bytes_per_variant, "bytes_per_variant");
+  require_non_negative(req.max_variants_per_chunk, "max_variants_per_chunk");
+  if (req.memory_budget_bytes <= 0)
+    throw InvalidArgument("memory_budget_bytes must be > 0, got " + std::to_string(req.memory_budget_bytes));
+  if (!(req.max_prefix_waste > 0.0 && req.max_prefix_waste <= 1.0))
+    throw InvalidArgument("max_prefix_waste must be in (0, 1], got " + std::to_string(req.max_prefix_waste));
+  const auto& col = req.columns;
+  for (size_t i = 0; i < col.size(); ++i) {
+    if (col[i] < 0 || col[i] >= req.width)
+      throw InvalidArgument("columns[" + std::to_string(i) + "] must be in [0, width = " + std::to_string(req.width) +
+                            "), got " + std::to_string(col[i]));
+    if (i > 0 && col[i] < col[i - 1])
+      throw InvalidArgument("columns must be sorted (non-decreasing), but columns[" + std::to_string(i) + "] = " +
+                            std::to_string(col[i]) + " < columns[" + std::to_string(i - 1) + "] = " +
+                            std::to_string(col[i - 1]));
+  }
+  const long double budget = static_cast<long double>(req.memory_budget_bytes);
+  // Per-variant cost of a chunk whose prefix is p (long double: products may exceed int64).
+  auto per_variant = [&](int64_t p) {
+    return static_cast<long double>(req.width - p) * static_cast<long double>(req.bytes_per_token) +
+           static_cast<long double>(p) * static_cast<long double>(req.kv_bytes_per_token) +
+           static_cast<long double>(req.bytes_per_variant);
+  };
+  std::vector<PrefixChunk> plan;
+  const int64_t n = static_cast<int64_t>(col.size());
+  int64_t i = 0;
+  while (i < n) {
+    PrefixChunk c{i, i + 1, col[static_cast<size_t>(i)]};
+    const long double each = per_variant(c.prefix_len);
+    const long double waste_limit = req.max_prefix_waste * static_cast<long double>(req.width - c.prefix_len);
+    while (c.end < n) {
+      const int64_t count = c.end - c.begin + 1;
+      if (req.max_variants_per_chunk > 0 && count > req.max_variants_per_chunk) break;
+      if (static_cast<long double>(count) * each > budget) break;
+      if (static_cast<long double>(col[static_cast<size_t>(c.end)] - c.prefix_len) > waste_limit) break;
+      ++c.end;
+    }
+    plan.push_back(c);
+    i = c.end;
+  }
+  return plan;
+}
+
 }  // namespace oar::core

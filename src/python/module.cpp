@@ -77,6 +77,30 @@ PYBIND11_MODULE(_C, m) {
         "GroupAdvantageOptions of a trainer preset (default | trl | verl | openrlhf), as C++ callers get them "
         "(oar::core::preset_options). Raises ValueError for an unknown preset or estimator.");
   m.attr("ADVANTAGE_PRESET_NAMES") = py::make_tuple("default", "trl", "verl", "openrlhf");
+  {
+    py::tuple names(method_names().size());
+    size_t i = 0;
+    for (const auto& n : method_names()) names[i++] = n;
+    m.attr("METHOD_NAMES") = names;  // oar::core::method_names(), the schema's order
+  }
+
+  py::class_<EntropyShapingOptions>(m, "EntropyShapingOptions",
+                                    "Entropy-advantage shaping (method.md section 8): A_t = A + min(alpha * H_t, "
+                                    "|A| / kappa). JSON keys entropy_alpha, entropy_kappa.")
+      .def(py::init<>())
+      .def_readwrite("alpha", &EntropyShapingOptions::alpha)
+      .def_readwrite("kappa", &EntropyShapingOptions::kappa);
+
+  py::class_<KtaeOptions>(m, "KtaeOptions",
+                          "KTAE key-token scores (method.md section 8). JSON keys ktae_alpha (Fisher weight), "
+                          "ktae_beta (information-gain weight), ktae_tf (token-frequency term), ktae_scale "
+                          "(scores in (-scale, scale)), ktae_threshold (correct when reward > threshold).")
+      .def(py::init<>())
+      .def_readwrite("alpha", &KtaeOptions::alpha)
+      .def_readwrite("beta", &KtaeOptions::beta)
+      .def_readwrite("tf", &KtaeOptions::tf)
+      .def_readwrite("scale", &KtaeOptions::scale)
+      .def_readwrite("threshold", &KtaeOptions::threshold);
 
   py::class_<OARConfig>(m, "OARConfig",
                         "Everything that decides per-token advantages; parsed from the `oar:` section of a config "
@@ -98,6 +122,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("memory_budget_mb", &OARConfig::memory_budget_mb)
       .def_readwrite("max_variants_per_chunk", &OARConfig::max_variants_per_chunk)
       .def_readwrite("seed", &OARConfig::seed)
+      .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
+      .def_readwrite("ktae", &OARConfig::ktae)
       .def("__repr__", [](const OARConfig& c) { return "OARConfig(" + to_json(c) + ")"; });
 
   py::class_<MaskedChunk>(m, "MaskedChunk", "Variants [begin, end) of the flattened OAR-P variant list.")
@@ -108,6 +134,38 @@ PYBIND11_MODULE(_C, m) {
         return "MaskedChunk(begin=" + std::to_string(c.begin) + ", end=" + std::to_string(c.end) +
                ", max_context_len=" + std::to_string(c.max_context_len) + ")";
       });
+
+  py::class_<PrefixChunk>(m, "PrefixChunk",
+                          "Variants [begin, end) of the column-sorted OAR-P variants, run on the clean cache of "
+                          "columns [0, prefix_len).")
+      .def_readonly("begin", &PrefixChunk::begin)
+      .def_readonly("end", &PrefixChunk::end)
+      .def_readonly("prefix_len", &PrefixChunk::prefix_len)
+      .def("__repr__", [](const PrefixChunk& c) {
+        return "PrefixChunk(begin=" + std::to_string(c.begin) + ", end=" + std::to_string(c.end) +
+               ", prefix_len=" + std::to_string(c.prefix_len) + ")";
+      });
+
+  m.def("plan_prefix_chunks",
+        [](std::vector<int64_t> columns, int64_t width, int64_t bytes_per_token, int64_t kv_bytes_per_token,
+           int64_t bytes_per_variant, int64_t memory_budget_bytes, int64_t max_variants_per_chunk,
+           double max_prefix_waste) {
+          PrefixPlanRequest req;
+          req.columns = std::move(columns);
+          req.width = width;
+          req.bytes_per_token = bytes_per_token;
+          req.kv_bytes_per_token = kv_bytes_per_token;
+          req.bytes_per_variant = bytes_per_variant;
+          req.memory_budget_bytes = memory_budget_bytes;
+          req.max_variants_per_chunk = max_variants_per_chunk;
+          req.max_prefix_waste = max_prefix_waste;
+          return plan_prefix_chunks(req);
+        },
+        py::arg("columns"), py::arg("width"), py::arg("bytes_per_token"), py::arg("kv_bytes_per_token"),
+        py::arg("bytes_per_variant"), py::arg("memory_budget_bytes"), py::arg("max_variants_per_chunk") = 0,
+        py::arg("max_prefix_waste") = 0.25,
+        "Prefix-cached OAR-P plan (issue 3): greedy chunks of column-sorted variants, each run on the clean "
+        "key/value cache of its smallest column, under a memory budget. Raises ValueError on bad input.");
 
   m.def("plan_masked_chunks",
         [](std::vector<int64_t> context_len, std::vector<int64_t> num_variants, int64_t bytes_per_token,

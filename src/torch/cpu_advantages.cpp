@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "op_args.h"
 #include "oar/core/common.h"
 #include "oar/core/group_advantages.h"
 #include "oar/core/importance.h"
@@ -30,43 +31,11 @@
 namespace oar::torch_ops {
 namespace {
 
-// float64 stays float64 (the core accumulates in double anyway); every other real type, bool and integers
-// included, is read as float32 so that statistics never run in half precision or integer arithmetic.
-at::Tensor promote_real(const at::Tensor& t) {
-  if (t.scalar_type() == at::kDouble) return t.contiguous();
-  return t.to(at::kFloat).contiguous();
-}
-
-void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor for the CPU kernel, got device ", t.device());
-}
-
-void check_floating(const at::Tensor& t, const char* name) {
-  check_dtype(t, name, {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16});
-}
-
 at::Tensor group_advantages_cpu(const at::Tensor& rewards, const at::Tensor& offsets, std::string_view estimator,
                                 std::string_view std_kind, double eps, std::string_view singleton,
                                 bool skip_nan) {
-  check_dim(rewards, "rewards", 1, "(N,)");
-  TORCH_CHECK_VALUE(!at::isComplexType(rewards.scalar_type()),
-                    "rewards must be real (float, integer or bool), got dtype ", c10::toString(rewards.scalar_type()));
-  check_dim(offsets, "offsets", 1, "(G + 1,)");
-  check_dtype(offsets, "offsets", {at::kLong});
-  check_cpu(offsets, "offsets");
-  check_same_device(rewards, "rewards", offsets, "offsets");
-  TORCH_CHECK_VALUE(offsets.numel() >= 1, "offsets must have G + 1 >= 1 entries (CSR row starts plus N), got shape ",
-                    shape_str(offsets.sizes()));
-
-  core::GroupAdvantageOptions opts;
-  rethrow_as_value_error([&] {
-    opts.estimator = core::parse_estimator(estimator, "estimator");
-    opts.std_kind = core::parse_std_kind(std_kind, "std");
-    opts.singleton = core::parse_singleton_policy(singleton, "singleton");
-    return 0;
-  });
-  opts.eps = eps;
-  opts.skip_nan = skip_nan;
+  const core::GroupAdvantageOptions opts =
+      group_advantage_args(rewards, offsets, estimator, std_kind, eps, singleton, skip_nan, /*offsets_on_cpu=*/true);
 
   const at::Tensor r = promote_real(rewards);
   const at::Tensor off = offsets.contiguous();
@@ -95,10 +64,7 @@ at::Tensor group_advantages_cpu(const at::Tensor& rewards, const at::Tensor& off
 // Validates scores (B, T) and a mask of the same shape; returns (scores promoted + contiguous, bool mask).
 std::tuple<at::Tensor, at::Tensor> scores_and_mask(const at::Tensor& scores, const at::Tensor& mask,
                                                    const char* mask_name) {
-  check_dim(scores, "scores", 2, "(B, T)");
-  check_floating(scores, "scores");
-  check_same_device(scores, "scores", mask, mask_name);
-  const at::Tensor m = as_bool_mask(mask, mask_name, scores.sizes(), "(B, T)").contiguous();
+  at::Tensor m = scores_mask_args(scores, mask, mask_name);
   return {promote_real(scores), m};
 }
 
@@ -123,13 +89,9 @@ std::tuple<at::Tensor, at::Tensor> reshape_advantages_cpu(const at::Tensor& adva
                                                           const at::Tensor& response_mask, double q, double beta,
                                                           double floor, std::string_view tiers,
                                                           bool scores_are_normalized) {
-  auto [s, rm] = scores_and_mask(scores, reasoning_mask, "reasoning_mask");
+  auto [rm, pm] = reshape_mask_args(advantages, scores, reasoning_mask, response_mask);
+  const at::Tensor s = promote_real(scores);
   const int64_t B = s.size(0), T = s.size(1);
-  check_same_device(scores, "scores", response_mask, "response_mask");
-  const at::Tensor pm = as_bool_mask(response_mask, "response_mask", scores.sizes(), "(B, T)").contiguous();
-  check_same_device(scores, "scores", advantages, "advantages");
-  check_shape(advantages, "advantages", {B}, "(B,) with B = scores.size(0)");
-  check_floating(advantages, "advantages");
   if (advantages.scalar_type() == at::kDouble) {
     // Read as float32 below: a finite float64 beyond float32 range would turn into inf and be reported as such.
     const at::Tensor over = advantages.abs() > static_cast<double>(std::numeric_limits<float>::max());
@@ -141,15 +103,7 @@ std::tuple<at::Tensor, at::Tensor> reshape_advantages_cpu(const at::Tensor& adva
   }
   const at::Tensor a = advantages.to(at::kFloat).contiguous();
 
-  core::ReshapeOptions opts;
-  opts.q = q;
-  opts.beta = beta;
-  opts.floor = floor;
-  rethrow_as_value_error([&] {
-    opts.tiers = core::parse_tiers(tiers, "tiers");
-    core::check_reshape_options(opts);
-    return 0;
-  });
+  const core::ReshapeOptions opts = reshape_options(q, beta, floor, tiers);
 
   at::Tensor token_adv = at::empty({B, T}, scores.options().dtype(at::kFloat));
   at::Tensor weights = at::empty({B, T}, scores.options().dtype(at::kFloat));

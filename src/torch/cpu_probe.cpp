@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "checks.h"
+#include "op_args.h"
 #include "oar/core/common.h"
 #include "oar/core/grad_input.h"
 #include "oar/core/masked_batch.h"
@@ -55,67 +56,18 @@ void dispatch_float(at::ScalarType dtype, bool allow_double, Fn&& fn) {
   TORCH_INTERNAL_ASSERT(false, "oar: unexpected dtype ", c10::toString(dtype));
 }
 
-// The kernels need a contiguous vocabulary dimension; N and S strides are free (0 from .expand() too).
-at::Tensor vocab_contiguous(const at::Tensor& t) {
-  return (t.size(2) <= 1 || t.stride(2) == 1) ? t : t.contiguous();
-}
-
 template <typename T>
 core::LogitsView<T> view_of(const at::Tensor& t) {
   return core::LogitsView<T>{reinterpret_cast<const T*>(t.const_data_ptr()), t.stride(0), t.stride(1)};
 }
 
-// Validated, kernel-ready probe inputs.
-struct ProbeArgs {
-  at::Tensor clean, pert;
-  at::Tensor answer_ids;  // (N, S) int64 contiguous, or undefined
-  at::Tensor lengths;     // (N,) int64 contiguous, or undefined
-  int64_t N = 0, S = 0, V = 0;
-  core::Probe probe = core::Probe::kAnswerMean;
-
-  const int64_t* ids_ptr() const { return answer_ids.defined() ? answer_ids.const_data_ptr<int64_t>() : nullptr; }
-  const int64_t* len_ptr() const { return lengths.defined() ? lengths.const_data_ptr<int64_t>() : nullptr; }
-};
-
+// Shared shape/dtype/device checks (op_args.h), then the range checks of lengths / answer_ids, once on the
+// whole batch before splitting rows, so the error names the first bad row whatever the thread schedule.
 ProbeArgs prepare_probe(const at::Tensor& clean_logits, const at::Tensor& perturbed_logits,
                         const std::optional<at::Tensor>& answer_ids, const std::optional<at::Tensor>& lengths,
                         c10::string_view probe) {
-  ProbeArgs a;
-  a.probe = rethrow_as_value_error([&] { return core::parse_probe(std::string_view(probe.data(), probe.size())); });
-  check_dim(perturbed_logits, "perturbed_logits", 3, "(N, S, V)");
-  check_float_logits(perturbed_logits, "perturbed_logits");
-  a.N = perturbed_logits.size(0);
-  a.S = perturbed_logits.size(1);
-  a.V = perturbed_logits.size(2);
-  check_shape(clean_logits, "clean_logits", perturbed_logits.sizes(), "(N, S, V) like perturbed_logits");
-  TORCH_CHECK_VALUE(clean_logits.scalar_type() == perturbed_logits.scalar_type(),
-                    "clean_logits must have the dtype of perturbed_logits (",
-                    c10::toString(perturbed_logits.scalar_type()), "), got ",
-                    c10::toString(clean_logits.scalar_type()));
-  check_same_device(perturbed_logits, "perturbed_logits", clean_logits, "clean_logits");
-  if (a.N > 0) {
-    TORCH_CHECK_VALUE(a.S >= 1, "perturbed_logits must have S >= 1 probe positions, got shape ",
-                      shape_str(perturbed_logits.sizes()));
-    TORCH_CHECK_VALUE(a.V >= 1, "perturbed_logits must have V >= 1 vocabulary entries, got shape ",
-                      shape_str(perturbed_logits.sizes()));
-  }
-  a.clean = vocab_contiguous(clean_logits);
-  a.pert = vocab_contiguous(perturbed_logits);
-  if (lengths.has_value()) {
-    check_shape(*lengths, "lengths", {a.N}, "(N,)");
-    check_dtype(*lengths, "lengths", {at::kLong});
-    check_same_device(perturbed_logits, "perturbed_logits", *lengths, "lengths");
-    a.lengths = lengths->contiguous();
-  }
-  if (a.probe == core::Probe::kAnswerJoint) {
-    TORCH_CHECK_VALUE(answer_ids.has_value(), "answer_ids (N, S) int64 is required for probe='answer_joint', got None");
-    check_shape(*answer_ids, "answer_ids", {a.N, a.S}, "(N, S)");
-    check_dtype(*answer_ids, "answer_ids", {at::kLong});
-    check_same_device(perturbed_logits, "perturbed_logits", *answer_ids, "answer_ids");
-    a.answer_ids = answer_ids->contiguous();
-  }
-  // Validate ranges once on the whole batch before splitting rows, so the error names the first bad row
-  // whatever the thread schedule.
+  ProbeArgs a = probe_args(clean_logits, perturbed_logits, answer_ids, lengths,
+                           std::string_view(probe.data(), probe.size()));
   rethrow_as_value_error([&] {
     core::check_probe_inputs(a.ids_ptr(), a.len_ptr(), a.N, a.S, a.V, a.probe);
     return 0;
@@ -156,9 +108,7 @@ at::Tensor probe_divergence_backward_cpu(const at::Tensor& grad_out, const at::T
                                          const std::optional<at::Tensor>& answer_ids,
                                          const std::optional<at::Tensor>& lengths, c10::string_view probe) {
   const ProbeArgs a = prepare_probe(clean_logits, perturbed_logits, answer_ids, lengths, probe);
-  check_shape(grad_out, "grad_out", {a.N}, "(N,)");
-  check_dtype(grad_out, "grad_out", {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16});
-  check_same_device(perturbed_logits, "perturbed_logits", grad_out, "grad_out");
+  check_grad_out(grad_out, a, perturbed_logits);
   const at::Tensor go = grad_out.to(at::kFloat).contiguous();
   at::Tensor grad = at::empty({a.N, a.S, a.V}, perturbed_logits.options());
   if (grad.numel() == 0) return grad;
@@ -180,12 +130,7 @@ at::Tensor probe_divergence_backward_cpu(const at::Tensor& grad_out, const at::T
 }
 
 at::Tensor grad_x_input_cpu(const at::Tensor& grad, const at::Tensor& input) {
-  check_dim(input, "input", 3, "(B, L, H)");
-  check_dtype(input, "input", {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble});
-  check_shape(grad, "grad", input.sizes(), "(B, L, H) like input");
-  TORCH_CHECK_VALUE(grad.scalar_type() == input.scalar_type(), "grad must have the dtype of input (",
-                    c10::toString(input.scalar_type()), "), got ", c10::toString(grad.scalar_type()));
-  check_same_device(input, "input", grad, "grad");
+  grad_x_input_args(grad, input);
   const int64_t B = input.size(0), L = input.size(1), H = input.size(2);
   at::Tensor out = at::empty({B, L}, input.options().dtype(at::kFloat));
   const int64_t rows = B * L;
@@ -213,14 +158,7 @@ at::Tensor grad_x_input_cpu(const at::Tensor& grad, const at::Tensor& input) {
 
 at::Tensor build_masked_batch_cpu(const at::Tensor& input_ids, const at::Tensor& row_index,
                                   const at::Tensor& positions, int64_t pad_id) {
-  check_dim(input_ids, "input_ids", 2, "(B, T)");
-  check_dtype(input_ids, "input_ids", {at::kLong});
-  check_dim(row_index, "row_index", 1, "(M,)");
-  check_dtype(row_index, "row_index", {at::kLong});
-  check_shape(positions, "positions", row_index.sizes(), "(M,) like row_index");
-  check_dtype(positions, "positions", {at::kLong});
-  check_same_device(input_ids, "input_ids", row_index, "row_index");
-  check_same_device(input_ids, "input_ids", positions, "positions");
+  masked_batch_args(input_ids, row_index, positions);
   const int64_t B = input_ids.size(0), T_len = input_ids.size(1), M = row_index.size(0);
   const at::Tensor ids = input_ids.contiguous();
   const at::Tensor rows = row_index.contiguous();

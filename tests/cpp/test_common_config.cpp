@@ -17,7 +17,11 @@ TEST(CommonEnums, RoundTripEveryName) {
   for (const char* s : {"zero", "verl"}) EXPECT_STREQ(to_string(parse_singleton_policy(s)), s);
   for (const char* s : {"both", "boost", "suppress"}) EXPECT_STREQ(to_string(parse_tiers(s)), s);
   for (const char* s : {"last", "answer_mean", "answer_joint"}) EXPECT_STREQ(to_string(parse_probe(s)), s);
-  for (const char* s : {"grpo", "random", "entropy", "oar_p", "oar_g"}) EXPECT_STREQ(to_string(parse_method(s)), s);
+  for (const char* s : {"grpo", "dr_grpo", "random", "entropy", "entropy_shaping", "ktae", "oar_p", "oar_g"})
+    EXPECT_STREQ(to_string(parse_method(s)), s);
+  const auto names = method_names();
+  ASSERT_EQ(names.size(), 8u);
+  for (const auto& n : names) EXPECT_EQ(to_string(parse_method(n)), n);
 }
 
 TEST(CommonEnums, UnknownNameListsChoicesAndArgument) {
@@ -77,4 +81,61 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
   expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
   expect_invalid([] { parse_oar_config("{not json"); }, "not valid JSON");
+}
+
+TEST(Config, BaselineDefaultsFollowMethodMd) {
+  const OARConfig c = parse_oar_config("{}");
+  // method.md section 8: entropy shaping alpha 0.4, kappa 2; KTAE squashed to (-1, 1), both terms weighted 1.
+  EXPECT_DOUBLE_EQ(c.entropy_shaping.alpha, 0.4);
+  EXPECT_DOUBLE_EQ(c.entropy_shaping.kappa, 2.0);
+  EXPECT_DOUBLE_EQ(c.ktae.alpha, 1.0);
+  EXPECT_DOUBLE_EQ(c.ktae.beta, 1.0);
+  EXPECT_TRUE(c.ktae.tf);
+  EXPECT_DOUBLE_EQ(c.ktae.scale, 1.0);
+  EXPECT_DOUBLE_EQ(c.ktae.threshold, 0.0);
+}
+
+TEST(Config, BaselineParametersParseAndRoundTrip) {
+  const OARConfig c = parse_oar_config(R"({"method": "ktae", "entropy_alpha": 0.2, "entropy_kappa": 4,
+    "ktae_alpha": 0.5, "ktae_beta": 0, "ktae_tf": false, "ktae_scale": 2.5, "ktae_threshold": 0.5})");
+  EXPECT_EQ(c.method, Method::kKtae);
+  EXPECT_DOUBLE_EQ(c.entropy_shaping.alpha, 0.2);
+  EXPECT_DOUBLE_EQ(c.entropy_shaping.kappa, 4.0);
+  EXPECT_DOUBLE_EQ(c.ktae.alpha, 0.5);
+  EXPECT_DOUBLE_EQ(c.ktae.beta, 0.0);
+  EXPECT_FALSE(c.ktae.tf);
+  EXPECT_DOUBLE_EQ(c.ktae.scale, 2.5);
+  EXPECT_DOUBLE_EQ(c.ktae.threshold, 0.5);
+  const OARConfig again = parse_oar_config(to_json(c));
+  EXPECT_EQ(to_json(again), to_json(c));
+  EXPECT_EQ(again.method, Method::kKtae);
+  EXPECT_FALSE(again.ktae.tf);
+}
+
+TEST(Config, DrGrpoMethodSelectsTheDrGrpoEstimator) {
+  EXPECT_EQ(parse_oar_config(R"({"method": "dr_grpo"})").advantages.estimator, Estimator::kDrGrpo);
+  EXPECT_EQ(parse_oar_config(R"({"method": "dr_grpo", "estimator": "dr_grpo"})").advantages.estimator,
+            Estimator::kDrGrpo);
+  // Other methods keep the estimator they are given (default grpo).
+  EXPECT_EQ(parse_oar_config(R"({"method": "oar_p"})").advantages.estimator, Estimator::kGrpo);
+  EXPECT_EQ(parse_oar_config(R"({"method": "oar_p", "estimator": "dr_grpo"})").advantages.estimator,
+            Estimator::kDrGrpo);
+  expect_invalid([] { parse_oar_config(R"({"method": "dr_grpo", "estimator": "grpo"})"); }, "oar.estimator must be");
+  // The dr_grpo estimator survives a round trip.
+  const OARConfig c = parse_oar_config(R"({"method": "dr_grpo", "preset": "trl"})");
+  EXPECT_EQ(parse_oar_config(to_json(c)).advantages.estimator, Estimator::kDrGrpo);
+  EXPECT_DOUBLE_EQ(c.advantages.eps, 1e-4);
+}
+
+TEST(Config, BaselineParameterErrorsNameTheKey) {
+  expect_invalid([] { parse_oar_config(R"({"entropy_alpha": -0.1})"); }, "oar.entropy_alpha must be >= 0");
+  expect_invalid([] { parse_oar_config(R"({"entropy_kappa": 0})"); }, "oar.entropy_kappa must be > 0");
+  expect_invalid([] { parse_oar_config(R"({"entropy_kappa": "two"})"); }, "oar.entropy_kappa must be a number");
+  expect_invalid([] { parse_oar_config(R"({"ktae_alpha": -1})"); }, "oar.ktae_alpha must be >= 0");
+  expect_invalid([] { parse_oar_config(R"({"ktae_beta": -1})"); }, "oar.ktae_beta must be >= 0");
+  expect_invalid([] { parse_oar_config(R"({"ktae_alpha": 0, "ktae_beta": 0})"); }, "both weights are 0");
+  expect_invalid([] { parse_oar_config(R"({"ktae_scale": 0})"); }, "oar.ktae_scale must be > 0");
+  expect_invalid([] { parse_oar_config(R"({"ktae_tf": 1})"); }, "oar.ktae_tf must be true or false");
+  expect_invalid([] { parse_oar_config(R"({"ktae_threshold": null})"); }, "oar.ktae_threshold must be a number");
+  expect_invalid([] { parse_oar_config(R"({"method": "entropy-shaping"})"); }, "\"entropy_shaping\"");
 }

@@ -188,3 +188,69 @@ TEST(MaskedPlan, BadFieldsThrowNamingTheField) {
 }
 
 }  // namespace
+
+// ---- prefix planner (issue 3) ----------------------------------------------------------------------------
+
+namespace {
+
+oar::core::PrefixPlanRequest prefix_req(std::vector<int64_t> cols, int64_t width, int64_t budget) {
+  oar::core::PrefixPlanRequest r;
+  r.columns = std::move(cols);
+  r.width = width;
+  r.bytes_per_token = 10;
+  r.kv_bytes_per_token = 1;
+  r.bytes_per_variant = 0;
+  r.memory_budget_bytes = budget;
+  return r;
+}
+
+}  // namespace
+
+TEST(PrefixPlan, CoversEveryVariantOnceInOrderWithMinColumnPrefix) {
+  auto req = prefix_req({3, 3, 4, 5, 5, 9, 12, 12, 13}, 20, 1000000);
+  const auto plan = oar::core::plan_prefix_chunks(req);
+  int64_t next = 0;
+  for (const auto& c : plan) {
+    EXPECT_EQ(c.begin, next);
+    EXPECT_GT(c.end, c.begin);
+    EXPECT_EQ(c.prefix_len, req.columns[static_cast<size_t>(c.begin)]);
+    for (int64_t i = c.begin; i < c.end; ++i) {
+      EXPECT_GE(req.columns[static_cast<size_t>(i)], c.prefix_len);
+      // waste bound: column - prefix <= 0.25 * (width - prefix)
+      EXPECT_LE(4 * (req.columns[static_cast<size_t>(i)] - c.prefix_len), req.width - c.prefix_len);
+    }
+    next = c.end;
+  }
+  EXPECT_EQ(next, 9);
+  // width 20, prefix 3: suffix 17, waste limit 4.25 -> columns 3..5 join, 9 starts a new chunk
+  EXPECT_EQ(plan[0].end, 5);
+}
+
+TEST(PrefixPlan, BudgetAndCapAreRespected) {
+  // per-variant cost at prefix 2: (10 - 2) * 10 + 2 * 1 = 82 -> 2 variants fit in 200
+  auto req = prefix_req({2, 2, 2, 2, 2}, 10, 200);
+  auto plan = oar::core::plan_prefix_chunks(req);
+  ASSERT_EQ(plan.size(), 3u);
+  EXPECT_EQ(plan[0].end - plan[0].begin, 2);
+  req.memory_budget_bytes = 1;  // even one variant is over budget: still planned, alone
+  plan = oar::core::plan_prefix_chunks(req);
+  EXPECT_EQ(plan.size(), 5u);
+  req.memory_budget_bytes = 1 << 30;
+  req.max_variants_per_chunk = 4;
+  plan = oar::core::plan_prefix_chunks(req);
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].end, 4);
+  EXPECT_TRUE(oar::core::plan_prefix_chunks(prefix_req({}, 10, 100)).empty());
+}
+
+TEST(PrefixPlan, ErrorsNameTheField) {
+  expect_invalid([] { oar::core::plan_prefix_chunks(prefix_req({3, 2}, 10, 100)); }, "columns must be sorted");
+  expect_invalid([] { oar::core::plan_prefix_chunks(prefix_req({10}, 10, 100)); }, "columns[0] must be in [0, width = 10)");
+  expect_invalid([] { oar::core::plan_prefix_chunks(prefix_req({1}, 10, 0)); }, "memory_budget_bytes must be > 0");
+  auto r = prefix_req({1}, 10, 100);
+  r.max_prefix_waste = 0.0;
+  expect_invalid([&] { oar::core::plan_prefix_chunks(r); }, "max_prefix_waste");
+  r = prefix_req({1}, 10, 100);
+  r.kv_bytes_per_token = -1;
+  expect_invalid([&] { oar::core::plan_prefix_chunks(r); }, "kv_bytes_per_token");
+}

@@ -113,11 +113,13 @@ def _naive_oar_p(model, tok, pids, rids, answers, probe):
 
 @pytest.mark.parametrize("probe", ["last", "answer_mean", "answer_joint"])
 @pytest.mark.parametrize("max_variants", [0, 5])
-def test_oar_p_equals_one_at_a_time(tiny, probe, max_variants):
+@pytest.mark.parametrize("engine", ["prefix", "batched"])
+def test_oar_p_equals_one_at_a_time(tiny, probe, max_variants, engine):
     model, tok = tiny
     pids, rids, answers = _rollouts(tok)
     batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
-    res = oar_p_scores(HFProbeModel(model), batch, probe=probe, max_variants_per_chunk=max_variants)
+    res = oar_p_scores(HFProbeModel(model), batch, probe=probe, max_variants_per_chunk=max_variants, engine=engine)
+    assert res.stats["engine"] == engine
     expected = _naive_oar_p(model, tok, pids, rids, answers, probe)
     assert max(max(e) for e in expected) > 1e-3, "test model too flat: the comparison would be vacuous"
     for i, exp in enumerate(expected):
@@ -128,6 +130,46 @@ def test_oar_p_equals_one_at_a_time(tiny, probe, max_variants):
     assert res.stats["variants"] == sum(len(e) for e in expected)
     if max_variants:
         assert res.stats["chunks"] >= res.stats["variants"] // max_variants
+
+
+@pytest.mark.parametrize("budget_mb, waste", [(1, 0.25), (64, 1.0), (64, 0.01)])
+def test_prefix_engine_equals_batched_engine(tiny, budget_mb, waste):
+    """Exactness of the prefix-cached engine against the batched one (fp32 rounding only), across chunk
+    plans: tiny budget (one variant per chunk), no waste bound (few big chunks), tight waste bound."""
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    ref = oar_p_scores(pm, batch, engine="batched")
+    got = oar_p_scores(pm, batch, engine="prefix", memory_budget_mb=budget_mb, max_prefix_waste=waste)
+    torch.testing.assert_close(got.scores, ref.scores, rtol=1e-4, atol=1e-7)
+    assert torch.equal(got.mask, ref.mask)
+    # the prefix engine runs fewer context tokens than re-running every full masked context
+    assert got.stats["tokens"] < ref.stats["tokens"]
+
+
+def test_prefix_engine_refused_without_cache_support(tiny):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+
+    class NoCache:
+        def __init__(self, inner):
+            self.inner = inner
+            self.vocab_size, self.hidden_size = inner.vocab_size, inner.hidden_size
+
+        def embed(self, ids):
+            return self.inner.embed(ids)
+
+        def tail_logits(self, **kw):
+            return self.inner.tail_logits(**kw)
+
+    with pytest.raises(ValueError, match="engine='prefix' needs"):
+        oar_p_scores(NoCache(HFProbeModel(model)), batch, engine="prefix")
+    res = oar_p_scores(NoCache(HFProbeModel(model)), batch)  # auto -> batched
+    assert res.stats["engine"] == "batched"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        oar_p_scores(HFProbeModel(model), batch, engine="fast")
 
 
 def test_oar_p_respects_rows(tiny):
@@ -223,3 +265,38 @@ def test_entropy_and_random_baselines(tiny):
     rnd = random_scores(batch, generator=torch.Generator().manual_seed(0))
     assert torch.equal(rnd.scores[~rnd.mask], torch.zeros_like(rnd.scores[~rnd.mask]))
     assert ((rnd.scores[rnd.mask] >= 0) & (rnd.scores[rnd.mask] < 1)).all()
+
+
+@pytest.mark.parametrize("mode", ["serial", "batched"])
+def test_reference_naive_oar_p_matches_engine(tiny, mode):
+    """oar.reference.oar_p_naive (full logits, unpadded) is the benchmarks' naive provider: it must agree."""
+    from oar import reference
+
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    res = oar_p_scores(HFProbeModel(model), batch, probe="answer_mean")
+    naive = reference.oar_p_naive(model, batch, probe="answer_mean", mode=mode, variants_per_forward=4)
+    for r, scores in naive.items():
+        got = torch.tensor([scores[j] for j in sorted(scores)], dtype=torch.float64)
+        torch.testing.assert_close(res.scores[r, : len(got)].double(), got, rtol=2e-3, atol=2e-6)
+
+
+@pytest.mark.parametrize("engine", ["prefix", "batched"])
+def test_oar_p_positions_subset(tiny, engine):
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    full = oar_p_scores(pm, batch, engine=engine)
+    pos = {0: [0, 3, 5], 2: [1]}
+    part = oar_p_scores(pm, batch, engine=engine, positions=pos)
+    assert part.stats["variants"] == 4
+    for r in range(3):
+        for j in range(int(batch.reasoning_len[r])):
+            if j in pos.get(r, []):
+                torch.testing.assert_close(part.scores[r, j], full.scores[r, j], rtol=1e-4, atol=1e-7)
+            else:
+                assert part.scores[r, j] == 0
+    with pytest.raises(ValueError, match=r"positions\[0\] must be reasoning indices"):
+        oar_p_scores(pm, batch, positions={0: [999]})

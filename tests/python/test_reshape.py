@@ -333,3 +333,20 @@ def test_torch_compile_parity():
     got = compiled(adv, scores, reason, resp)
     want = f(adv, scores, reason, resp)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_vectorized_reference_matches_ops():
+    """The benchmarks' "what a user would write" provider computes the same thing as the op."""
+    from oar import reference
+
+    g = torch.Generator().manual_seed(5)
+    B, T = 7, 131
+    adv = torch.randn(B, generator=g)
+    scores = torch.rand(B, T, generator=g) * 3
+    resp = torch.rand(B, T, generator=g) < 0.9
+    reason = resp & (torch.rand(B, T, generator=g) < 0.7)
+    reason[2] = False  # empty span
+    exp_tok, exp_w = ops.reshape_advantages(adv, scores, reason, resp)
+    got_tok, got_w = reference.reshape_advantages_vectorized(adv, scores, reason, resp)
+    torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_tok, exp_tok, rtol=1e-5, atol=1e-5)

@@ -63,7 +63,8 @@ def recording_trainer_cls():
                 out = super()._generate_and_score_completions(inputs)
             finally:
                 trl.GRPOTrainer._generate_and_score_completions = orig
-            Recording.seen[-1].update(tok_adv=out["advantages"].clone(), mask=out["completion_mask"].clone())
+            Recording.seen[-1].update(tok_adv=out["advantages"].clone(), mask=out["completion_mask"].clone(),
+                                      completion_ids=out["completion_ids"].clone())
             return out
 
     Recording.seen = []
@@ -118,3 +119,102 @@ def test_refuses_incompatible_settings(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=args, train_dataset=_dataset(),
                        processing_class=tok)
+
+
+# ---- loss types, every method, warnings, the mixin (issue 5) ------------------------------------------------
+
+def _loss_of(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h][0]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_loss_types_consume_per_token_advantages(tmp_path, recording_trainer_cls, loss_type):
+    """Uniform per-token advantages (B, C) give exactly TRL's loss with (B,) advantages in every supported loss
+    aggregation, and OAR-P's reshaped ones keep each row's mass and train."""
+    from trl import GRPOTrainer
+
+    losses = {}
+    for name in ("plain", "grpo", "oar_p"):
+        model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+        args = _args(tmp_path / name, loss_type=loss_type)
+        if name == "plain":
+            trainer = GRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=args, train_dataset=_dataset(),
+                                  processing_class=tok)
+        else:
+            recording_trainer_cls.seen = []
+            trainer = recording_trainer_cls(model=model, reward_funcs=[reward_has_digit], args=args,
+                                            train_dataset=_dataset(), processing_class=tok,
+                                            oar_config=oar.OARConfig.from_json(json.dumps({"method": name})))
+        trainer.train()
+        losses[name] = _loss_of(trainer)
+        if name == "oar_p":
+            rec = recording_trainer_cls.seen[0]
+            m = rec["mask"].bool()
+            assert rec["tok_adv"].dim() == 2
+            torch.testing.assert_close(rec["tok_adv"].sum(1), rec["seq_adv"] * m.sum(1), rtol=1e-5, atol=1e-5)
+    assert losses["grpo"] == pytest.approx(losses["plain"], rel=1e-5, abs=1e-7)
+    assert all(map(lambda v: v == v and abs(v) < 1e6, losses.values()))
+
+
+@pytest.mark.parametrize("method", ["dr_grpo", "random", "entropy", "entropy_shaping", "ktae"])
+def test_every_baseline_runs_in_trl(tmp_path, recording_trainer_cls, method):
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    cfg = oar.OARConfig.from_json(json.dumps({"method": method}))
+    if method == "dr_grpo":
+        with pytest.warns(UserWarning, match="scale_rewards='none'"):
+            trainer = recording_trainer_cls(model=model, reward_funcs=[reward_has_digit], args=_args(tmp_path),
+                                            train_dataset=_dataset(), processing_class=tok, oar_config=cfg)
+    else:
+        trainer = recording_trainer_cls(model=model, reward_funcs=[reward_has_digit], args=_args(tmp_path),
+                                        train_dataset=_dataset(), processing_class=tok, oar_config=cfg)
+    trainer.train()
+    rec = recording_trainer_cls.seen[0]
+    seq, tokadv, mask = rec["seq_adv"], rec["tok_adv"], rec["mask"].bool()
+    assert (tokadv[~mask] == 0).all()
+    rewards = torch.tensor(trainer._logs["rewards"]["reward_has_digit"], dtype=torch.float32)
+    if method == "dr_grpo":  # A = r - mean (no std scaling) broadcast to every token
+        torch.testing.assert_close(seq, rewards - rewards.view(-1, 4).mean(1).repeat_interleave(4), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(tokadv, seq[:, None] * mask)
+    elif method in ("random", "entropy"):
+        torch.testing.assert_close(tokadv.sum(1), seq * mask.sum(1), rtol=1e-5, atol=1e-5)
+    elif method == "entropy_shaping":  # 0 <= A_t - A <= |A| / kappa
+        bonus = (tokadv - seq[:, None]) * mask
+        assert (bonus >= -1e-6).all() and (bonus <= seq.abs()[:, None] / 2 + 1e-6).all()
+        assert bonus.abs().sum() > 0
+    else:  # ktae: A + key-token score, correctness from TRL's (weighted) rewards > 0
+        from oar import baselines
+
+        ids = rec["completion_ids"]
+        bonus = baselines.ktae_token_scores(ids, mask, rewards, group_size=4,
+                                            ignore_ids=sorted({tok.eos_token_id, tok.pad_token_id}))
+        torch.testing.assert_close(tokadv, (seq[:, None] + bonus) * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, match", [({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+                                             ({"top_entropy_quantile": 0.5}, "top_entropy_quantile")])
+def test_warns_on_pointless_settings(tmp_path, setting, match):
+    from oar.integrations.trl import OARGRPOTrainer
+
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    with pytest.warns(UserWarning, match=match):
+        OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=_args(tmp_path, **setting),
+                       train_dataset=_dataset(), processing_class=tok,
+                       oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))
+
+
+def test_mixin_in_a_user_subclass(tmp_path):
+    from trl import GRPOTrainer
+
+    from oar.integrations.trl import OARTrainerMixin
+
+    class MyTrainer(OARTrainerMixin, GRPOTrainer):
+        def __init__(self, *args, oar_config=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._oar_setup(oar_config)
+
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    trainer = MyTrainer(model=model, reward_funcs=[reward_has_digit], args=_args(tmp_path), train_dataset=_dataset(),
+                        processing_class=tok, oar_config=oar.OARConfig.from_json('{"method": "oar_g"}'))
+    trainer.train()
+    logged = {k for h in trainer.state.log_history for k in h}
+    assert {"oar/ess_ratio", "oar/forward_passes", "time/attribution"} <= logged

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "oar/core/common.h"
 #include "oar/core/group_advantages.h"
@@ -11,10 +12,41 @@
 
 namespace oar::core {
 
-/// Credit-assignment method (method.md section 8 lists the baselines).
-enum class Method : int32_t { kGrpo = 0, kRandom = 1, kEntropy = 2, kOarP = 3, kOarG = 4 };
+/// Credit-assignment method (method.md section 8 lists the baselines). JSON names:
+///   "grpo"            uniform credit, A_{i,t} = A_i (std-scaled group advantages)
+///   "dr_grpo"         uniform credit with Dr. GRPO sequence advantages A_i = r_i - mean (estimator "dr_grpo")
+///   "random"          I_t ~ U(0, 1) through the OAR reshaping (sections 5-6)
+///   "entropy"         I_t = policy entropy at t, used as importance through the OAR reshaping (sections 5-6)
+///   "entropy_shaping" Cheng et al. 2506.14758: A_t = A + min(alpha * H_t, |A| / kappa), no reshaping
+///   "ktae"            Sun et al. 2505.16826: A_t = A + key-token score of token t (per group), no reshaping
+///   "oar_p", "oar_g"  OAR with perturbation / gradient attribution (sections 3-4)
+enum class Method : int32_t {
+  kGrpo = 0, kRandom = 1, kEntropy = 2, kOarP = 3, kOarG = 4, kDrGrpo = 5, kEntropyShaping = 6, kKtae = 7
+};
 Method parse_method(std::string_view name, std::string_view arg = "method");
 const char* to_string(Method v);
+/// Every method's JSON name, in a fixed documented order (grpo, dr_grpo, random, entropy, entropy_shaping, ktae,
+/// oar_p, oar_g).
+std::vector<std::string> method_names();
+
+/// Entropy-advantage shaping (Cheng et al., arXiv 2506.14758; method.md section 8):
+/// A_{i,t} = A_i + min(alpha * H_t, |A_i| / kappa), H_t the full-vocabulary policy entropy (nats), detached.
+/// JSON keys "entropy_alpha", "entropy_kappa".
+struct EntropyShapingOptions {
+  double alpha = 0.4;  ///< >= 0
+  double kappa = 2.0;  ///< > 0; the bonus never exceeds |A_i| / kappa, so it cannot flip a negative A_i's sign
+};
+
+/// KTAE key-token scores (Sun et al., arXiv 2505.16826; method.md section 8), per group and token id, from the
+/// 2x2 table (token appears / not) x (rollout correct / wrong). JSON keys "ktae_alpha", "ktae_beta",
+/// "ktae_tf", "ktae_scale", "ktae_threshold".
+struct KtaeOptions {
+  double alpha = 1.0;      ///< weight of the Fisher-exact term exp(-2 p) (0 when p = 1); >= 0
+  double beta = 1.0;       ///< weight of the information gain (bits); >= 0, alpha + beta > 0
+  bool tf = true;          ///< add the BM25-style token-frequency direction term (the authors' default)
+  double scale = 1.0;      ///< scores lie in (-scale, scale); > 0
+  double threshold = 0.0;  ///< a rollout is correct when its reward > threshold
+};
 
 /// Everything that decides per-token advantages. Field names are the JSON/YAML keys.
 struct OARConfig {
@@ -29,9 +61,12 @@ struct OARConfig {
   int64_t memory_budget_mb = 1024;           ///< OAR-P chunk planner budget
   int64_t max_variants_per_chunk = 0;        ///< OAR-P, 0 = unlimited
   int64_t seed = 0;                          ///< noise / random-baseline seed
+  EntropyShapingOptions entropy_shaping;     ///< method "entropy_shaping"
+  KtaeOptions ktae;                          ///< method "ktae"
 };
 
-/// Parses a JSON object (all keys optional, defaults above). Unknown keys, wrong types, integers beyond int64
+/// Parses a JSON object (all keys optional, defaults above). Method "dr_grpo" sets the estimator to "dr_grpo"
+/// (an explicit other "estimator" is an error). Unknown keys, wrong types, integers beyond int64
 /// and out-of-range values throw InvalidArgument naming the key ("oar.q must be in (0, 1), got 1.5"); invalid
 /// JSON (numbers beyond double included) throws InvalidArgument too.
 OARConfig parse_oar_config(const std::string& json_text);

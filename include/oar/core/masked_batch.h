@@ -35,4 +35,34 @@ struct MaskedPlanRequest {
 /// negative sizes, mismatched vector lengths or a non-positive budget.
 std::vector<MaskedChunk> plan_masked_chunks(const MaskedPlanRequest& req);
 
+/// One chunk of the prefix-cached OAR-P plan: variants [begin, end) of the column-sorted variant list run
+/// as one forward over columns [prefix_len, width) on top of the clean key/value cache of columns
+/// [0, prefix_len). prefix_len is the smallest masked column in the chunk.
+struct PrefixChunk {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t prefix_len = 0;
+};
+
+/// Inputs of the prefix planner (issue 3: masked variant t shares the clean prefix before t).
+/// Memory of a chunk of m variants with prefix p is estimated as
+///   m x ((width - p) x bytes_per_token + p x kv_bytes_per_token + bytes_per_variant).
+struct PrefixPlanRequest {
+  std::vector<int64_t> columns;       ///< masked column of each variant, non-decreasing, each in [0, width)
+  int64_t width = 0;                  ///< padded context width T
+  int64_t bytes_per_token = 0;        ///< activation bytes per processed (suffix) token
+  int64_t kv_bytes_per_token = 0;     ///< key+value cache bytes per prefix token and variant
+  int64_t bytes_per_variant = 0;      ///< probe logits etc.
+  int64_t memory_budget_bytes = 0;    ///< > 0
+  int64_t max_variants_per_chunk = 0; ///< 0 = unlimited
+  /// A chunk is closed when the next variant's column exceeds prefix_len by more than this fraction of the
+  /// chunk's suffix (width - prefix_len): bounds the tokens recomputed in vain. In (0, 1].
+  double max_prefix_waste = 0.25;
+};
+
+/// Greedy plan over the column-sorted variants. Each chunk takes at least one variant. Throws
+/// InvalidArgument naming the field on unsorted or out-of-range columns, negative sizes, a non-positive
+/// budget or max_prefix_waste outside (0, 1].
+std::vector<PrefixChunk> plan_prefix_chunks(const PrefixPlanRequest& req);
+
 }  // namespace oar::core

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -145,16 +145,28 @@ def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_
     return ops.probe_divergence(clean.to(pert.dtype), pert, probe=probe, answer_ids=answer_ids, lengths=lengths)
 
 
+OAR_P_ENGINES = ("auto", "prefix", "batched")
+
+
 def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
-                 clean_logits: torch.Tensor | None = None) -> Attribution:
+                 clean_logits: torch.Tensor | None = None, engine: str = "auto",
+                 max_prefix_waste: float = 0.25, positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
     """OAR-P importance (method.md section 3): I_t = KL(p_clean || p_masked_t), or the clamped drop of the
     answer log-likelihood for ``probe="answer_joint"``.
 
-    Each variant replaces reasoning token t by ``batch.pad_id`` (same length, still attended). Variants of
-    all requested rows are flattened (rollout-major) and cut into chunks by the C++ planner so that the
-    estimated activation memory stays under ``memory_budget_mb``; each chunk is one left-padded forward of
-    width = the longest context in it, with the LM head run on the probe window only.
+    Each variant replaces reasoning token t by ``batch.pad_id`` (same length, still attended). Two exact
+    engines compute the same scores (equal within fp32 rounding; tested):
+
+    - ``"prefix"`` (issue 3): variant t shares the clean prefix before t. One clean forward over the
+      requested rows yields the clean probe logits and the key/value cache; variants are sorted by masked
+      column and cut by the C++ planner (``oar._C.plan_prefix_chunks``) into chunks that each run only
+      columns ``[p, T)`` on the cropped clean cache, p = the chunk's smallest masked column, under
+      ``memory_budget_mb``. ``max_prefix_waste`` bounds the columns a chunk recomputes in vain.
+    - ``"batched"``: every variant is a full left-padded context; chunks by ``oar._C.plan_masked_chunks``.
+
+    Both run the LM head on the probe window only. ``"auto"`` picks ``"prefix"`` when the model supports
+    a croppable cache (``ProbeModel.supports_prefix_cache``), else ``"batched"``.
 
     Args:
         model: a ProbeModel (``oar.attribution.model.HFProbeModel`` for HF models).
@@ -162,15 +174,22 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         probe: ``last`` | ``answer_mean`` | ``answer_joint``.
         rows: rows to score (default all).
         memory_budget_mb, max_variants_per_chunk: chunk planner limits (0 = no variant cap).
-        clean_logits: optional (B, K_max, V) clean probe logits already computed for all rows.
+        clean_logits: optional (B, K_max, V) clean probe logits already computed for all rows ("batched" only;
+            the prefix engine gets them from its own clean pass).
+        engine: ``auto`` | ``prefix`` | ``batched``.
+        max_prefix_waste: in (0, 1], see above.
+        positions: optional {row: reasoning indices} to score only those tokens (others keep score 0 and stay
+            in the mask); e.g. benchmarks that extrapolate from every k-th token.
 
     Returns:
-        Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``seconds``.
+        Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``engine``,
+        ``tokens`` (context tokens run through the model), ``seconds``.
     Raises:
-        ValueError: unknown probe, rows out of range or not integers, memory_budget_mb not an int >= 1,
-            max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary, clean_logits of
-            the wrong shape, a masked variant whose divergence is infinite (zero probability where the clean
-            distribution has mass).
+        ValueError: unknown probe or engine, rows out of range or not integers, memory_budget_mb not an int
+            >= 1, max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary,
+            clean_logits of the wrong shape, ``engine="prefix"`` on a model without a croppable cache, a
+            masked variant whose divergence is infinite (zero probability where the clean distribution has
+            mass).
     """
     probe = _check_probe(probe)
     rows = _rows(batch, rows)
@@ -178,34 +197,74 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
     if max_variants < 0:
         raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
+    if engine not in OAR_P_ENGINES:
+        raise ValueError(f"engine must be one of {OAR_P_ENGINES}, got {engine!r}")
+    prefix_ok = bool(getattr(model, "supports_prefix_cache", False)) and hasattr(model, "tail_logits_cached")
+    if engine == "prefix" and not prefix_ok:
+        raise ValueError("engine='prefix' needs a ProbeModel with a croppable key/value cache "
+                         "(supports_prefix_cache, tail_logits_and_cache, tail_logits_cached); use engine='batched'")
+    if engine == "auto":
+        engine = "prefix" if prefix_ok and clean_logits is None else "batched"
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
     if not rows:
-        res.stats.update(forward_passes=0, variants=0, chunks=0, seconds=0.0)
+        res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine=engine, seconds=0.0)
         return res
-    dev = _device(model, batch)
-    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
+    if positions is not None:
+        for r, js in positions.items():
+            L = int(batch.reasoning_len[int(r)])
+            if any(not 0 <= int(j) < L for j in js):
+                raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {list(js)[:8]}")
+    run = _oar_p_prefix if engine == "prefix" else _oar_p_batched
+    stats = run(model, batch, rows, probe, budget, max_variants, clean_logits, res, max_prefix_waste, positions)
+    res.stats.update(engine=engine, seconds=time.perf_counter() - t0, **stats)
+    return res
 
-    # Flattened variant list, rollout-major: (row, column of the masked token, reasoning index j).
+
+def _variants(batch: ProbeBatch, rows: list[int], positions=None):
+    """Flattened variant list, rollout-major: rows, masked columns, reasoning indices j (int64 tensors)."""
     var_row, var_col, var_j = [], [], []
     for r in rows:
         L = int(batch.reasoning_len[r])
         s = int(batch.reasoning_start[r])
-        var_row += [r] * L
-        var_col += list(range(s, s + L))
-        var_j += list(range(L))
+        js = range(L) if positions is None else sorted(set(int(j) for j in positions.get(r, ())))
+        var_row += [r] * len(js)
+        var_col += [s + j for j in js]
+        var_j += list(js)
+    as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_t(var_row), as_t(var_col), as_t(var_j)
+
+
+def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor) -> None:
+    """Checks a chunk's divergences and writes them into ``res.scores``."""
+    if not bool(torch.isfinite(d).all()):
+        # probe_divergence returns +inf when the masked model gives zero probability (a -inf logit) to a token
+        # the clean model predicts; such a score cannot be normalized.
+        k = int(torch.nonzero(~torch.isfinite(d))[0])
+        raise ValueError(
+            f"oar_p_scores: masking reasoning token {int(j_index[k])} of row {int(row_index[k])} gives a non-finite "
+            f"divergence ({float(d[k])}): the masked probe distribution puts zero probability (-inf logits) where "
+            "the clean one has mass"
+        )
+    if probe == "answer_joint":
+        d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
+    res.scores[row_index, j_index] = d.float().cpu()
+
+
+def _oar_p_batched(model, batch, rows, probe, budget, max_variants, clean_logits, res, _waste, positions) -> dict:
+    dev = _device(model, batch)
+    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
+    var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
-    counts = [int(batch.reasoning_len[r]) for r in rows]
+    counts = [int((var_row_t == r).sum()) for r in rows]
     bytes_tok = model.activation_bytes_per_token(max(widths)) if hasattr(model, "activation_bytes_per_token") else 16384
     bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
     plan = _C.plan_masked_chunks(widths, counts, int(bytes_tok), int(bytes_var), budget, max_variants)
-    var_row_t = torch.tensor(var_row, dtype=torch.long)
-    var_col_t = torch.tensor(var_col, dtype=torch.long)
-    var_j_t = torch.tensor(var_j, dtype=torch.long)
-    clean_index_t = torch.tensor([clean_row[r] for r in var_row], dtype=torch.long)
+    clean_index_t = torch.tensor([clean_row[int(r)] for r in var_row_t], dtype=torch.long)
+    tokens = passes * sum(widths)
     with torch.no_grad():
         for ch in plan:
             sl = slice(ch.begin, ch.end)
@@ -216,23 +275,66 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             window = model.tail_logits(input_ids=masked.to(dev), attention_mask=batch.attention_mask[row_index, off:].to(dev),
                                        position_ids=batch.position_ids[row_index, off:].to(dev), keep=batch.keep)
             passes += 1
+            tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], batch.answer_ids.shape[1])
             clean = clean_all[clean_index_t[sl].to(clean_all.device)]
-            d = _divergence(clean, pert, batch, row_index, probe)
-            if not bool(torch.isfinite(d).all()):
-                # probe_divergence returns +inf when the masked model gives zero probability (a -inf logit) to
-                # a token the clean model predicts; such a score cannot be normalized.
-                k = int(torch.nonzero(~torch.isfinite(d))[0])
-                raise ValueError(
-                    f"oar_p_scores: masking reasoning token {int(var_j_t[ch.begin + k])} of row {int(row_index[k])} "
-                    f"gives a non-finite divergence ({float(d[k])}): the masked probe distribution puts zero "
-                    "probability (-inf logits) where the clean one has mass"
-                )
-            if probe == "answer_joint":
-                d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
-            res.scores[row_index, var_j_t[sl]] = d.float().cpu()
-    res.stats.update(forward_passes=passes, variants=len(var_row), chunks=len(plan), seconds=time.perf_counter() - t0)
-    return res
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl])
+    return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
+
+
+def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits, res, max_prefix_waste,
+                  positions) -> dict:
+    dev = _device(model, batch)
+    T = batch.input_ids.shape[1]
+    K = batch.answer_ids.shape[1]
+    idx_rows = torch.tensor(rows, dtype=torch.long)
+    passes, tokens = 0, 0
+    # 1. Clean pass over the requested rows (chunked by the same budget): probe logits + key/value cache.
+    widths = [int(batch.context_len[r]) for r in rows]
+    bytes_tok = int(model.activation_bytes_per_token(T)) if hasattr(model, "activation_bytes_per_token") else 16384
+    kv_tok = int(model.kv_bytes_per_token()) if hasattr(model, "kv_bytes_per_token") else 8192
+    bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
+    clean_plan = _C.plan_masked_chunks([T] * len(rows), [1] * len(rows), bytes_tok + kv_tok, bytes_var, budget, 0)
+    clean_parts, kv_parts = [], []
+    with torch.no_grad():
+        for ch in clean_plan:
+            sel = idx_rows[ch.begin:ch.end]
+            window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
+                                                     attention_mask=batch.attention_mask[sel].to(dev),
+                                                     position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+            clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
+            kv_parts.append(kv)
+            passes += 1
+            tokens += int(sel.numel()) * T
+        clean_all = torch.cat(clean_parts)
+        kv_all = [(torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
+                  for l in range(len(kv_parts[0]))]
+        del kv_parts
+        # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
+        var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+        order = torch.argsort(var_col_t, stable=True)
+        var_row_t, var_col_t, var_j_t = var_row_t[order], var_col_t[order], var_j_t[order]
+        slot = {r: i for i, r in enumerate(rows)}  # row -> index in clean_all / kv_all
+        var_slot_t = torch.tensor([slot[int(r)] for r in var_row_t], dtype=torch.long)
+        plan = _C.plan_prefix_chunks(var_col_t.tolist(), T, bytes_tok, kv_tok, bytes_var, budget, max_variants,
+                                     float(max_prefix_waste))
+        for ch in plan:
+            sl = slice(ch.begin, ch.end)
+            p = ch.prefix_len
+            row_index, slots = var_row_t[sl], var_slot_t[sl]
+            masked = batch.input_ids[row_index, p:].clone()
+            masked[torch.arange(masked.shape[0]), var_col_t[sl] - p] = batch.pad_id
+            dslots = slots.to(dev)
+            prefix_kv = [(k.index_select(0, dslots)[:, :, :p], v.index_select(0, dslots)[:, :, :p]) for k, v in kv_all]
+            window = model.tail_logits_cached(prefix_kv, input_ids=masked.to(dev),
+                                              attention_mask=batch.attention_mask[row_index].to(dev),
+                                              position_ids=batch.position_ids[row_index, p:].to(dev), keep=batch.keep)
+            passes += 1
+            tokens += masked.numel()
+            pert = gather_probe_logits(window, batch.probe_start[row_index], K)
+            clean = clean_all[slots.to(clean_all.device)]
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl])
+    return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
 def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,

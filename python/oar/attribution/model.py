@@ -64,6 +64,59 @@ class HFProbeModel:
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[:, -keep:]
 
+    # ---- prefix key/value cache (OAR-P: a masked variant shares the clean prefix before its token) ----------
+
+    @property
+    def supports_prefix_cache(self) -> bool:
+        """True for models whose every layer is full causal attention with a plain dynamic cache (Llama,
+        Qwen2, Mistral without sliding window, ...). Sliding-window, hybrid and recurrent layers are not
+        croppable per variant, so the engines fall back to batched masking for them."""
+        cfg = getattr(self.model, "config", None)
+        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        types = getattr(text, "layer_types", None)
+        if types is not None and any(t != "full_attention" for t in types):
+            return False
+        return not getattr(text, "use_sliding_window", False)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of cached keys + values per token (all layers)."""
+        cfg = getattr(self.model, "config", None)
+        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        layers = int(getattr(text, "num_hidden_layers", 1) or 1)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
+        head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
+        return 2 * layers * kv_heads * head_dim * self.bytes_per_element
+
+    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
+        """Like :meth:`tail_logits` on ids, also returning the key/value cache as a list of per-layer
+        ``(keys, values)`` tensors of shape (B, kv_heads, T, head_dim)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=keep, use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)  # renamed in transformers 5.x
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits[:, -keep:], kv
+
+    def tail_logits_cached(self, prefix_kv, *, input_ids, attention_mask, position_ids, keep: int):
+        """Logits (B, keep, V) of the last ``keep`` positions of ``input_ids`` run on top of ``prefix_kv``
+        (per-layer (keys, values) of the first P columns; None or P = 0 for no prefix). ``attention_mask``
+        covers prefix + input (B, P + S); ``position_ids`` the input only (B, S)."""
+        from transformers import DynamicCache
+
+        cache = None
+        if prefix_kv is not None and prefix_kv[0][0].shape[-2] > 0:
+            cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix_kv])
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=keep, use_cache=cache is not None, **{self._cache_kwarg: cache})
+        return out.logits[:, -keep:]
+
+    @property
+    def _cache_kwarg(self) -> str:
+        # transformers 5.x renames forward(past_key_values=...) to forward(cache=...) (deprecated until 5.40).
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
     def full_logits(self, *, input_ids, attention_mask, position_ids):
         """Logits (B, T, V) of every position (used by the entropy baseline)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

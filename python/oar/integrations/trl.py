@@ -1,18 +1,25 @@
-"""TRL integration: GRPO with OAR per-token advantages (docs/trainers.md, TRL section).
+"""TRL integration: GRPO with OAR per-token advantages (docs/trainers.md, TRL section; docs/trainers/trl.md).
 
 Source hook point: ``trl.GRPOTrainer._generate_and_score_completions`` (trl 1.13.0,
 trl/trainer/grpo_trainer.py). It returns a dict whose ``advantages`` are (B,) sequence advantages after
-TRL's own group normalization (over rewards gathered from every process). We replace them by (B, C)
-per-token advantages; ``_compute_loss`` consumes a 2-D tensor per token (it unsqueezes only 1-D ones),
-and buffering/shuffling split dim 0 only, so the (B, C) tensor survives unchanged.
+TRL's own group normalization (over rewards gathered from every process, then sliced to this process). We
+replace them by (B, C) per-token advantages; ``_compute_loss`` consumes a 2-D tensor per token (it unsqueezes
+only 1-D ones), and buffering/shuffling split dim 0 only, so the (B, C) tensor survives unchanged.
 
-Usage::
+Usage (one changed import, one extra argument)::
 
     from oar.integrations.trl import OARGRPOTrainer
     trainer = OARGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=ds,
                              oar_config=oar.OARConfig.from_json('{"method": "oar_g"}'))
 
-The dataset rows must carry the reference answer in ``answer_column`` (default ``"answer"``).
+Every method of :data:`oar.METHODS` works: ``grpo``, ``dr_grpo`` (sets TRL's ``scale_rewards="none"``),
+``random``, ``entropy``, ``entropy_shaping``, ``ktae``, ``oar_p``, ``oar_g``. The dataset rows must carry
+the reference answer in ``answer_column`` (default ``"answer"``) for ``oar_p`` / ``oar_g``.
+
+Multi-process (accelerate, DDP / DeepSpeed / FSDP): attribution runs on each process's own rows with the
+advantages TRL normalized over the gathered batch; the forwards are kept in step across ranks
+(:mod:`oar.distributed`), which ZeRO-3 / FSDP require. KTAE needs whole groups, which may span processes: its
+token tables are built on the gathered completions and sliced back.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from oar.hook import TokenAdvantageHook
 
 SUPPORTED_TRL = ("1.13.0",)
 SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+# Methods that need the reference answer of each row (the outcome probe).
+_NEEDS_ANSWER = ("oar_p", "oar_g")
 
 
 def _check_args(args) -> None:
@@ -51,8 +60,16 @@ def _check_args(args) -> None:
 
 class OARTrainerMixin:
     """Mixin for GRPOTrainer subclasses: put it first in the bases and call :meth:`_oar_setup` from
-    ``__init__`` after ``GRPOTrainer.__init__``. Adds per-token advantages and logs ``oar/*`` metrics
-    plus ``time/generation``, ``time/attribution`` (seconds per generation batch)."""
+    ``__init__`` after ``GRPOTrainer.__init__``::
+
+        class MyTrainer(OARTrainerMixin, GRPOTrainer):
+            def __init__(self, *args, oar_config=None, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._oar_setup(oar_config)
+
+    Adds per-token advantages and logs ``oar/*`` metrics plus ``time/generation``, ``time/attribution``
+    (seconds per generation batch).
+    """
 
     def _oar_setup(self, oar_config, answer_column: str = "answer") -> None:
         if oar_config is None:
@@ -62,9 +79,48 @@ class OARTrainerMixin:
         _check_args(self.args)
         self.oar_config = oar_config
         self.oar_answer_column = answer_column
+        if oar_config.method == "dr_grpo" and getattr(self, "scale_rewards", "none") != "none":
+            warnings.warn(f"oar method 'dr_grpo' uses sequence advantages without std scaling: setting TRL's "
+                          f"scale_rewards='none' (was {self.scale_rewards!r})", stacklevel=3)
+            self.scale_rewards = "none"
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         self.oar_hook = TokenAdvantageHook(oar_config, tokenizer)
         self.oar_timings: dict[str, list[float]] = defaultdict(list)
+        self._oar_rewards = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL returns the rewards of every process (gathered); keep their weighted sum for KTAE's correctness.
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        w = self.reward_weights.to(rewards_per_func.device)
+        self._oar_rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1).detach()
+        return rewards_per_func
+
+    def _oar_ktae(self, out, eligible):
+        """KTAE on the gathered batch (its groups may span processes), sliced back to this process."""
+        from oar.api import additive_baseline
+
+        acc = self.accelerator
+        B = out["completion_ids"].shape[0]
+        pad = int(self.oar_hook.builder.pad_id)
+        ids = acc.gather(acc.pad_across_processes(out["completion_ids"], dim=1, pad_index=pad))
+        cmask = acc.gather(acc.pad_across_processes(out["completion_mask"].int(), dim=1, pad_index=0))
+        elig = acc.gather(acc.pad_across_processes(eligible.int(), dim=1, pad_index=0))
+        adv = acc.gather(out["advantages"].detach().float())
+        rewards = self._oar_rewards
+        if rewards is not None and rewards.shape[0] == adv.shape[0]:
+            rewards = torch.nan_to_num(rewards.float(), nan=float("-inf")).clamp_min(-3e38)  # unscorable = wrong
+        else:
+            rewards = None
+        res = additive_baseline(self.oar_hook, None, [[]] * ids.shape[0], ids.cpu(), cmask.cpu().bool(), adv.cpu(),
+                                elig.cpu().bool(), torch.device("cpu"), rewards=None if rewards is None else rewards.cpu(),
+                                group_offsets=int(self.num_generations))
+        sl = slice(acc.process_index * B, (acc.process_index + 1) * B)
+        C = out["completion_ids"].shape[1]
+        res.advantages = res.advantages[sl, :C]
+        res.weights = res.weights[sl, :C]
+        res.scores = res.scores[sl, :C]
+        res.reasoning_mask = res.reasoning_mask[sl, :C]
+        return res
 
     def _generate_and_score_completions(self, inputs):
         t0 = time.perf_counter()
@@ -73,18 +129,23 @@ class OARTrainerMixin:
         mode = "train" if self.model.training else "eval"
         if mode != "train":
             return out
-        missing = [i for i, x in enumerate(inputs) if self.oar_answer_column not in x]
-        if missing:
-            raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
-                           f"{missing[:5]} lack it (set answer_column=... to the right column)")
-        answers = [str(x[self.oar_answer_column]) for x in inputs]
+        method = self.oar_config.method
+        if method in _NEEDS_ANSWER:
+            missing = [i for i, x in enumerate(inputs) if self.oar_answer_column not in x]
+            if missing:
+                raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
+                               f"{missing[:5]} lack it (set answer_column=... to the right column)")
+        answers = [str(x.get(self.oar_answer_column, "")) for x in inputs]
         prompt_ids = [row[m.bool()] for row, m in zip(out["prompt_ids"], out["prompt_mask"])]
         eligible = out["completion_mask"]
         if "tool_mask" in out:
             eligible = eligible * out["tool_mask"]
-        model = self.accelerator.unwrap_model(self.model)
-        res = self.oar_hook.compute(model, prompt_ids, out["completion_ids"], out["completion_mask"],
-                                    out["advantages"], answers, eligible_mask=eligible)
+        if method == "ktae":
+            res = self._oar_ktae(out, eligible)
+        else:
+            model = self.accelerator.unwrap_model(self.model)
+            res = self.oar_hook.compute(model, prompt_ids, out["completion_ids"], out["completion_mask"],
+                                        out["advantages"], answers, eligible_mask=eligible)
         out["advantages"] = res.advantages.to(out["advantages"].device)
         t2 = time.perf_counter()
         for k, v in res.metrics.items():
@@ -103,16 +164,18 @@ def _make_trainer_class():
     if trl.__version__ not in SUPPORTED_TRL:
         warnings.warn(f"oar.integrations.trl is tested with trl {SUPPORTED_TRL}, found {trl.__version__}; the hook "
                       "point _generate_and_score_completions may have changed", stacklevel=2)
-    if not hasattr(GRPOTrainer, "_generate_and_score_completions"):
-        raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer has no _generate_and_score_completions; this trl "
-                           "version is not supported by oar")
+    for name in ("_generate_and_score_completions", "_calculate_rewards"):
+        if not hasattr(GRPOTrainer, name):
+            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer has no {name}; this trl version is not supported "
+                               f"by oar (tested: {SUPPORTED_TRL})")
 
     class OARGRPOTrainer(OARTrainerMixin, GRPOTrainer):
         """``trl.GRPOTrainer`` with OAR per-token advantages. Same constructor plus:
 
         Args:
-            oar_config: ``oar.OARConfig`` (default: OAR-G, answer_mean probe, q=0.25, beta=1, floor=0.1).
-            answer_column: dataset column holding the reference answer.
+            oar_config: ``oar.OARConfig`` (default: OAR-G, answer_mean probe, q=0.25, beta=1, floor=0.1); any
+                method of ``oar.METHODS``.
+            answer_column: dataset column holding the reference answer (needed by oar_p / oar_g).
 
         Raises:
             ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost).

@@ -1,0 +1,262 @@
+"""``oar eval-attribution``: attribution quality against oracle causal tokens (method.md section 9).
+
+For correct sampled traces of a task:
+
+1. **Oracle** (method.md section 9, [decided]): for every reasoning token t, replace it by PAD, keep the
+   rest of the reasoning, append the conclude string, decode the answer greedily (until ``}`` or EOS) and
+   verify it against the reference; t is *causal* when the answer stops being correct. A trace is kept
+   only when its unmasked probe context itself decodes to the correct answer (otherwise "flipping
+   correctness" is undefined for it).
+2. **Scores** of every method: OAR-P and OAR-G (1 and K noise draws) for each probe (last, answer_mean,
+   answer_joint), entropy, random.
+3. **Recall@K%**: the share of a trace's oracle-causal tokens found among its top ceil(K% x L) tokens by
+   score (ties broken by position), averaged over traces with at least one causal token; 95% bootstrap
+   intervals over traces. Random scores have expected recall K%.
+
+Outputs (``--out PREFIX``): PREFIX.csv and PREFIX.md (the table), PREFIX.png (recall vs K), PREFIX.json
+(per-trace oracle, scores and recalls, so the numbers can be re-analysed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random as _random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_NAMES = ("last", "answer_mean", "answer_joint")
+TOP_K_PERCENT = (10, 20, 30)
+
+
+@dataclass
+class Trace:
+    """One correct sampled completion and everything measured on it."""
+
+    task: str
+    problem_id: str
+    answer: str
+    prompt_ids: list
+    response_ids: list
+    text: str
+    reasoning_len: int = 0
+    causal: list = field(default_factory=list)        # bool per reasoning token
+    scores: dict = field(default_factory=dict)        # method name -> list of floats (per reasoning token)
+
+
+def recall_at(scores: list[float], causal: list[bool], percent: float) -> float | None:
+    """Share of causal tokens among the top ceil(percent% x L) tokens by score (ties: earlier position first).
+    None when the trace has no causal token. Raises ValueError on mismatched lengths or percent outside (0, 100]."""
+    if len(scores) != len(causal):
+        raise ValueError(f"scores ({len(scores)}) and causal ({len(causal)}) must have one entry per token")
+    if not 0 < percent <= 100:
+        raise ValueError(f"percent must be in (0, 100], got {percent}")
+    n_causal = sum(bool(c) for c in causal)
+    if n_causal == 0 or not scores:
+        return None
+    k = max(1, math.ceil(percent / 100.0 * len(scores)))
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+    return sum(bool(causal[i]) for i in order) / n_causal
+
+
+def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (resampling traces)."""
+    if not values:
+        return (float("nan"), float("nan"))
+    rng = _random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
+    lo = means[int((1 - level) / 2 * reps)]
+    hi = means[min(reps - 1, int((1 + level) / 2 * reps))]
+    return lo, hi
+
+
+def _greedy_answers(model, tok, contexts: torch.Tensor, max_new: int) -> list[str]:
+    """Greedy continuation of equal-length contexts (B, T), decoded up to the first '}' or EOS."""
+    with torch.no_grad():
+        out = model.generate(input_ids=contexts, attention_mask=torch.ones_like(contexts), do_sample=False,
+                             max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, contexts.shape[1]:], skip_special_tokens=True)
+    return [t.split("}")[0].strip() for t in texts]
+
+
+def oracle_causal(model, tok, task, problem, prompt_ids, reasoning_ids, conclude_ids, pad_id: int,
+                  max_new: int = 16, batch_size: int = 32) -> tuple[bool, list[bool]]:
+    """(clean_correct, causal flags per reasoning token) by PAD substitution + greedy answer decoding."""
+    base = torch.tensor(list(prompt_ids) + list(reasoning_ids) + list(conclude_ids), dtype=torch.long)
+    clean = _greedy_answers(model, tok, base[None], max_new)[0]
+    clean_ok = task.reward("\\boxed{" + clean + "}", problem) == 1.0
+    if not clean_ok:
+        return False, []
+    P, L = len(prompt_ids), len(reasoning_ids)
+    causal = []
+    for start in range(0, L, batch_size):
+        js = list(range(start, min(L, start + batch_size)))
+        ctx = base.repeat(len(js), 1)
+        ctx[torch.arange(len(js)), torch.tensor(js) + P] = pad_id
+        for ans in _greedy_answers(model, tok, ctx, max_new):
+            causal.append(task.reward("\\boxed{" + ans + "}", problem) != 1.0)
+    return True, causal
+
+
+def sample_correct_traces(model, tok, task, task_name: str, problems, G: int, max_new_tokens: int,
+                          temperature: float, want: int, seed: int) -> list[Trace]:
+    """Samples G completions per problem (batched), keeps correct ones until ``want`` traces."""
+    from oar.attribute import sample_group
+
+    traces: list[Trace] = []
+    for pi, prob in enumerate(problems):
+        s = sample_group(model, tok, task.prompt(prob), G, max_new_tokens, temperature, seed + pi)
+        for i, text in enumerate(s.texts):
+            if task.reward(text, prob) == 1.0:
+                traces.append(Trace(task_name, str(prob.id), prob.answer, s.prompt_ids.tolist(),
+                                    s.completion_ids[i][s.completion_mask[i]].tolist(), text))
+                break  # one trace per problem: traces stay independent for the bootstrap
+        if len(traces) >= want:
+            break
+    return traces
+
+
+def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int) -> dict[str, list[float]]:
+    """Every method's scores of one trace's reasoning tokens."""
+    from oar.attribution import (
+        HFProbeModel,
+        ProbeContextBuilder,
+        entropy_scores,
+        oar_g_scores,
+        oar_p_scores,
+        random_scores,
+    )
+
+    builder = ProbeContextBuilder(tok, cfg.conclude, cfg.answer_suffix)
+    batch = builder.build([trace.prompt_ids], [trace.response_ids], [trace.answer], [trace.reasoning_len])
+    pm = HFProbeModel(model)
+    L = trace.reasoning_len
+    out = {}
+    with pm.eval_mode():
+        for probe in PROBE_NAMES:
+            out[f"oar_p/{probe}"] = oar_p_scores(pm, batch, probe=probe).scores[0, :L].tolist()
+            for k in (1, draws):
+                g = torch.Generator().manual_seed(seed)
+                out[f"oar_g{k}/{probe}"] = oar_g_scores(pm, batch, probe=probe, noise_draws=k, generator=g,
+                                                        sigma=cfg.sigma).scores[0, :L].tolist()
+        out["entropy"] = entropy_scores(pm, batch).scores[0, :L].tolist()
+        out["random"] = random_scores(batch, generator=torch.Generator().manual_seed(seed)).scores[0, :L].tolist()
+    return out
+
+
+def summarize(traces: list[Trace]) -> list[dict]:
+    rows = []
+    for task in sorted({t.task for t in traces}):
+        ts = [t for t in traces if t.task == task]
+        methods = list(ts[0].scores) if ts else []
+        for m in methods:
+            for K in TOP_K_PERCENT:
+                vals = [r for r in (recall_at(t.scores[m], t.causal, K) for t in ts) if r is not None]
+                lo, hi = bootstrap_ci(vals)
+                rows.append({"task": task, "method": m, "top_percent": K, "recall": sum(vals) / len(vals) if vals else float("nan"),
+                             "ci_low": lo, "ci_high": hi, "traces": len(vals)})
+    return rows
+
+
+def write_outputs(rows: list[dict], traces: list[Trace], prefix: str, meta: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".json", "w") as f:
+        json.dump({"meta": meta, "summary": rows, "traces": [t.__dict__ for t in traces]}, f, indent=1)
+    with open(prefix + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["task"])
+        w.writeheader()
+        w.writerows(rows)
+    lines = []
+    for task in sorted({r["task"] for r in rows}):
+        ts = [t for t in traces if t.task == task]
+        n_causal = sum(sum(t.causal) for t in ts)
+        n_tok = sum(t.reasoning_len for t in ts)
+        lines += [f"### {task}: {len(ts)} traces, {n_tok} reasoning tokens, {n_causal} oracle-causal "
+                  f"({100 * n_causal / max(n_tok, 1):.1f}%)", "",
+                  "| method | " + " | ".join(f"recall@{k}%" for k in TOP_K_PERCENT) + " |",
+                  "|---|" + "---|" * len(TOP_K_PERCENT)]
+        for m in dict.fromkeys(r["method"] for r in rows if r["task"] == task):
+            cells = []
+            for K in TOP_K_PERCENT:
+                r = next(x for x in rows if x["task"] == task and x["method"] == m and x["top_percent"] == K)
+                cells.append(f"{r['recall']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    with open(prefix + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    _plot(rows, prefix + ".png")
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), dpi=110, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for m in dict.fromkeys(r["method"] for r in rows if r["task"] == task):
+            rs = [r for r in rows if r["task"] == task and r["method"] == m]
+            style = "--" if m in ("random", "entropy") else "-"
+            ax.plot([r["top_percent"] for r in rs], [r["recall"] for r in rs], style, marker="o", ms=3, label=m)
+        ax.set_title(f"{task}: recall of oracle-causal tokens", fontsize=9)
+        ax.set_xlabel("top K% tokens by score")
+        ax.set_ylabel("recall")
+        ax.set_xticks(list(TOP_K_PERCENT))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(args) -> list[dict]:
+    """Implements ``oar eval-attribution`` (see ``oar eval-attribution --help``)."""
+    import oar
+    from oar.attribution import reasoning_length
+    from oar.models import load_by_name
+    from oar.tasks import get_task
+
+    t0 = time.perf_counter()
+    model, tok = load_by_name(args.model)
+    model.eval()
+    cfg = oar.OARConfig()
+    conclude_ids = tok.encode(cfg.conclude, add_special_tokens=False)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    traces: list[Trace] = []
+    for task_name in args.tasks:
+        kwargs = {}
+        if task_name == "gsm8k":
+            kwargs = {"easiest": True, **({"test_path": args.data} if args.data else {})}
+        task = get_task(task_name, **kwargs)
+        problems = task.problems("test", n=args.problems, seed=args.seed)
+        found = sample_correct_traces(model, tok, task, task_name, problems, args.num_generations,
+                                      args.max_new_tokens, args.temperature, args.traces, args.seed)
+        print(f"[{task_name}] {len(found)} correct traces from {len(problems)} problems "
+              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        probs = {str(p.id): p for p in problems}
+        for tr in found:
+            tr.reasoning_len = reasoning_length(tr.response_ids, tok, stop_ids=[pad_id, tok.eos_token_id])
+            if tr.reasoning_len == 0:
+                continue
+            ok, causal = oracle_causal(model, tok, task, probs[tr.problem_id], tr.prompt_ids,
+                                       tr.response_ids[: tr.reasoning_len], conclude_ids, pad_id)
+            if not ok:
+                continue
+            tr.causal = causal
+            tr.scores = score_trace(model, tok, tr, cfg, args.draws, args.seed)
+            traces.append(tr)
+        print(f"[{task_name}] {sum(t.task == task_name for t in traces)} traces kept after the clean-answer check "
+              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    rows = summarize(traces)
+    meta = {"model": args.model, "tasks": args.tasks, "draws": args.draws, "seed": args.seed,
+            "seconds": time.perf_counter() - t0, "torch": torch.__version__, "oar": oar.__version__}
+    write_outputs(rows, traces, args.out, meta)
+    return rows

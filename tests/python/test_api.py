@@ -1,0 +1,163 @@
+"""oar.token_advantages: every method selectable by name, ablations and probes, against the building blocks
+(group advantages, baselines, reshaping) computed separately."""
+
+import json
+
+import pytest
+import torch
+
+import oar
+from oar import baselines, ops, reference
+from oar.models import tiny_random_llama
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=3)
+
+
+def _batch(tok, C=30):
+    texts = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5",
+             "4 4 4 \\boxed{8}", "5 \\boxed{5}"]
+    prompt = tok.encode("Q: 2+3?", add_special_tokens=False)
+    ids = torch.full((6, C), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((6, C), dtype=torch.long)
+    for i, t in enumerate(texts):
+        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    return [prompt] * 6, ids, mask, rewards
+
+
+def _cfg(**kw):
+    return oar.OARConfig.from_json(json.dumps(kw))
+
+
+def _call(tiny, **kw):
+    model, tok = tiny
+    prompts, ids, mask, rewards = _batch(tok)
+    cfg = _cfg(**kw)
+    return oar.token_advantages(rewards, group_size=3, model=model, tokenizer=tok, prompt_ids=prompts,
+                                completion_ids=ids, completion_mask=mask, answers=["5"] * 6, config=cfg), (ids, mask, rewards)
+
+
+def test_every_schema_method_is_selectable():
+    assert set(oar.METHODS) == {"grpo", "dr_grpo", "random", "entropy", "entropy_shaping", "ktae", "oar_p", "oar_g"}
+    for m in oar.METHODS:
+        assert _cfg(method=m).method == m
+
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "random", "entropy", "oar_p", "oar_g"])
+def test_reshaping_methods_keep_mass(tiny, method):
+    out, (ids, mask, rewards) = _call(tiny, method=method)
+    est = "dr_grpo" if method == "dr_grpo" else "grpo"
+    seq = reference.group_advantages(rewards, group_size=3, estimator=est)
+    torch.testing.assert_close(out.sequence_advantages, seq, rtol=1e-6, atol=1e-6)
+    m = mask.bool()
+    torch.testing.assert_close(out.advantages.sum(1), seq * m.sum(1), rtol=1e-5, atol=1e-5)
+    assert (out.advantages[~m] == 0).all()
+    if method in ("grpo", "dr_grpo"):
+        torch.testing.assert_close(out.advantages, seq[:, None] * m)
+    else:
+        assert out.reasoning_mask.any()
+        # the reshaping is ops.reshape_advantages of the scores it reports (same q, beta, floor)
+        exp, _ = ops.reshape_advantages(seq, out.scores, out.reasoning_mask, m)
+        torch.testing.assert_close(out.advantages, exp)
+
+
+def test_dr_grpo_is_not_std_scaled(tiny):
+    out, (_, _, rewards) = _call(tiny, method="dr_grpo")
+    exp = rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)
+    torch.testing.assert_close(out.sequence_advantages, exp)
+
+
+@pytest.mark.parametrize("tiers", ["boost", "suppress"])
+@pytest.mark.parametrize("probe", ["last", "answer_joint"])
+def test_ablations_and_probe_choice(tiny, tiers, probe):
+    out, (ids, mask, rewards) = _call(tiny, method="oar_p", tiers=tiers, probe=probe, q=0.5)
+    m = mask.bool()
+    exp, w = ops.reshape_advantages(out.sequence_advantages, out.scores, out.reasoning_mask, m, q=0.5, tiers=tiers)
+    torch.testing.assert_close(out.advantages, exp)
+    torch.testing.assert_close(out.weights, w)
+    both, _ = ops.reshape_advantages(out.sequence_advantages, out.scores, out.reasoning_mask, m, q=0.5)
+    assert not torch.allclose(both, exp)  # the ablation changes something on this batch
+
+
+def test_entropy_shaping_equals_baseline(tiny):
+    model, tok = tiny
+    out, (ids, mask, rewards) = _call(tiny, method="entropy_shaping", entropy_alpha=0.3, entropy_kappa=3.0)
+    prompts = _batch(tok)[0]
+    H = baselines.policy_entropies(model, prompts, ids, mask)
+    seq = ops.group_advantages(rewards, group_size=3)
+    exp = baselines.entropy_shaping_advantages(seq, H, mask, alpha=0.3, kappa=3.0)
+    torch.testing.assert_close(out.advantages, exp, rtol=1e-5, atol=1e-6)
+    assert out.metrics["oar/forward_passes"] >= 1
+
+
+def test_ktae_equals_baseline_and_scores_eos_zero(tiny):
+    model, tok = tiny
+    out, (ids, mask, rewards) = _call(tiny, method="ktae", ktae_tf=False)
+    seq = ops.group_advantages(rewards, group_size=3)
+    bonus = baselines.ktae_token_scores(ids, mask, rewards, group_size=3, tf=False,
+                                        ignore_ids=[tok.eos_token_id, tok.pad_token_id])
+    torch.testing.assert_close(out.advantages, (seq[:, None] + bonus) * mask.bool())
+    assert (out.scores[ids == tok.eos_token_id] == 0).all()
+    # no tokenizer: ktae runs without one (EOS then gets a score like any token)
+    out2 = oar.token_advantages(rewards, group_size=3, completion_ids=ids, completion_mask=mask,
+                                config=_cfg(method="ktae", ktae_tf=False))
+    bonus2 = baselines.ktae_token_scores(ids, mask, rewards, group_size=3, tf=False)
+    torch.testing.assert_close(out2.advantages, (seq[:, None] + bonus2) * mask.bool())
+
+
+def test_ragged_groups_and_eligible_mask(tiny):
+    model, tok = tiny
+    prompts, ids, mask, rewards = _batch(tok)
+    elig = mask.clone()
+    elig[0, 2:4] = 0  # e.g. tool output inside the completion
+    out = oar.token_advantages(rewards, offsets=[0, 2, 6], model=model, tokenizer=tok, prompt_ids=prompts,
+                               completion_ids=ids, completion_mask=mask, answers=["5"] * 6,
+                               config=_cfg(method="oar_g"), eligible_mask=elig, preset="verl")
+    seq = reference.group_advantages(rewards, [0, 2, 6], preset="verl")
+    torch.testing.assert_close(out.sequence_advantages, seq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.advantages.sum(1), seq * elig.sum(1), rtol=1e-5, atol=1e-5)
+    assert (out.advantages[0, 2:4] == 0).all()
+
+
+@pytest.mark.parametrize("method, missing", [("oar_p", "model"), ("oar_g", "answers"), ("random", "tokenizer"),
+                                             ("entropy_shaping", "model")])
+def test_missing_inputs_are_named(tiny, method, missing):
+    model, tok = tiny
+    prompts, ids, mask, rewards = _batch(tok)
+    kw = dict(model=model, tokenizer=tok, prompt_ids=prompts, answers=["5"] * 6)
+    kw[missing] = None
+    with pytest.raises(ValueError, match=f"needs {missing}"):
+        oar.token_advantages(rewards, group_size=3, completion_ids=ids, completion_mask=mask, config=_cfg(method=method),
+                             **kw)
+
+
+def test_bad_rewards_shape(tiny):
+    _, tok = tiny
+    _, ids, mask, _ = _batch(tok)
+    with pytest.raises(ValueError, match="rewards must be a \\(B,\\) = \\(6,\\)"):
+        oar.token_advantages(torch.ones(5), group_size=1, completion_ids=ids, completion_mask=mask,
+                             config=_cfg(method="grpo"))
+
+
+def test_hook_ktae_needs_groups(tiny):
+    model, tok = tiny
+    prompts, ids, mask, rewards = _batch(tok)
+    hook = oar.hook.TokenAdvantageHook(_cfg(method="ktae"), tok)
+    with pytest.raises(ValueError, match="group_offsets"):
+        hook.compute(model, prompts, ids, mask, torch.ones(6), ["5"] * 6)
+    # with groups and without rewards, correctness is A > 0
+    adv = ops.group_advantages(rewards, group_size=3)
+    out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 6, group_offsets=3)
+    bonus = baselines.ktae_token_scores(ids, mask, adv, group_size=3, ignore_ids=[tok.eos_token_id, tok.pad_token_id])
+    torch.testing.assert_close(out.advantages, (adv[:, None] + bonus) * mask.bool())
+
+
+def test_random_baseline_advances_between_calls(tiny):
+    a, _ = _call(tiny, method="random", seed=11)
+    b, _ = _call(tiny, method="random", seed=11)
+    assert not torch.equal(a.scores, b.scores)  # one cached hook per (tokenizer, config): the generator advances

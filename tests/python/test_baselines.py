@@ -1,0 +1,323 @@
+"""oar.baselines: entropy shaping, KTAE statistics and scores, policy entropies, IRPO rewards.
+
+Independent references: exact rational arithmetic (fractions + math.comb) for the Fisher p-value, plain
+Python loops over tokens and rollouts for KTAE, a per-row unpadded forward for the entropies, and the
+O(n_c * n_r) definition for IRPO.
+"""
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oar
+from oar import baselines, ops
+from oar.models import tiny_random_llama
+
+
+# ---- Fisher exact test / information gain ---------------------------------------------------------------
+
+def fisher_exact_rational(a, b, c, d):
+    """Two-sided Fisher p-value with exact rationals: sum of P(X=k) <= P(X=a)."""
+    r1, c1, n = a + b, a + c, a + b + c + d
+    denom = math.comb(n, r1)
+
+    def p(k):
+        return Fraction(math.comb(c1, k) * math.comb(n - c1, r1 - k), denom)
+
+    lo, hi = max(0, r1 + c1 - n), min(r1, c1)
+    pa = p(a)
+    return float(sum(p(k) for k in range(lo, hi + 1) if p(k) <= pa))
+
+
+def info_gain_py(a, b, c, d):
+    def h(*xs):
+        t = sum(xs)
+        return -sum(x / t * math.log2(x / t) for x in xs if x > 0) if t > 0 else 0.0
+
+    n = a + b + c + d
+    return h(a + c, b + d) - (a + b) / n * h(a, b) - (c + d) / n * h(c, d) if n else 0.0
+
+
+@pytest.mark.parametrize("table", [(1, 9, 11, 3), (3, 1, 1, 3), (0, 5, 5, 0), (2, 2, 2, 2), (0, 0, 4, 3),
+                                   (4, 3, 0, 0), (7, 0, 0, 1), (12, 5, 1, 9), (0, 0, 0, 0)])
+def test_fisher_matches_exact_rationals(table):
+    got = float(baselines.fisher_exact_pvalue(torch.tensor([table], dtype=torch.float32))[0])
+    if sum(table) == 0:
+        assert got == pytest.approx(1.0)
+        return
+    assert got == pytest.approx(fisher_exact_rational(*table), rel=1e-6, abs=1e-12)
+
+
+def test_fisher_known_value():
+    # scipy.stats.fisher_exact([[1, 9], [11, 3]]) -> 0.002759... (classic tea-tasting style table)
+    assert float(baselines.fisher_exact_pvalue(torch.tensor([[1, 9, 11, 3]]))[0]) == pytest.approx(0.0027594, rel=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(0, 9)] * 4), min_size=1, max_size=6))
+def test_fisher_and_ig_property(tables):
+    t = torch.tensor(tables, dtype=torch.int64)
+    p = baselines.fisher_exact_pvalue(t)
+    ig = baselines.information_gain(t)
+    for k, row in enumerate(tables):
+        if sum(row) == 0:
+            continue
+        assert float(p[k]) == pytest.approx(fisher_exact_rational(*row), rel=1e-5, abs=1e-9)
+        assert float(ig[k]) == pytest.approx(info_gain_py(*row), rel=1e-5, abs=1e-6)
+        assert 0 < float(p[k]) <= 1 and 0 <= float(ig[k]) <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("bad, match", [(torch.zeros(3, 3), r"\(N, 4\)"), (torch.tensor([[1.5, 1, 1, 1]]), "integer"),
+                                        (torch.tensor([[-1, 1, 1, 1]]), "non-negative"), ([1, 2, 3, 4], "torch.Tensor")])
+def test_fisher_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        baselines.fisher_exact_pvalue(bad)
+
+
+# ---- KTAE -----------------------------------------------------------------------------------------------
+
+def ktae_reference(ids, mask, rewards, sizes, alpha=1.0, beta=1.0, tf=True, scale=1.0, threshold=0.0, ignore=()):
+    """Loops over groups, token ids and rollouts, following the module docstring of oar.baselines."""
+    out = torch.zeros(ids.shape, dtype=torch.float64)
+    start = 0
+    for g in sizes:
+        rows = list(range(start, start + g))
+        start += g
+        correct = {r for r in rows if float(rewards[r]) > threshold}
+        wrong = set(rows) - correct
+        if not correct or not wrong:
+            continue
+        toks = {r: [int(ids[r, t]) for t in range(ids.shape[1]) if mask[r, t]] for r in rows}
+        len_c = sum(len(toks[r]) for r in correct)
+        len_w = sum(len(toks[r]) for r in wrong)
+        avg = (len_c + len_w) / 2
+        score = {}
+        for u in {x for r in rows for x in toks[r]}:
+            a = sum(u in toks[r] for r in correct)
+            b = sum(u in toks[r] for r in wrong)
+            c, d = len(correct) - a, len(wrong) - b
+            p = fisher_exact_rational(a, b, c, d)
+            fish = 0.0 if p >= 1 - 1e-9 else math.exp(-2 * p)
+            ig = info_gain_py(a, b, c, d)
+            h = math.asin(math.sqrt(a / len(correct))) - math.asin(math.sqrt(b / len(wrong)))
+            if tf:
+                def sat(count, length):
+                    if length == 0:
+                        return 0.0
+                    f = count / length
+                    return f * 3.0 / (f + 2.0 * (0.5 + 0.5 * length / avg))
+
+                tc = sat(sum(toks[r].count(u) for r in correct), len_c)
+                tw = sat(sum(toks[r].count(u) for r in wrong), len_w)
+                h += tc / (tw + 1e-5) - tw / (tc + 1e-5)
+            s = (alpha * fish + beta * ig) * h / (alpha + beta)
+            score[u] = 0.0 if u in ignore else scale * math.tanh(s / 2)  # = scale * (2 sigmoid(s) - 1)
+        for r in rows:
+            for t in range(ids.shape[1]):
+                if mask[r, t]:
+                    out[r, t] = score[int(ids[r, t])]
+    return out.float()
+
+
+def _ktae_batch(seed, sizes=(6, 5), T=9, vocab=7):
+    g = torch.Generator().manual_seed(seed)
+    B = sum(sizes)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lens[:, None]
+    rewards = torch.randint(0, 2, (B,), generator=g).float()
+    return ids, mask, rewards
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("kw", [{}, {"tf": False}, {"alpha": 0.0, "beta": 2.0}, {"alpha": 1.0, "beta": 0.0, "scale": 0.5},
+                                {"threshold": 0.5, "ignore": (3,)}])
+def test_ktae_matches_loop_reference(seed, kw):
+    ids, mask, rewards = _ktae_batch(seed)
+    ignore = kw.pop("ignore", ())
+    got = baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11], ignore_ids=ignore, **kw)
+    exp = ktae_reference(ids, mask, rewards, (6, 5), ignore=ignore, **kw)
+    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+
+
+def test_ktae_invariants():
+    ids, mask, rewards = _ktae_batch(5, sizes=(8,), T=12)
+    rewards[:3], rewards[3:] = 1.0, 0.0
+    s = baselines.ktae_token_scores(ids, mask, rewards, group_size=8, scale=0.7)
+    assert (s.abs() < 0.7).all() and (s[~mask] == 0).all()
+    # swapping correct and wrong flips every score (the statistics are symmetric, the direction antisymmetric)
+    flipped = baselines.ktae_token_scores(ids, mask, 1 - rewards, group_size=8, scale=0.7)
+    torch.testing.assert_close(flipped, -s, rtol=1e-5, atol=1e-6)
+    # a group with only correct (or only wrong) rollouts scores 0
+    assert (baselines.ktae_token_scores(ids, mask, torch.ones(8), group_size=8) == 0).all()
+    # a token present in every correct rollout and in no wrong one is a positive key token
+    ids2 = ids.clone() % 5
+    ids2[:3, 0] = 6
+    mask2 = mask.clone()
+    mask2[:, 0] = True
+    s2 = baselines.ktae_token_scores(ids2, mask2, rewards, group_size=8, tf=False)
+    assert (s2[:3, 0] > 0.05).all()
+
+
+def test_ktae_advantages_add_scores_and_keep_padding_zero():
+    ids, mask, rewards = _ktae_batch(3)
+    adv = ops.group_advantages(rewards, [0, 6, 11])
+    tok = baselines.ktae_advantages(adv, ids, mask, rewards, [0, 6, 11])
+    bonus = baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11])
+    torch.testing.assert_close(tok, (adv[:, None] + bonus) * mask)
+    assert (tok[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("kw, match", [({"alpha": 0.0, "beta": 0.0}, "alpha \\+ beta"), ({"scale": 0.0}, "scale"),
+                                       ({"alpha": -1.0}, "alpha"), ({"threshold": float("nan")}, "threshold")])
+def test_ktae_bad_parameters(kw, match):
+    ids, mask, rewards = _ktae_batch(0)
+    with pytest.raises(ValueError, match=match):
+        baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11], **kw)
+
+
+def test_ktae_bad_input():
+    ids, mask, rewards = _ktae_batch(0)
+    with pytest.raises(ValueError, match="rewards must be"):
+        baselines.ktae_token_scores(ids, mask, rewards[:3], [0, 6, 11])
+    with pytest.raises(ValueError, match="token_ids must be an integer"):
+        baselines.ktae_token_scores(ids.float(), mask, rewards, [0, 6, 11])
+    with pytest.raises(ValueError, match="mask must be"):
+        baselines.ktae_token_scores(ids, mask[:, :3], rewards, [0, 6, 11])
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        baselines.ktae_token_scores(ids, mask, torch.full((11,), float("nan")), [0, 6, 11])
+    with pytest.raises(ValueError, match="offsets"):
+        baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 10])
+
+
+# ---- entropy shaping ----------------------------------------------------------------------------------------
+
+def test_entropy_shaping_formula_and_invariants():
+    g = torch.Generator().manual_seed(0)
+    adv = torch.tensor([1.5, -0.8, 0.0, 0.3], dtype=torch.float64)
+    ent = torch.rand((4, 7), generator=g, dtype=torch.float64) * 3
+    mask = torch.rand((4, 7), generator=g) > 0.3
+    out = baselines.entropy_shaping_advantages(adv, ent, mask, alpha=0.4, kappa=2.0)
+    exp = torch.zeros(4, 7, dtype=torch.float64)
+    for i in range(4):
+        for t in range(7):
+            if mask[i, t]:
+                exp[i, t] = adv[i] + min(0.4 * ent[i, t], abs(adv[i]) / 2.0)
+    torch.testing.assert_close(out, exp.float())
+    assert out.dtype == torch.float32
+    assert (out[2] == 0).all() and (out[~mask] == 0).all()
+    assert (out[1][mask[1]] < 0).all()  # kappa > 1: a negative advantage stays negative
+    assert ((out - adv[:, None].float() * mask) <= (adv.abs()[:, None].float() / 2 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("kw, match", [({"alpha": -1}, "alpha"), ({"kappa": 0}, "kappa"), ({"kappa": "2"}, "kappa")])
+def test_entropy_shaping_bad_parameters(kw, match):
+    with pytest.raises(ValueError, match=match):
+        baselines.entropy_shaping_advantages(torch.ones(2), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool), **kw)
+
+
+def test_entropy_shaping_bad_input():
+    with pytest.raises(ValueError, match="entropy must be >= 0"):
+        baselines.entropy_shaping_advantages(torch.ones(1), -torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="advantages must be"):
+        baselines.entropy_shaping_advantages(torch.ones(3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="entropy must be finite"):
+        baselines.entropy_shaping_advantages(torch.ones(1), torch.full((1, 2), float("inf")), torch.ones(1, 2))
+    # values off the mask are ignored
+    out = baselines.entropy_shaping_advantages(torch.ones(1), torch.tensor([[1.0, float("nan")]]),
+                                               torch.tensor([[True, False]]))
+    assert out.tolist() == [[pytest.approx(1.4), 0.0]]
+
+
+def test_policy_entropies_match_unpadded_forward():
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=1)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    C = 6
+    ids = torch.tensor([[20, 21, 22, 23, 0, 0], [30, 31, 32, 33, 34, 35], [40, 41, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    got = baselines.policy_entropies(model, prompts, ids, mask, memory_budget_mb=1)
+    exp = torch.zeros(3, C)
+    with torch.no_grad():
+        for i in range(3):
+            L = int(mask[i].sum())
+            seq = torch.tensor([prompts[i] + ids[i, :L].tolist()])
+            logits = model(seq).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            H = -(logp.exp() * logp).sum(-1)
+            P = len(prompts[i])
+            exp[i, :L] = H[P - 1: P - 1 + L]
+    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+    assert (got[~mask] == 0).all()
+
+
+def test_policy_entropies_bad_input():
+    model, tok = tiny_random_llama(hidden_size=16, num_layers=1, num_heads=2, tokenizer="minimal", seed=1)
+    with pytest.raises(ValueError, match="prompt_ids\\[0\\] is empty"):
+        baselines.policy_entropies(model, [[]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="prompt_ids must have"):
+        baselines.policy_entropies(model, [[1], [2]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
+
+
+# ---- IRPO ---------------------------------------------------------------------------------------------------
+
+def irpo_quadratic(sc, sr):
+    sig = torch.sigmoid(sc.double()[:, None] - sr.double()[None, :])
+    return sig.mean(1).float(), sig.mean(0).float()
+
+
+@pytest.mark.parametrize("n_c, n_r", [(1, 1), (3, 5), (8, 8), (47, 3)])
+def test_irpo_matches_quadratic_definition(n_c, n_r):
+    g = torch.Generator().manual_seed(n_c * 100 + n_r)
+    sc, sr = torch.randn(n_c, generator=g) * 3, torch.randn(n_r, generator=g) * 3
+    got = oar.irpo_rewards(sc, sr)
+    exp = irpo_quadratic(sc, sr)
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 10), min_size=1, max_size=30), st.lists(st.integers(1, 10), min_size=1, max_size=30),
+       st.integers(1, 4))
+def test_irpo_discrete_scores_property(c, r, chunk):
+    sc, sr = torch.tensor(c, dtype=torch.float32), torch.tensor(r, dtype=torch.float32)
+    r_c, r_r = baselines.irpo_rewards(sc, sr, chunk=chunk)
+    e_c, e_r = irpo_quadratic(sc, sr)
+    torch.testing.assert_close(r_c, e_c, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(r_r, e_r, rtol=1e-6, atol=1e-7)
+    assert ((r_c > 0) & (r_c < 1)).all() and ((r_r > 0) & (r_r < 1)).all()
+    # Bradley-Terry identity: mean_i r_c[i] = mean_j r_r[j] (both are the mean of all n_c * n_r sigmoids)
+    assert float(r_c.double().mean()) == pytest.approx(float(r_r.double().mean()), abs=1e-6)
+
+
+def test_irpo_large_discrete_groups_are_not_quadratic():
+    # 200k x 200k pairwise sigmoids would take minutes and 160 GB; distinct values make it 10 x 10.
+    g = torch.Generator().manual_seed(0)
+    sc = torch.randint(1, 11, (200_000,), generator=g).float()
+    sr = torch.randint(1, 11, (200_000,), generator=g).float()
+    r_c, r_r = oar.irpo_rewards(sc, sr)
+    for i in (0, 17, 199_999):  # the definition, row by row (O(n) each)
+        assert float(r_c[i]) == pytest.approx(float(torch.sigmoid(sc[i].double() - sr.double()).mean()), rel=1e-6)
+        assert float(r_r[i]) == pytest.approx(float(torch.sigmoid(sc.double() - sr[i].double()).mean()), rel=1e-6)
+
+
+def test_irpo_advantages_normalize_each_group():
+    sc, sr = torch.tensor([7.0, 8.0, 7.0, 9.0]), torch.tensor([3.0, 7.0, 5.0])
+    a_c, a_r = oar.irpo_advantages(sc, sr, preset="trl")
+    r_c, r_r = irpo_quadratic(sc, sr)
+    torch.testing.assert_close(a_c, ops.group_advantages(r_c, group_size=4, preset="trl"))
+    torch.testing.assert_close(a_r, ops.group_advantages(r_r, group_size=3, preset="trl"))
+    # the judgment that ranks the chosen response highest gets the largest advantage
+    assert int(a_c.argmax()) == 3 and int(a_r.argmax()) == 0
+
+
+@pytest.mark.parametrize("args, match", [((torch.zeros(0), torch.ones(2)), "non-empty"),
+                                         ((torch.ones(2, 1), torch.ones(2)), "1-D"),
+                                         ((torch.tensor([1.0, float("nan")]), torch.ones(2)), "finite"),
+                                         ((torch.ones(2), [1.0]), "torch.Tensor")])
+def test_irpo_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        oar.irpo_rewards(*args)

@@ -1,0 +1,159 @@
+"""oar.distributed.ForwardGate: ranks with different amounts of attribution work run the same sequence of model
+calls (2 processes, gloo backend, CPU), and the gate changes no result."""
+
+import functools
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import oar
+from oar.distributed import ForwardGate, distributed_world, gate_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+class LoggingModel:
+    """A ProbeModel whose calls are logged as (kind, real?) so the sequences can be compared across ranks."""
+
+    vocab_size = 11
+    hidden_size = 3
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.log = []
+        self.w = torch.nn.Parameter(torch.randn(3, 11))
+
+    def embed(self, input_ids):
+        return torch.ones(*input_ids.shape, 3)
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        grad = inputs_embeds is not None and inputs_embeds.requires_grad and torch.is_grad_enabled()
+        self.log.append(2 if grad else 1)
+        x = inputs_embeds if inputs_embeds is not None else torch.ones(*input_ids.shape, 3)
+        return (x @ self.w)[:, -keep:]
+
+    def full_logits(self, *, input_ids, attention_mask, position_ids):
+        self.log.append(1)
+        return torch.zeros(*input_ids.shape, 11)
+
+
+# Each rank's own work: (number of no-grad forwards via tail_logits, via full_logits, forward+backward passes).
+WORK = {0: (3, 1, 2), 1: (1, 0, 0)}
+
+
+def _gate_worker(rank, world, port, out_dir):
+    _init(rank, world, port)
+    torch.manual_seed(rank)
+    m = LoggingModel()
+    gate = gate_model(m, pad_id=0)
+    assert isinstance(gate, ForwardGate) and distributed_world()
+    n_tail, n_full, n_fb = WORK[rank]
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    attn = torch.ones(2, 4, dtype=torch.long)
+    pos = torch.arange(4).expand(2, 4)
+    with torch.no_grad():
+        for _ in range(n_tail):
+            gate.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
+        for _ in range(n_full):
+            gate.full_logits(input_ids=ids, attention_mask=attn, position_ids=pos)
+    for _ in range(n_fb):
+        e = gate.embed(ids).requires_grad_(True)
+        out = gate.tail_logits(inputs_embeds=e, attention_mask=attn, position_ids=pos, keep=2)
+        torch.autograd.grad(out.sum(), e)
+    gate.finish()
+    assert m.w.grad is None  # dummies never write parameter grads
+    with open(os.path.join(out_dir, f"gate{rank}.json"), "w") as f:
+        json.dump({"log": m.log, "real": gate.real_calls, "dummy": gate.dummy_calls}, f)
+    dist.destroy_process_group()
+
+
+def test_gate_aligns_ranks_with_different_work(tmp_path):
+    mp.spawn(_gate_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "gate0.json").read_text())
+    r1 = json.loads((tmp_path / "gate1.json").read_text())
+    assert r0["log"] == r1["log"]  # same kinds in the same order on both ranks
+    assert r0["log"] == [1, 1, 1, 1, 2, 2]  # rank 0's own work, kinds in order
+    assert r0["dummy"] == {"1": 0, "2": 0}
+    assert r1["dummy"] == {"1": 3, "2": 2} and r1["real"] == {"1": 1, "2": 0}
+
+
+def test_no_gate_without_distributed():
+    assert not distributed_world()
+    m = LoggingModel()
+    assert gate_model(m) is m
+
+
+def _hook_worker(rank, world, port, out_dir, methods):
+    _init(rank, world, port)
+    from oar.hook import TokenAdvantageHook
+    from oar.models import tiny_random_llama
+
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    calls = {"n": 0}
+    orig = model.forward
+
+    @functools.wraps(orig)  # keeps the signature the engines inspect
+    def counting(*a, **k):
+        calls["n"] += 1
+        return orig(*a, **k)
+
+    model.forward = counting
+    # Rank 0 has three long active rows, rank 1 a single short one: different chunk plans.
+    texts = (["so 2 and 3 make 5 \\boxed{5}", "hmm 9 and 9 \\boxed{9}", "1 1 1 1 2 \\boxed{4}"] if rank == 0
+             else ["5 \\boxed{5}", "7 \\boxed{7}", "x"])
+    adv = torch.tensor([0.5, -1.0, 0.7]) if rank == 0 else torch.tensor([1.0, 0.0, 0.0])
+    C = 32
+    ids = torch.full((3, C), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((3, C), dtype=torch.long)
+    for i, t in enumerate(texts):
+        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
+    prompts = [tok.encode("Q?", add_special_tokens=False)] * 3
+    res = {}
+    for method in methods:
+        if method == "oar_g" and rank == 1:
+            # OAR-G fits every row in one chunk here; a rank with nothing to score must still match the other's
+            # clean forward and forward + backward.
+            adv = torch.zeros(3)
+        # A 1 MB budget puts one OAR-G row / few OAR-P variants per forward, so the plans differ between ranks.
+        cfg = oar.OARConfig.from_json(json.dumps({"method": method, "max_variants_per_chunk": 4, "seed": 5,
+                                                  "memory_budget_mb": 1}))
+        calls["n"] = 0
+        synced = TokenAdvantageHook(cfg, tok).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        n_synced = calls["n"]
+        dist.barrier()
+        alone = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        res[method] = {"calls": n_synced, "synced": synced.advantages, "alone": alone.advantages,
+                       "padding": synced.metrics["oar/padding_forwards"], "real": synced.metrics["oar/forward_passes"]}
+    torch.save(res, os.path.join(out_dir, f"hook{rank}.pt"))
+    dist.destroy_process_group()
+
+
+METHODS = ["oar_p", "oar_g", "entropy", "entropy_shaping"]
+
+
+def test_hook_runs_equal_forwards_on_every_rank(tmp_path):
+    mp.spawn(_hook_worker, args=(2, _free_port(), str(tmp_path), METHODS), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"hook{k}.pt") for k in range(2)]
+    for method in METHODS:
+        r = [res[0][method], res[1][method]]
+        assert r[0]["calls"] == r[1]["calls"] > 0, method
+        assert r[0]["padding"] + r[1]["padding"] > 0, method  # the work differed, so a rank padded
+        for k in range(2):  # and the gate changed no value
+            torch.testing.assert_close(r[k]["synced"], r[k]["alone"])
