@@ -13,9 +13,10 @@ Cases:
                     loop-ref: oar.reference.reshape_advantages (the row-loop float64 reference).
 
 Time: median of --repeats timed calls after --warmup calls, in this process, providers interleaved.
-Peak memory: each (case, provider) runs once more in a fresh subprocess that builds the inputs, records
-ru_maxrss, runs the op once and records ru_maxrss again: the difference is the extra memory the op
-needed beyond its inputs (MiB; resolution: the OS's RSS accounting).
+Peak memory: each (case, provider) runs in a fresh subprocess that builds the inputs, runs the op once
+(warm-up), resets the peak RSS (Linux /proc/self/clear_refs), runs the op again and reads the peak RSS
+(VmHWM): peak minus the RSS before the call is the extra memory the op needed beyond its inputs,
+including its output (MiB; resolution: the OS's page accounting, so Linux only).
 
 Usage: python benchmarks/python/bench_kernels.py [--repeats 10] [--out docs/benchmarks/kernels]
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -85,13 +85,26 @@ def _fn(case: dict, provider: str):
     return lambda: reference.reshape_advantages(adv, scores, reason, resp)
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def _peak_child(case_json: str, provider: str) -> None:
     case = json.loads(case_json)
     fn = _fn(case, provider)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"extra_mib": (after - before) / 1024.0}))
+    fn()  # first call: one-time allocations (thread pools, caches) are not the op's working memory
+    # Linux: writing "5" to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    print(json.dumps({"extra_mib": (peak - before) / 1024.0}))
 
 
 def _peak(case: dict, provider: str) -> float:

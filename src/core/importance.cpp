@@ -5,7 +5,9 @@
 // extremes (and validates), a second pass evaluates log1p once per element. Work is O(T) per row.
 #include "oar/core/importance.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "oar/core/common.h"
@@ -44,23 +46,47 @@ void check_scores(const T* scores, const bool* mask, int64_t B, int64_t T_len, c
 
 template <typename T>
 void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t T_len, float* out) {
-  check_scores(scores, mask, B, T_len, "scores");
-  for (int64_t b = 0; b < B; ++b) {
-    const T* s = scores + b * T_len;
-    const bool* m = mask + b * T_len;
-    float* o = out + b * T_len;
-    bool any = false;
-    double lo = 0.0, hi = 0.0;
+  normalize_importance(scores, mask, B, T_len, out, RowRange{0, B});
+}
+
+template <typename T>
+void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t T_len, float* out, RowRange rows) {
+  if (B < 0 || T_len < 0) {
+    std::ostringstream os;
+    os << "scores must be (B, T) with B, T >= 0, got (" << B << ", " << T_len << ")";
+    throw InvalidArgument(os.str());
+  }
+  if (rows.begin < 0 || rows.end > B || rows.begin > rows.end) {
+    std::ostringstream os;
+    os << "rows must be a range within [0, B=" << B << "], got [" << rows.begin << ", " << rows.end << ")";
+    throw InvalidArgument(os.str());
+  }
+  for (int64_t b = rows.begin; b < rows.end; ++b)
+    normalize_importance_row(scores + b * T_len, mask + b * T_len, T_len, out + b * T_len, b);
+}
+
+template <typename T>
+void normalize_importance_row(const T* s, const bool* m, int64_t T_len, float* o, int64_t b) {
+  {
+    // Branch-free check and min/max over the mask (vectorizable; masks are irregular, branches mispredict):
+    // off-mask entries are replaced by neutral values. `!(v >= 0)` also catches NaN.
+    bool bad = false;
+    double lo = std::numeric_limits<double>::infinity(), hi = -std::numeric_limits<double>::infinity();
     for (int64_t t = 0; t < T_len; ++t) {
-      if (!m[t]) continue;
       const double v = static_cast<double>(s[t]);
-      if (!any) {
-        lo = hi = v;
-        any = true;
-      } else {
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
+      bad |= m[t] & (!(v >= 0.0) | (v == std::numeric_limits<double>::infinity()));
+      lo = std::min(lo, m[t] ? v : std::numeric_limits<double>::infinity());
+      hi = std::max(hi, m[t] ? v : -std::numeric_limits<double>::infinity());
+    }
+    if (bad) {
+      for (int64_t t = 0; t < T_len; ++t) {
+        const double v = static_cast<double>(s[t]);
+        if (m[t] && (!(v >= 0.0) || std::isinf(v))) bad_score("scores", b, t, s[t]);
       }
+    }
+    if (lo > hi) {  // empty mask: the row is all zero
+      std::fill(o, o + T_len, 0.0f);
+      return;
     }
     const double s_lo = std::log1p(lo);
     const double range = std::log1p(hi) - s_lo;
@@ -87,5 +113,9 @@ template void check_scores<float>(const float*, const bool*, int64_t, int64_t, c
 template void check_scores<double>(const double*, const bool*, int64_t, int64_t, const char*);
 template void normalize_importance<float>(const float*, const bool*, int64_t, int64_t, float*);
 template void normalize_importance<double>(const double*, const bool*, int64_t, int64_t, float*);
+template void normalize_importance<float>(const float*, const bool*, int64_t, int64_t, float*, RowRange);
+template void normalize_importance_row<float>(const float*, const bool*, int64_t, float*, int64_t);
+template void normalize_importance_row<double>(const double*, const bool*, int64_t, float*, int64_t);
+template void normalize_importance<double>(const double*, const bool*, int64_t, int64_t, float*, RowRange);
 
 }  // namespace oar::core

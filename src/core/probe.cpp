@@ -3,8 +3,9 @@
 // Why chunked online softmax: a probe row has V ~ 1.5e5 logits and answer_mean reads S of them per
 // vocabulary entry. Materializing log-probabilities per row would cost V floats of scratch per row and a
 // second trip through memory. Instead the vocabulary is walked in L1-sized chunks: each chunk's logits (or
-// mean logits) are widened to float in a small stack buffer, reduced with Eigen's vectorized max/exp/sum,
-// and merged into a running (max, sum) state kept in double. One pass over the input per forward row; the
+// mean logits) are widened to float in a small stack buffer (float32 single positions are read in place),
+// reduced with the multi-ISA max/exp/sum loops of vec_math.h, and merged into a running (max, sum) state
+// kept in double. One pass over the input per forward row; the
 // backward needs two (normalizers first, then the gradient).
 //
 // KL(p || q) over logits zc (clean) and zp (perturbed), with lse = log-sum-exp:
@@ -19,6 +20,7 @@
 // costs one exp per vocabulary entry instead of two.
 #include "oar/core/probe.h"
 
+#include "vec_math.h"
 #include "widen.h"
 
 #include <Eigen/Core>
@@ -29,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -51,14 +54,36 @@ inline const T* row_ptr(const LogitsView<T>& z, int64_t n, int64_t s) {
   return z.data + n * z.stride_n + s * z.stride_s;
 }
 
-// Widening loads (float16 / bfloat16 -> float32, vectorizable): src/core/widen.h.
+// Widening loads (float16 / bfloat16 -> float32): the multi-ISA loops of vec_math.h for the three logits
+// dtypes, src/core/widen.h for anything else.
+template <typename T>
+inline const uint16_t* bits_of(const T* p) {
+  static_assert(sizeof(T) == sizeof(uint16_t), "16-bit element type");
+  return reinterpret_cast<const uint16_t*>(p);
+}
 template <typename T>
 inline void load(const T* src, float* dst, int64_t len) {
-  detail::widen_load(src, dst, len);
+  if constexpr (std::is_same_v<T, float>) {
+    detail::vload_f32(src, dst, len);
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    detail::vload_bf16(bits_of(src), dst, len);
+  } else if constexpr (std::is_same_v<T, Eigen::half>) {
+    detail::vload_f16(bits_of(src), dst, len);
+  } else {
+    detail::widen_load(src, dst, len);
+  }
 }
 template <typename T>
 inline void load_add(const T* src, float* dst, int64_t len) {
-  detail::widen_add(src, dst, len);
+  if constexpr (std::is_same_v<T, float>) {
+    detail::vadd_f32(src, dst, len);
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    detail::vadd_bf16(bits_of(src), dst, len);
+  } else if constexpr (std::is_same_v<T, Eigen::half>) {
+    detail::vadd_f16(bits_of(src), dst, len);
+  } else {
+    detail::widen_add(src, dst, len);
+  }
 }
 
 // buf[0, len) = the logits entering the probe distribution over vocabulary entries [v0, v0 + len):
@@ -72,14 +97,24 @@ inline void probe_logits(const LogitsView<T>& z, int64_t n, int64_t L, int64_t v
   MapF(buf, len) *= 1.0f / static_cast<float>(L);
 }
 
+// The probe logits of chunk [v0, v0 + len): a pointer into the input itself when no widening or averaging
+// is needed (float32, one position), else probe_logits into buf. Read-only either way.
+template <typename T>
+inline const float* probe_view(const LogitsView<T>& z, int64_t n, int64_t L, int64_t v0, int64_t len,
+                               float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (L == 1) return row_ptr(z, n, 0) + v0;
+  }
+  probe_logits(z, n, L, v0, len, buf);
+  return buf;
+}
+
 // e[i] = exp(z[i] - m); returns sum_i e[i]. The one exp+sum routine of this file: clean and perturbed
 // normalizers go through it, so identical inputs give bit-identical normalizers.
-// (Eigen's vectorized exp returns ~3e-39, not 0, far below the max; harmless in sums, and -inf logits are
-// masked explicitly where it matters, see clean_diff.)
+// (The vectorized exp of vec_math.h returns ~1e-38, not 0, far below the max; harmless in sums, and -inf
+// logits are masked explicitly where it matters, see detail::vdot_diff.)
 inline float exp_shifted_sum(const float* z, float m, float* e, int64_t len) {
-  MapF out(e, len);
-  out = (CMapF(z, len) - m).exp();
-  return out.sum();
+  return detail::vexp_shifted_sum(z, m, e, len);
 }
 
 // Running log-sum-exp: lse = m + log(s), s = sum exp(z - m).
@@ -107,26 +142,10 @@ struct Lse {
 // Adds one chunk to `acc`; e receives exp(z - chunk max). Returns false (e untouched) for a chunk without
 // mass (all -inf).
 inline bool lse_chunk(const float* z, float* e, int64_t len, Lse& acc) {
-  const float cm = CMapF(z, len).maxCoeff();
+  const float cm = detail::vmax(z, len);
   if (cm == kNegInfF) return false;
   acc.merge(cm, exp_shifted_sum(z, cm, e, len));
   return true;
-}
-
-// d[i] = zc[i] - zp[i] where the clean logit is not -inf, 0 where it is: a zero-probability clean entry
-// contributes nothing even if zp is -inf too (no -inf - -inf = NaN). The -inf test is an integer compare
-// of the bit pattern and the select a bitwise AND, so GCC vectorizes the loop (a float compare would not
-// be, under the default -ftrapping-math). d may alias zp.
-inline void clean_diff(const float* zc, const float* zp, float* d, int64_t len) {
-  constexpr uint32_t kNegInfBits = 0xff800000u;
-  for (int64_t i = 0; i < len; ++i) {
-    const float diff = zc[i] - zp[i];
-    uint32_t zbits, dbits;
-    std::memcpy(&zbits, &zc[i], sizeof zbits);
-    std::memcpy(&dbits, &diff, sizeof dbits);
-    dbits &= zbits == kNegInfBits ? 0u : ~0u;
-    std::memcpy(&d[i], &dbits, sizeof dbits);
-  }
 }
 
 [[noreturn]] void throw_non_finite(int64_t n, const char* what) {
@@ -200,14 +219,13 @@ double kl_row(const LogitsView<T>& clean, const LogitsView<T>& pert, int64_t n, 
   double t = 0.0;
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t len = std::min(kChunk, V - v0);
-    probe_logits(clean, n, Lp, v0, len, bc);
-    probe_logits(pert, n, Lp, v0, len, bp);
-    lse_chunk(bp, be, len, p);
-    const float cm = CMapF(bc, len).maxCoeff();
+    const float* zc = probe_view(clean, n, Lp, v0, len, bc);
+    const float* zp = probe_view(pert, n, Lp, v0, len, bp);
+    lse_chunk(zp, be, len, p);
+    const float cm = detail::vmax(zc, len);
     if (cm == kNegInfF) continue;  // no clean mass in this chunk
-    const float cs = exp_shifted_sum(bc, cm, be, len);
-    clean_diff(bc, bp, bp, len);
-    const float ct = (CMapF(be, len) * CMapF(bp, len)).sum();
+    const float cs = exp_shifted_sum(zc, cm, be, len);
+    const float ct = detail::vdot_diff(be, zc, zp, len);
     const auto [f_old, f_new] = c.merge(cm, cs);
     t = t * f_old + ct * f_new;
   }
@@ -225,11 +243,10 @@ double kl_row_cached(const LogitsView<T>& clean, const LogitsView<T>& pert, cons
   double t = 0.0;
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t len = std::min(kChunk, V - v0);
-    probe_logits(clean, n, Lp, v0, len, bc);  // L2-resident: the same clean row for every n
-    probe_logits(pert, n, Lp, v0, len, bp);
-    lse_chunk(bp, be, len, p);
-    clean_diff(bc, bp, bp, len);
-    t += (CMapFU(cache.e() + v0, len) * CMapF(bp, len)).sum();
+    const float* zc = probe_view(clean, n, Lp, v0, len, bc);  // L2-resident: the same clean row for every n
+    const float* zp = probe_view(pert, n, Lp, v0, len, bp);
+    lse_chunk(zp, be, len, p);
+    t += detail::vdot_diff(cache.e() + v0, zc, zp, len);
   }
   return t / cache.sum() + (p.value() - cache.lse());
 }
@@ -242,8 +259,12 @@ double lse_position(const T* z, int64_t V) {
   Lse acc;
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t len = std::min(kChunk, V - v0);
-    load(z + v0, buf, len);
-    lse_chunk(buf, be, len, acc);
+    if constexpr (std::is_same_v<T, float>) {
+      lse_chunk(z + v0, be, len, acc);  // float input: no widening copy
+    } else {
+      load(z + v0, buf, len);
+      lse_chunk(buf, be, len, acc);
+    }
   }
   return acc.value();
 }
@@ -388,8 +409,7 @@ void joint_backward_row(const LogitsView<T>& pert, const int64_t* ids, int64_t n
     for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
       const int64_t len = std::min(kChunk, V - v0);
       load(zp + v0, bp, len);
-      MapF b(bp, len);
-      b = (b - lse).exp() * scale;
+      detail::vexp_shifted_scaled(bp, lse, scale, bp, len);
       // The one-hot term is applied in float, before the (possibly 16-bit) store.
       if (a >= v0 && a < v0 + len) bp[a - v0] -= scale;
       store(bp, g + v0, len);
@@ -422,12 +442,14 @@ void kl_backward_row(const LogitsView<T>& clean, const LogitsView<T>& pert, cons
   for (int64_t v0 = 0; v0 < V; v0 += kChunk) {
     const int64_t len = std::min(kChunk, V - v0);
     probe_logits(pert, n, Lp, v0, len, bp);
+    detail::vexp_shifted_scaled(bp, lse_p, 1.0f, bp, len);
     MapF b(bp, len);
     if (cache) {
-      b = ((b - lse_p).exp() - CMapFU(cache->e() + v0, len) * inv_sum_c) * scale;
+      b = (b - CMapFU(cache->e() + v0, len) * inv_sum_c) * scale;
     } else {
       probe_logits(clean, n, Lp, v0, len, bc);
-      b = ((b - lse_p).exp() - (CMapF(bc, len) - lse_c).exp()) * scale;
+      detail::vexp_shifted_scaled(bc, lse_c, 1.0f, bc, len);
+      b = (b - CMapF(bc, len)) * scale;
     }
     for (int64_t s = 0; s < Lp; ++s) store(bp, g_row + s * V + v0, len);
   }

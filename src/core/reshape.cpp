@@ -29,14 +29,11 @@ void tier_weights(const float* s_hat, int64_t L, double tau, const ReshapeOption
   double sum = 0.0;
   for (int64_t t = 0; t < L; ++t) {
     const double s = static_cast<double>(s_hat[t]);
-    double x;
-    if (s < tau) {
-      if constexpr (K == Tiers::kBoostOnly) x = 1.0;
-      else x = std::max(s / lo_den, o.floor);
-    } else {
-      if constexpr (K == Tiers::kSuppressOnly) x = 1.0;
-      else x = 1.0 + o.beta * (s - tau) / hi_den;
-    }
+    // Both tiers computed, then selected: branch-free (s < tau is unpredictable along a span).
+    double suppress = 1.0, boost = 1.0;
+    if constexpr (K != Tiers::kBoostOnly) suppress = std::max(s / lo_den, o.floor);
+    if constexpr (K != Tiers::kSuppressOnly) boost = 1.0 + o.beta * (s - tau) / hi_den;
+    const double x = s < tau ? suppress : boost;
     w[t] = static_cast<float>(x);
     sum += static_cast<double>(w[t]);
   }
@@ -112,68 +109,76 @@ template <typename T>
 void reshape_advantages(const float* advantages, const T* scores, const bool* reasoning_mask,
                         const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,
                         bool scores_are_normalized, float* token_advantages, float* weights) {
+  reshape_advantages(advantages, scores, reasoning_mask, response_mask, B, T_len, opts, scores_are_normalized,
+                     token_advantages, weights, RowRange{0, B});
+}
+
+template <typename T>
+void reshape_advantages(const float* advantages, const T* scores, const bool* reasoning_mask,
+                        const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,
+                        bool scores_are_normalized, float* token_advantages, float* weights, RowRange rows) {
   check_reshape_options(opts);
   if (B < 0 || T_len < 0) {
     std::ostringstream os;
     os << "scores must be (B, T) with B, T >= 0, got (" << B << ", " << T_len << ")";
     fail(os.str());
   }
-  for (int64_t b = 0; b < B; ++b) {
+  if (rows.begin < 0 || rows.end > B || rows.begin > rows.end) {
+    std::ostringstream os;
+    os << "rows must be a range within [0, B=" << B << "], got [" << rows.begin << ", " << rows.end << ")";
+    fail(os.str());
+  }
+  if (T_len == 0) {
+    for (int64_t b = rows.begin; b < rows.end; ++b) {
+      if (!std::isfinite(advantages[b])) {
+        std::ostringstream os;
+        os << "advantages must be finite, got advantages[" << b << "] = " << advantages[b];
+        fail(os.str());
+      }
+    }
+    return;
+  }
+
+  // Per row: check, normalize (into the row of `weights`, or a row-sized buffer), reshape the span.
+  const size_t row_len = static_cast<size_t>(T_len);
+  std::vector<float> own(weights == nullptr && !scores_are_normalized ? row_len : 0);
+  std::vector<float> span(row_len), wspan(row_len), scratch(row_len);
+  for (int64_t b = rows.begin; b < rows.end; ++b) {
     if (!std::isfinite(advantages[b])) {
       std::ostringstream os;
       os << "advantages must be finite, got advantages[" << b << "] = " << advantages[b];
       fail(os.str());
     }
-  }
-  if (B == 0 || T_len == 0) return;
-  const int64_t numel = B * T_len;
-  for (int64_t i = 0; i < numel; ++i) {
-    if (reasoning_mask[i] && !response_mask[i]) {
-      std::ostringstream os;
-      os << "reasoning_mask must be a subset of response_mask, got reasoning_mask[" << i / T_len << ", "
-         << i % T_len << "] = True where response_mask is False";
-      fail(os.str());
-    }
-  }
-
-  // Normalized scores, (B, T) float, 0 off the span. The weights output doubles as this buffer: row b is
-  // gathered into `span` before row b of the weights is written.
-  std::vector<float> own;
-  const float* s_hat = nullptr;
-  if (!scores_are_normalized) {
-    float* buf = weights;
-    if (buf == nullptr) {
-      own.resize(static_cast<size_t>(numel));
-      buf = own.data();
-    }
-    normalize_importance(scores, reasoning_mask, B, T_len, buf);
-    s_hat = buf;
-  } else {
-    for (int64_t i = 0; i < numel; ++i) {
-      if (!reasoning_mask[i]) continue;
-      const double v = static_cast<double>(scores[i]);
-      if (!(v >= 0.0 && v <= 1.0)) {
+    const bool* rm = reasoning_mask + b * T_len;
+    const bool* pm = response_mask + b * T_len;
+    for (int64_t t = 0; t < T_len; ++t) {
+      if (rm[t] && !pm[t]) {
         std::ostringstream os;
-        os << "scores must lie in [0, 1] on reasoning_mask when scores_are_normalized=True, got scores["
-           << i / T_len << ", " << i % T_len << "] = " << v;
+        os << "reasoning_mask must be a subset of response_mask, got reasoning_mask[" << b << ", " << t
+           << "] = True where response_mask is False";
         fail(os.str());
       }
     }
-  }
-
-  std::vector<float> span(static_cast<size_t>(T_len)), wspan(span.size()), scratch(span.size());
-  for (int64_t b = 0; b < B; ++b) {
-    const bool* rm = reasoning_mask + b * T_len;
-    const bool* pm = response_mask + b * T_len;
     int64_t L = 0;
-    if (s_hat != nullptr) {
-      const float* row = s_hat + b * T_len;
+    if (!scores_are_normalized) {
+      // s_hat of this row: into weights[b] (overwritten below) or the row buffer.
+      float* s_hat = weights != nullptr ? weights + b * T_len : own.data();
+      normalize_importance_row(scores + b * T_len, rm, T_len, s_hat, b);
       for (int64_t t = 0; t < T_len; ++t)
-        if (rm[t]) span[L++] = row[t];
+        if (rm[t]) span[L++] = s_hat[t];
     } else {
       const T* row = scores + b * T_len;
-      for (int64_t t = 0; t < T_len; ++t)
-        if (rm[t]) span[L++] = static_cast<float>(row[t]);
+      for (int64_t t = 0; t < T_len; ++t) {
+        if (!rm[t]) continue;
+        const double v = static_cast<double>(row[t]);
+        if (!(v >= 0.0 && v <= 1.0)) {
+          std::ostringstream os;
+          os << "scores must lie in [0, 1] on reasoning_mask when scores_are_normalized=True, got scores[" << b
+             << ", " << t << "] = " << v;
+          fail(os.str());
+        }
+        span[L++] = static_cast<float>(row[t]);
+      }
     }
     reshape_span_weights(span.data(), L, opts, wspan.data(), scratch.data());
 
@@ -184,7 +189,7 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
     for (int64_t t = 0; t < T_len; ++t) {
       const float w = rm[t] ? wspan[k++] : (pm[t] ? 1.0f : 0.0f);
       const float x = w * a;
-      // w <= L, so only advantages near the float32 limit can overflow here.
+      // A finite weight times a finite advantage can still overflow (|A| near FLT_MAX, weight > 1).
       if (!std::isfinite(x)) {
         std::ostringstream os;
         os << "advantages: advantages[" << b << "] = " << a << " times its weight " << w << " at column " << t
@@ -201,5 +206,9 @@ template void reshape_advantages<float>(const float*, const float*, const bool*,
                                         const ReshapeOptions&, bool, float*, float*);
 template void reshape_advantages<double>(const float*, const double*, const bool*, const bool*, int64_t, int64_t,
                                          const ReshapeOptions&, bool, float*, float*);
+template void reshape_advantages<float>(const float*, const float*, const bool*, const bool*, int64_t, int64_t,
+                                        const ReshapeOptions&, bool, float*, float*, RowRange);
+template void reshape_advantages<double>(const float*, const double*, const bool*, const bool*, int64_t, int64_t,
+                                         const ReshapeOptions&, bool, float*, float*, RowRange);
 
 }  // namespace oar::core

@@ -14,9 +14,11 @@
 // device-independent, so it also covers CUDA kernels registered elsewhere. Fake (meta) kernels for
 // torch.compile live in python/oar/ops.py.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <string_view>
 #include <tuple>
@@ -107,15 +109,26 @@ std::tuple<at::Tensor, at::Tensor> reshape_advantages_cpu(const at::Tensor& adva
 
   at::Tensor token_adv = at::empty({B, T}, scores.options().dtype(at::kFloat));
   at::Tensor weights = at::empty({B, T}, scores.options().dtype(at::kFloat));
-  rethrow_as_value_error([&] {
+  // Rows in parallel. With several bad rows, threads may fail in any order: the error path reruns the call
+  // on one thread so that the error reported is always the first bad row's (as in the serial core).
+  const auto run = [&](core::RowRange rows) {
     if (s.scalar_type() == at::kDouble)
       core::reshape_advantages(a.const_data_ptr<float>(), s.const_data_ptr<double>(), rm.const_data_ptr<bool>(),
                                pm.const_data_ptr<bool>(), B, T, opts, scores_are_normalized,
-                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>());
+                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>(), rows);
     else
       core::reshape_advantages(a.const_data_ptr<float>(), s.const_data_ptr<float>(), rm.const_data_ptr<bool>(),
                                pm.const_data_ptr<bool>(), B, T, opts, scores_are_normalized,
-                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>());
+                               token_adv.mutable_data_ptr<float>(), weights.mutable_data_ptr<float>(), rows);
+  };
+  rethrow_as_value_error([&] {
+    try {
+      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(T, 1));
+      at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) { run(core::RowRange{b0, b1}); });
+    } catch (const std::exception&) {
+      run(core::RowRange{0, B});  // throws the first bad row's error
+      throw;                      // (not reached when the serial run fails, as it must)
+    }
     return 0;
   });
   return {token_adv, weights};

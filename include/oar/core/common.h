@@ -63,4 +63,11 @@ const char* to_string(DType v);
 const char* version();
 bool compiled_with_cuda();
 
+/// Rows [begin, end) of a batch of N rows, for callers that split one batch across threads: data pointers
+/// still refer to row 0, outputs are indexed by absolute row and error messages report absolute indices.
+struct RowRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
 }  // namespace oar::core

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "oar/core/common.h"
+
 namespace oar::core {
 
 /// out[b,t] = (log1p(I[b,t]) - min_R) / (max_R - min_R) on positions where mask[b,t] is true (R: the
@@ -12,6 +14,16 @@ namespace oar::core {
 /// ignored. Row-major contiguous (B, T). T is float or double. Accumulation in double.
 template <typename T>
 void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t T_len, float* out);
+
+/// Rows [rows.begin, rows.end) only (pointers still refer to row 0; errors name absolute indices), for
+/// adapters that split a batch across threads. Each row is checked, then normalized.
+template <typename T>
+void normalize_importance(const T* scores, const bool* mask, int64_t B, int64_t T_len, float* out, RowRange rows);
+
+/// One row (T_len,) of normalize_importance: checks, then normalizes; `row` is only used in error messages
+/// (the absolute row index of scores_row in the caller's batch).
+template <typename T>
+void normalize_importance_row(const T* scores_row, const bool* mask_row, int64_t T_len, float* out_row, int64_t row);
 
 /// Same check as normalize_importance, without computing: throws on NaN/Inf/negative masked scores.
 template <typename T>

@@ -18,13 +18,6 @@ struct LogitsView {
   int64_t stride_s;
 };
 
-/// Rows [begin, end) of a batch of N rows, for callers that split one batch across threads: data pointers
-/// still refer to row 0, outputs are indexed by absolute row and error messages report absolute indices.
-struct RowRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
 /// Validates the non-tensor inputs shared by probe_divergence and its backward, with messages that name
 /// the argument and, for per-row values, the absolute index ("lengths[3] must be in [1, S=4], got 0"):
 /// N >= 0; when N > 0, S >= 1 and V >= 1; each lengths[n] in [1, S] (lengths may be null); for

@@ -44,4 +44,12 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
                         const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,
                         bool scores_are_normalized, float* token_advantages, float* weights);
 
+/// Rows [rows.begin, rows.end) only (pointers still refer to row 0; outputs written and errors reported at
+/// absolute indices), for adapters that split a batch across threads. Rows are checked and reshaped one at
+/// a time, so with several bad rows the error reported is the first bad row of the range.
+template <typename T>
+void reshape_advantages(const float* advantages, const T* scores, const bool* reasoning_mask,
+                        const bool* response_mask, int64_t B, int64_t T_len, const ReshapeOptions& opts,
+                        bool scores_are_normalized, float* token_advantages, float* weights, RowRange rows);
+
 }  // namespace oar::core

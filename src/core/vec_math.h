@@ -1,0 +1,48 @@
+// Internal (not installed): the float32 loops on the hot path of the CPU probe divergence (and reshaping),
+// compiled once per ISA level (AVX-512, AVX2, baseline) and picked at load time, so that a build for the
+// generic x86-64 baseline still runs at the width of the machine it lands on.
+//
+// Why not Eigen here: Eigen's packet math is chosen at compile time, and compiling Eigen code for several
+// ISAs in one library would instantiate the same inline templates with different instruction sets (an ODR
+// hazard: the linker keeps one of them). These loops are plain C++ that GCC/Clang auto-vectorize; only
+// this translation unit is built with -fopenmp-simd (for the `omp simd` reductions, no OpenMP runtime).
+//
+// Accuracy: vexp_* use a Cephes-style exp (range reduction by ln 2, degree-5 polynomial): max relative
+// error ~2 ulp for arguments in [-87.3, 88]; arguments below -87.3 (including -inf) give ~1.2e-38 instead
+// of 0, which is negligible in a sum whose largest term is 1 (softmax shifted by its max). NaN propagates.
+// Sums are accumulated in float32 across SIMD lanes (pairwise across lanes, sequential within a lane).
+#pragma once
+
+#include <cstdint>
+
+namespace oar::core::detail {
+
+/// max_i z[i] for i < len (len >= 1); -inf when every entry is -inf. NaN entries may be ignored.
+float vmax(const float* z, int64_t len);
+
+/// e[i] = exp(z[i] - m) for i < len; returns sum_i e[i]. e may alias z.
+float vexp_shifted_sum(const float* z, float m, float* e, int64_t len);
+
+/// out[i] = exp(z[i] - shift) * scale for i < len. out may alias z.
+void vexp_shifted_scaled(const float* z, float shift, float scale, float* out, int64_t len);
+
+/// sum_i a[i] * b[i] for i < len.
+float vdot(const float* a, const float* b, int64_t len);
+
+/// sum_i e[i] * d[i] with d[i] = zc[i] - zp[i], or 0 where zc[i] is -inf (a zero-probability clean entry
+/// contributes nothing, even when zp[i] is -inf too: no -inf - -inf = NaN).
+float vdot_diff(const float* e, const float* zc, const float* zp, int64_t len);
+
+/// dst[i] = float(src[i]) (bits of IEEE binary16 / bfloat16; exact) or dst[i] += ... for the *_add forms.
+void vload_f32(const float* src, float* dst, int64_t len);
+void vadd_f32(const float* src, float* dst, int64_t len);
+void vload_bf16(const uint16_t* src, float* dst, int64_t len);
+void vadd_bf16(const uint16_t* src, float* dst, int64_t len);
+void vload_f16(const uint16_t* src, float* dst, int64_t len);
+void vadd_f16(const uint16_t* src, float* dst, int64_t len);
+
+/// Name of the ISA variant the loader picked for these loops ("avx512f", "avx2" or "baseline"), for logs
+/// and benchmark headers.
+const char* vec_math_isa();
+
+}  // namespace oar::core::detail
