@@ -1,0 +1,245 @@
+"""OpenRLHF integration: OAR per-token advantages in ``RemoteExperienceMaker`` (docs/trainers.md, OpenRLHF;
+docs/trainers/openrlhf.md).
+
+Tested against openrlhf 0.11.2 (``openrlhf/trainer/ppo_utils/experience_maker.py``). OpenRLHF has no advantage
+registry, so :func:`install` replaces ``RemoteExperienceMaker.compute_advantages_and_returns(self, experiences)``
+by a wrapper that runs the original (group statistics: ``group_norm`` = (r - mean) / (std + 1e-9), ``dr_grpo`` =
+r - mean, ``rloo``; returns = advantages, constant over each response) and then replaces every
+``experience.advantages`` (B, A) by OAR per-token advantages of the configured method. The policy loss consumes
+them elementwise.
+
+Requirements, checked with a clear error: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be
+mixed into the returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in
+:data:`SUPPORTED_ESTIMATORS`; method ``dr_grpo`` with estimator ``dr_grpo``.
+
+The experience maker lives in the ``PPOTrainer`` Ray actor, not in the driver. :func:`launch` (``python -m
+oar.integrations.openrlhf <train_ppo_ray arguments>``) therefore runs OpenRLHF's ``train_ppo_ray`` with
+``ray.init(runtime_env={"worker_process_setup_hook": "oar.integrations.openrlhf.worker_setup_hook",
+"env_vars": {"OAR_CONFIG": ...}})``, which installs the patch in every Ray worker process. Methods that run
+the policy (``oar_p``, ``oar_g``, ``entropy``, ``entropy_shaping``) need a model in the process that makes the
+experience: pass ``install(model=...)`` (a Hugging Face causal LM or an :class:`oar.attribution.ProbeModel`);
+driving OpenRLHF's remote actor group for attribution forwards is not provided. ``grpo``, ``dr_grpo``,
+``random`` and ``ktae`` need none.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any
+
+import torch
+
+from oar.integrations._common import CONFIG_ENV, config_from_env, per_token_advantages
+
+SUPPORTED_OPENRLHF = ("0.11.2",)
+#: OpenRLHF estimators whose advantages are one value per response (what OAR reshapes).
+SUPPORTED_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
+_NEEDS_MODEL = ("oar_p", "oar_g", "entropy", "entropy_shaping")
+
+_STATE: dict[str, Any] = {"config": None, "model": None, "original": None, "hooks": {}}
+
+
+def _experience_maker_cls():
+    try:
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    except ImportError as e:
+        raise ImportError("oar.integrations.openrlhf needs the `openrlhf` package (0.11.2)") from e
+    return RemoteExperienceMaker
+
+
+def _check_signature(fn) -> None:
+    params = list(inspect.signature(fn).parameters)
+    if params != ["self", "experiences"]:
+        import openrlhf
+
+        raise RuntimeError(f"openrlhf {getattr(openrlhf, '__version__', '?')}: RemoteExperienceMaker."
+                           f"compute_advantages_and_returns{tuple(params)} is not (self, experiences); oar supports "
+                           f"openrlhf {SUPPORTED_OPENRLHF}")
+
+
+def install(config=None, *, model=None) -> None:
+    """Patches ``RemoteExperienceMaker.compute_advantages_and_returns`` in this process (idempotent; a second call
+    replaces the config and model).
+
+    Args:
+        config: ``oar.OARConfig`` (``None``: ``$OAR_CONFIG`` or the defaults); any method of ``oar.METHODS``, the
+            tiers ablation and the probe.
+        model: the policy for attribution (HF causal LM or ProbeModel), needed by oar_p, oar_g, entropy and
+            entropy_shaping.
+
+    Raises:
+        ImportError: openrlhf missing. RuntimeError: the method's signature differs from the supported version's.
+    """
+    cls = _experience_maker_cls()
+    current = cls.compute_advantages_and_returns
+    original = getattr(current, "__oar_original__", current)
+    _check_signature(original)
+    _STATE.update(config=config, model=model, original=original, hooks={})
+    if not getattr(current, "__oar_original__", None):
+        def compute_advantages_and_returns(self, experiences):
+            return _compute(self, experiences)
+
+        compute_advantages_and_returns.__oar_original__ = original
+        compute_advantages_and_returns.__doc__ = _compute.__doc__
+        cls.compute_advantages_and_returns = compute_advantages_and_returns
+
+
+def uninstall() -> None:
+    """Restores OpenRLHF's own ``compute_advantages_and_returns``."""
+    cls = _experience_maker_cls()
+    original = getattr(cls.compute_advantages_and_returns, "__oar_original__", None)
+    if original is not None:
+        cls.compute_advantages_and_returns = original
+
+
+def worker_setup_hook() -> None:
+    """Ray ``worker_process_setup_hook``: installs the patch with ``$OAR_CONFIG`` in a worker process (no model:
+    the model-free methods only, unless the process calls :func:`install` again with one)."""
+    install(config_from_env())
+
+
+def _hook(config, tokenizer):
+    from oar.hook import TokenAdvantageHook
+
+    key = (config.to_json(), id(tokenizer))
+    if key not in _STATE["hooks"]:
+        _STATE["hooks"][key] = TokenAdvantageHook(config, tokenizer)
+    return _STATE["hooks"][key]
+
+
+def _compute(self, experiences):
+    """OpenRLHF's advantages, then OAR per-token advantages in ``experience.advantages`` (B, A) float32.
+
+    Raises:
+        ValueError: KL not used as a loss (with a non-zero KL coefficient), an unsupported estimator, method
+            dr_grpo with another estimator, a method that needs a model without one, missing labels for
+            oar_p / oar_g.
+    """
+    args = self.strategy.args
+    cfg = _STATE["config"] if _STATE["config"] is not None else config_from_env()
+    method = cfg.method
+    kl_value = float(getattr(getattr(self, "kl_ctl", None), "value", 0.0) or 0.0)
+    if not args.algo.kl.use_loss and kl_value != 0.0 and getattr(self, "initial_model_group", None) is not None:
+        raise ValueError("OAR needs the KL term as a loss (--algo.kl.use_loss) or a zero KL coefficient: otherwise "
+                         f"per-token KL (coefficient {kl_value}) is mixed into the returns that become advantages")
+    estimator = args.algo.advantage.estimator
+    if estimator not in SUPPORTED_ESTIMATORS:
+        raise ValueError(f"OAR reshapes one advantage per response: --algo.advantage.estimator must be one of "
+                         f"{SUPPORTED_ESTIMATORS}, got {estimator!r}")
+    if method == "dr_grpo" and estimator != "dr_grpo":
+        raise ValueError(f"oar method 'dr_grpo' needs --algo.advantage.estimator dr_grpo, got {estimator!r}")
+    model = _STATE["model"]
+    if method in _NEEDS_MODEL and model is None:
+        raise ValueError(f"oar method {method!r} runs the policy: call oar.integrations.openrlhf.install(config, "
+                         "model=...) in the process that makes the experience")
+    experiences = _STATE["original"](self, experiences)
+    if not experiences:
+        return experiences
+    n = int(args.rollout.n_samples_per_prompt)
+    # One batch in prompt order (experience.index = original positions), as OpenRLHF's own group statistics.
+    widths = [int(e.action_mask.shape[1]) for e in experiences]
+    A_max = max(widths)
+    pos = torch.tensor([int(i) for e in experiences for i in e.index])
+    order = torch.argsort(pos)
+    rows = []
+    for e, w in zip(experiences, widths):
+        m = e.action_mask.detach().bool().cpu()
+        seqs = e.sequences.detach().cpu()
+        attn = e.attention_mask.detach().bool().cpu()
+        adv = e.advantages.detach().float().cpu()
+        seq_adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
+        labels = list(e.labels) if e.labels else [""] * m.shape[0]
+        for b in range(m.shape[0]):
+            rows.append(dict(
+                prompt=seqs[b, : seqs.shape[1] - w][attn[b, : seqs.shape[1] - w]],
+                ids=torch.nn.functional.pad(seqs[b, seqs.shape[1] - w:], (0, A_max - w)),
+                mask=torch.nn.functional.pad(m[b], (0, A_max - w)),
+                adv=float(seq_adv[b]), reward=float(e.rewards[b]), label=str(labels[b])))
+    rows = [rows[i] for i in order.tolist()]
+    B = len(rows)
+    if B % n:
+        raise ValueError(f"the batch has {B} responses, not a multiple of n_samples_per_prompt = {n}")
+    ids = torch.stack([r["ids"] for r in rows])
+    mask = torch.stack([r["mask"] for r in rows])
+    seq = torch.tensor([r["adv"] for r in rows])
+    offsets = torch.arange(0, B + 1, n)
+    tokenizer = getattr(self, "tokenizer", None)
+    ignore = sorted({x for x in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None))
+                     if x is not None})
+    prompts = [r["prompt"] for r in rows]
+    entropy = None
+    if method == "entropy_shaping":
+        from oar import baselines
+        from oar.attribution import as_probe_model
+
+        pm = as_probe_model(model)
+        with (pm.eval_mode() if hasattr(pm, "eval_mode") else torch.no_grad()):
+            entropy = baselines.policy_entropies(pm, prompts, ids, mask & (seq != 0)[:, None],
+                                                 memory_budget_mb=int(cfg.memory_budget_mb))
+
+    def scorer():
+        if tokenizer is None:
+            raise ValueError(f"oar method {method!r} needs the experience maker's tokenizer (reasoning span)")
+        answers = [r["label"] for r in rows]
+        if method in ("oar_p", "oar_g") and any(not a for a in answers):
+            raise ValueError(f"oar method {method!r} needs the reference answers: pass --data.label_key so that "
+                             "experience.labels holds them")
+        answers = [a or "0" for a in answers]  # random / entropy never read the answer
+        res = _hook(cfg, tokenizer).compute(model, prompts, ids, mask, seq, answers)
+        return res.scores, res.reasoning_mask
+
+    tok = per_token_advantages(cfg, seq, mask, rewards=torch.tensor([r["reward"] for r in rows]), offsets=offsets,
+                               token_ids=ids, entropy=entropy, scorer=scorer, ignore_ids=ignore)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(B)
+    start = 0
+    for e, w in zip(experiences, widths):
+        k = e.action_mask.shape[0]
+        sel = back[start: start + k]
+        start += k
+        e.advantages = tok[sel, :w].to(device=e.advantages.device)
+    return experiences
+
+
+def _patched_ray_init(ray_mod, config_json: str):
+    orig = ray_mod.init
+    if getattr(orig, "__oar_wrapped__", False):
+        return orig
+
+    def init(*args, **kwargs):
+        env = dict(kwargs.get("runtime_env") or {})
+        if env.get("worker_process_setup_hook") not in (None, "oar.integrations.openrlhf.worker_setup_hook"):
+            raise RuntimeError("oar launcher: ray.init already sets a worker_process_setup_hook "
+                               f"({env['worker_process_setup_hook']!r})")
+        env["worker_process_setup_hook"] = "oar.integrations.openrlhf.worker_setup_hook"
+        env["env_vars"] = dict(env.get("env_vars") or {}, **{CONFIG_ENV: config_json})
+        kwargs["runtime_env"] = env
+        return orig(*args, **kwargs)
+
+    init.__oar_wrapped__ = True
+    return init
+
+
+def launch(argv: list[str] | None = None, config=None) -> None:
+    """Runs OpenRLHF's ``openrlhf.cli.train_ppo_ray`` with the OAR patch in every Ray worker.
+
+    Args:
+        argv: train_ppo_ray's arguments (default ``sys.argv[1:]``).
+        config: ``oar.OARConfig`` (default ``$OAR_CONFIG``), forwarded to the workers as ``$OAR_CONFIG``.
+    """
+    import runpy
+
+    import ray
+
+    cfg = config if config is not None else config_from_env()
+    ray.init = _patched_ray_init(ray, cfg.to_json())
+    os.environ[CONFIG_ENV] = cfg.to_json()
+    install(cfg)
+    sys.argv = ["openrlhf.cli.train_ppo_ray"] + list(sys.argv[1:] if argv is None else argv)
+    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":  # python -m oar.integrations.openrlhf <train_ppo_ray args>
+    launch()

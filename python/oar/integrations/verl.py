@@ -1,0 +1,307 @@
+"""verl integration: OAR advantage estimators in verl's registry (docs/trainers.md, verl; docs/trainers/verl.md).
+
+Tested against verl 0.9.1 (``verl/trainer/ppo/core_algos.py``, ``verl/trainer/ppo/ray_trainer.py``). The plugin
+is loaded without a fork through the ``verl.plugins`` entry point that oar's pyproject declares
+(``oar = "oar.integrations.verl_plugin"``), which calls :func:`register`. It
+
+1. registers one advantage estimator per OAR method (:data:`ESTIMATORS`: ``oar_p``, ``oar_g``, ``oar_grpo``,
+   ``oar_dr_grpo``, ``oar_random``, ``oar_entropy``, ``oar_entropy_shaping``, ``oar_ktae``, and ``oar``, whose
+   method comes from the config) with ``core_algos.register_adv_est``; select one with
+   ``algorithm.adv_estimator=oar_g``;
+2. wraps ``ray_trainer.compute_advantage``: verl passes custom estimators only ``token_level_rewards``,
+   ``response_mask``, ``index`` and ``config``, so per-token scores cannot reach them as arguments. The wrapper
+   makes the whole ``DataProto`` (prompts, responses, ground truths, attached scores) visible to the OAR
+   estimator for the duration of the call (a context variable; nothing is global across calls);
+3. wraps ``RayPPOTrainer._compute_old_log_prob`` to keep the policy entropies verl computes there (and then
+   drops) on the batch as ``oar_entropy`` (methods ``entropy`` and ``entropy_shaping``).
+
+The estimator computes verl's own GRPO sequence advantages (preset ``verl``: unbiased std, eps = the
+``epsilon`` argument, singleton = mean 0 / std 1; ``norm_adv_by_std_in_grpo=False`` or method ``dr_grpo``: no std
+scaling) over the groups given by ``index`` (in any row order), then per-token advantages, and returns them as
+both advantages and returns (B, R). Only ``batch["advantages"]`` reaches the actor loss.
+
+Scores for ``oar_p`` / ``oar_g`` (and ``random`` / ``entropy``, which need the reasoning span) come from, in
+order: ``batch["oar_scores"]`` + ``batch["oar_reasoning_mask"]`` attached earlier (:func:`attach_scores`), or the
+scorer set with :func:`configure` (:class:`HFScorer` runs a Hugging Face policy held by the driver process).
+Running attribution on verl's FSDP/Megatron actor workers is not provided: attach scores from there yourself.
+
+Config: :func:`configure` in the driver process, else ``$OAR_CONFIG`` (JSON or a JSON/YAML file; set it in
+the Ray runtime env so the TaskRunner sees it); the estimator name overrides ``method``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any, Callable
+
+import torch
+
+from oar.integrations._common import config_from_env, config_with_method, group_layout, per_token_advantages
+
+SUPPORTED_VERL = ("0.9.1",)
+
+#: verl estimator name -> OAR method ("oar": the configured method).
+ESTIMATORS: dict[str, str | None] = {
+    "oar": None,
+    "oar_p": "oar_p",
+    "oar_g": "oar_g",
+    "oar_grpo": "grpo",
+    "oar_dr_grpo": "dr_grpo",
+    "oar_random": "random",
+    "oar_entropy": "entropy",
+    "oar_entropy_shaping": "entropy_shaping",
+    "oar_ktae": "ktae",
+}
+
+_DATA: contextvars.ContextVar = contextvars.ContextVar("oar_verl_data", default=None)
+_STATE: dict[str, Any] = {"config": None, "scorer": None, "ignore_ids": ()}
+_REGISTERED: dict[str, Any] = {}
+
+
+def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> None:
+    """Sets the driver-side OAR config and scorer used by the registered estimators.
+
+    Args:
+        config: ``oar.OARConfig`` (``None``: ``$OAR_CONFIG`` or the defaults). The estimator name overrides its
+            method unless the estimator is ``oar``.
+        scorer: callable ``(data: verl.DataProto, config, seq_adv: (B,) float32) -> (scores (B, R) float >= 0,
+            reasoning_mask (B, R) bool)``, e.g. :class:`HFScorer`.
+        ignore_ids: token ids KTAE scores 0 (the tokenizer's EOS / PAD).
+    """
+    _STATE.update(config=config, scorer=scorer, ignore_ids=tuple(int(x) for x in ignore_ids))
+
+
+def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> None:
+    """Attaches per-token importance scores to a verl ``DataProto`` (``batch["oar_scores"]``, ``["oar_reasoning_mask"]``).
+
+    Args:
+        data: ``verl.DataProto`` with ``batch["responses"]`` (B, R).
+        scores: (B, R) real, >= 0 on the reasoning mask (raw importance; normalized by the reshaping).
+        reasoning_mask: (B, R) bool, the scored reasoning tokens.
+
+    Raises:
+        ValueError: shapes that are not the responses' (B, R).
+    """
+    shape = tuple(data.batch["responses"].shape)
+    for name, t in (("scores", scores), ("reasoning_mask", reasoning_mask)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (B, R) = {shape} like batch['responses'], got {got}")
+    data.batch["oar_scores"] = scores.detach().float()
+    data.batch["oar_reasoning_mask"] = reasoning_mask.detach().bool()
+
+
+class HFScorer:
+    """Importance scores of a verl batch from a Hugging Face policy held by this (driver) process.
+
+    Args:
+        tokenizer: the policy's tokenizer (reasoning span, probe context).
+        model: HF causal LM (``None`` is enough for ``random``, and for ``entropy`` when the batch carries
+            ``oar_entropy``).
+        answer_key: where the reference answer is: ``non_tensor_batch[answer_key[0]][i][answer_key[1]]`` (verl's
+            RL datasets: ``reward_model.ground_truth``).
+
+    Calling it with ``(data, config, seq_adv)`` returns ``(scores, reasoning_mask)``, both (B, R) (rows with
+    seq_adv == 0 are not scored).
+    """
+
+    def __init__(self, tokenizer, model=None, answer_key: tuple[str, str] = ("reward_model", "ground_truth")):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.answer_key = answer_key
+        self._hooks: dict = {}
+
+    def _hook(self, config):
+        from oar.hook import TokenAdvantageHook
+
+        key = config.to_json()
+        if key not in self._hooks:
+            self._hooks[key] = TokenAdvantageHook(config, self.tokenizer)
+        return self._hooks[key]
+
+    def __call__(self, data, config, seq_adv: torch.Tensor):
+        b = data.batch
+        responses, rmask = b["responses"], b["response_mask"].bool()
+        P = b["prompts"].shape[1]
+        pmask = b["attention_mask"][:, :P].bool()
+        prompt_ids = [row[m].cpu() for row, m in zip(b["prompts"], pmask)]
+        hook = self._hook(config)
+        if config.method == "entropy" and self.model is None:
+            if "oar_entropy" not in b.keys():
+                raise ValueError("method 'entropy' without a model needs batch['oar_entropy'] (kept by the plugin's "
+                                 "_compute_old_log_prob wrapper) or HFScorer(model=...)")
+            lens = hook.reasoning_lengths(responses.cpu(), rmask.cpu())
+            reasoning = torch.zeros_like(rmask, device="cpu")
+            for i, L in enumerate(lens):
+                reasoning[i, torch.nonzero(rmask[i].cpu()).flatten()[:L]] = True
+            return b["oar_entropy"].float().cpu() * reasoning, reasoning
+        # random / entropy never read the answer, but the probe context is built for every method: a placeholder
+        answers = ["0"] * len(prompt_ids)
+        k0, k1 = self.answer_key
+        if k0 in data.non_tensor_batch:
+            answers = [str(x[k1]) if isinstance(x, dict) else str(x) for x in data.non_tensor_batch[k0]]
+        elif config.method in ("oar_p", "oar_g"):
+            raise ValueError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
+                             f"[i][{k1!r}] (HFScorer(answer_key=...) to change)")
+        if config.method != "random" and self.model is None:
+            raise ValueError(f"method {config.method!r} needs HFScorer(model=...)")
+        res = hook.compute(self.model, prompt_ids, responses.cpu(), rmask.cpu(), seq_adv.float().cpu(), answers)
+        return res.scores, res.reasoning_mask
+
+
+def _estimator(name: str, method: str | None):
+    def estimator(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, epsilon: float = 1e-6,
+                  norm_adv_by_std_in_grpo: bool = True, config=None, **kwargs):
+        """OAR advantage estimator for verl (registered by oar.integrations.verl.register).
+
+        Args:
+            token_level_rewards: (bs, R) float, the outcome reward summed over the response is the sequence reward.
+            response_mask: (bs, R) 0/1.
+            index: (bs,) group ids (verl's ``uid``), rows of a group in any order. Required.
+            epsilon: std epsilon (verl's default 1e-6). norm_adv_by_std_in_grpo: False = no std scaling.
+            config: verl's AlgoConfig (read for ``norm_adv_by_std_in_grpo`` when present).
+
+        Returns:
+            ``(advantages, returns)``: both the (bs, R) float32 per-token advantages, on the rewards' device.
+
+        Raises:
+            ValueError: no ``index``; a method whose inputs (scores, entropies, responses) are not available.
+        """
+        from oar import ops
+
+        if index is None:
+            raise ValueError(f"verl estimator {name!r} needs the group ids (index = non_tensor_batch['uid'])")
+        B, R = token_level_rewards.shape
+        if tuple(response_mask.shape) != (B, R):
+            raise ValueError(f"response_mask must be (bs, R) = {(B, R)}, got {tuple(response_mask.shape)}")
+        base = _STATE["config"] if _STATE["config"] is not None else config_from_env()
+        cfg = config_with_method(base, method) if method is not None else base
+        if config is not None and hasattr(config, "get"):
+            norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo))
+        data = _DATA.get()
+        perm, off = group_layout(index)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(B)
+        rewards = token_level_rewards.detach().sum(-1).float().cpu()
+        estimator = "dr_grpo" if (cfg.method == "dr_grpo" or not norm_adv_by_std_in_grpo) else "grpo"
+        seq_sorted = ops.group_advantages(rewards[perm], off, estimator=estimator, std="unbiased", eps=float(epsilon),
+                                          singleton="verl")
+        seq = seq_sorted[inv]
+        mask = response_mask.detach().bool().cpu()
+        batch = data.batch if data is not None else {}
+
+        def get(key):
+            return batch[key] if data is not None and key in batch.keys() else None
+
+        def scorer():
+            scores, reasoning = get("oar_scores"), get("oar_reasoning_mask")
+            if scores is not None and reasoning is not None:
+                return scores, reasoning
+            if _STATE["scorer"] is None or data is None:
+                raise ValueError(
+                    f"verl estimator {name!r} (method {cfg.method!r}) needs per-token scores: attach them with "
+                    "oar.integrations.verl.attach_scores(batch, scores, reasoning_mask) before compute_advantage, or "
+                    "configure(scorer=HFScorer(tokenizer, model)) in the driver process")
+            return _STATE["scorer"](data, cfg, seq)
+
+        kw = {}
+        if cfg.method == "ktae":
+            ids = get("responses")
+            if ids is None:
+                raise ValueError(f"verl estimator {name!r} (method 'ktae') needs batch['responses'] (call through "
+                                 "verl.trainer.ppo.ray_trainer.compute_advantage after oar.integrations.verl.register())")
+            kw = dict(rewards=rewards[perm], offsets=off, token_ids=ids.cpu()[perm], ignore_ids=_STATE["ignore_ids"])
+            tok = per_token_advantages(cfg, seq_sorted, mask[perm], **kw)[inv]
+        else:
+            ent = get("oar_entropy")
+            if cfg.method == "entropy_shaping" and ent is None:
+                raise ValueError(f"verl estimator {name!r} (method 'entropy_shaping') needs batch['oar_entropy'] (kept "
+                                 "by the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
+            tok = per_token_advantages(cfg, seq, mask, entropy=ent, scorer=scorer)
+        tok = tok.to(token_level_rewards.device)
+        return tok, tok
+
+    estimator.__name__ = f"compute_{name}_advantage"
+    estimator.__qualname__ = estimator.__name__
+    return estimator
+
+
+def _wrap_compute_advantage(orig):
+    if getattr(orig, "__oar_wrapped__", False):
+        return orig
+
+    @functools.wraps(orig)
+    def compute_advantage(data, adv_estimator, *args, **kwargs):
+        name = getattr(adv_estimator, "value", adv_estimator)
+        if name not in ESTIMATORS:
+            return orig(data, adv_estimator, *args, **kwargs)
+        token = _DATA.set(data)
+        try:
+            return orig(data, adv_estimator, *args, **kwargs)
+        finally:
+            _DATA.reset(token)
+
+    compute_advantage.__oar_wrapped__ = True
+    return compute_advantage
+
+
+def _wrap_compute_old_log_prob(orig):
+    if getattr(orig, "__oar_wrapped__", False):
+        return orig
+
+    @functools.wraps(orig)
+    def _compute_old_log_prob(self, batch, *args, **kwargs):
+        out = orig(self, batch, *args, **kwargs)
+        old = out[0] if isinstance(out, tuple) else out
+        try:
+            ent = old.batch["entropys"]
+        except (AttributeError, KeyError, TypeError):
+            ent = None
+        if ent is not None:  # verl pops "entropys" after logging; keep a copy for the OAR entropy methods
+            batch.batch["oar_entropy"] = ent.detach().float().clone()
+        return out
+
+    _compute_old_log_prob.__oar_wrapped__ = True
+    return _compute_old_log_prob
+
+
+def register() -> list[str]:
+    """Registers the OAR estimators with verl and installs the two wrappers (idempotent).
+
+    Returns:
+        The registered estimator names (:data:`ESTIMATORS`).
+
+    Raises:
+        ImportError: verl is not installed. RuntimeError: the verl version lacks the hook points.
+    """
+    import warnings
+
+    try:
+        import verl
+        from verl.trainer.ppo import core_algos
+    except ImportError as e:
+        raise ImportError("oar.integrations.verl needs the `verl` package (pip install -r requirements/trainers.txt)") from e
+    version = getattr(verl, "__version__", "?")
+    for attr in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY"):
+        if not hasattr(core_algos, attr):
+            raise RuntimeError(f"verl {version}: core_algos has no {attr}; oar supports verl {SUPPORTED_VERL}")
+    if version not in SUPPORTED_VERL:
+        warnings.warn(f"oar.integrations.verl is tested with verl {SUPPORTED_VERL}, found {version}", stacklevel=2)
+    for name, method in ESTIMATORS.items():
+        if name not in _REGISTERED:
+            _REGISTERED[name] = _estimator(name, method)
+        if core_algos.ADV_ESTIMATOR_REGISTRY.get(name) is not _REGISTERED[name]:
+            core_algos.register_adv_est(name)(_REGISTERED[name])
+    from verl.trainer.ppo import ray_trainer
+
+    ray_trainer.compute_advantage = _wrap_compute_advantage(ray_trainer.compute_advantage)
+    trainer_cls = getattr(ray_trainer, "RayPPOTrainer", None)
+    if trainer_cls is not None and hasattr(trainer_cls, "_compute_old_log_prob"):
+        trainer_cls._compute_old_log_prob = _wrap_compute_old_log_prob(trainer_cls._compute_old_log_prob)
+    import sys
+
+    v1 = sys.modules.get("verl.trainer.ppo.v1.utils")  # binds compute_advantage by name at import
+    if v1 is not None and hasattr(v1, "compute_advantage"):
+        v1.compute_advantage = _wrap_compute_advantage(v1.compute_advantage)
+    return list(ESTIMATORS)

@@ -1,0 +1,146 @@
+"""Worker of tests/python/test_openrlhf.py (not a test module): imports the REAL openrlhf 0.11.2
+``RemoteExperienceMaker`` in a separate process, with stand-ins only for the GPU/serving packages its module
+imports at top level and never uses in ``compute_advantages_and_returns`` (flash_attn, deepspeed, vllm,
+aiohttp: not installable on a CPU machine). A stand-in is kept out of the pytest process, where it would make
+transformers believe flash-attn is installed.
+
+Runs the real ``compute_advantages_and_returns`` on hand-made ``Experience`` batches (2 prompts x 4 samples,
+split into two experiences of different response widths, rows in shuffled prompt order), unpatched and patched
+with every OAR method, and saves what it saw to argv[1].
+"""
+
+import copy
+import importlib.abc
+import importlib.machinery
+import inspect
+import json
+import sys
+import types
+from types import SimpleNamespace as NS
+
+STUBS = {"flash_attn", "deepspeed", "vllm", "aiohttp"}
+
+
+class _Anything(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sub = _Anything(f"{self.__name__}.{name}")
+        sub.__path__ = []
+        setattr(self, name, sub)
+        return sub
+
+    def __call__(self, *a, **k):
+        return self
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in STUBS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = _Anything(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _StubFinder())
+
+import torch  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
+
+import oar  # noqa: E402
+from oar.integrations import openrlhf as oar_orl  # noqa: E402
+from oar.models import tiny_random_llama  # noqa: E402
+
+N = 4
+
+
+def make_experiences(tok):
+    g = torch.Generator().manual_seed(0)
+    vocab = len(tok)
+    order = torch.randperm(2 * N, generator=g).tolist()  # experience rows hold these prompt-order positions
+    rewards = {p: float(v) for p, v in zip(range(2 * N), [1, 0, 0, 1, 0.5, 0, 1, 0])}
+    out = []
+    for e, width in enumerate((10, 8)):
+        pos = order[e * N:(e + 1) * N]
+        P = 5
+        seqs = torch.full((N, P + width), tok.pad_token_id)
+        attn = torch.zeros((N, P + width), dtype=torch.long)
+        amask = torch.zeros((N, width), dtype=torch.bool)
+        for b, p in enumerate(pos):
+            plen = 3 + p // N
+            seqs[b, P - plen:P] = torch.randint(3, vocab, (plen,), generator=g)
+            L = int(torch.randint(4, width + 1, (1,), generator=g))
+            seqs[b, P:P + L] = torch.randint(3, vocab, (L,), generator=g)
+            attn[b, P - plen:P + L] = 1
+            amask[b, :L] = True
+        out.append(Experience(sequences=seqs, attention_mask=attn, action_mask=amask,
+                              action_log_probs=torch.zeros((N, width)), kl=torch.zeros((N, width)),
+                              rewards=torch.tensor([rewards[p] for p in pos]), index=pos,
+                              labels=[str(3 + p // N) for p in pos], prompts=[""] * N, info={}))
+    return out
+
+
+def maker(tok, estimator="group_norm", use_loss=True, kl=0.0):
+    args = NS(rollout=NS(n_samples_per_prompt=N, max_new_tokens=16),
+              algo=NS(advantage=NS(estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False),
+                      kl=NS(use_loss=use_loss, estimator="k1")),
+              reward=NS(clip_range=(-10.0, 10.0)), data=NS(max_len=64))
+    return RemoteExperienceMaker(None, None, None, object(), NS(value=kl), NS(args=args), tok)
+
+
+def doc_namespace():
+    """Names the docs/trainers/openrlhf.md snippet uses (tests/python/test_trainer_docs.py)."""
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    return {"model": model, "tokenizer": tok, "experience_maker": maker(tok), "experiences": make_experiences(tok)}
+
+
+def main(out_path):
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    base = make_experiences(tok)
+    res = {"signature": list(inspect.signature(RemoteExperienceMaker.compute_advantages_and_returns).parameters),
+           "inputs": [dict(sequences=e.sequences, action_mask=e.action_mask, rewards=e.rewards, index=e.index)
+                      for e in base], "eos": tok.eos_token_id, "pad": tok.pad_token_id, "errors": {}}
+    for est in ("group_norm", "dr_grpo"):
+        res[f"original/{est}"] = [e.advantages for e in
+                                  maker(tok, est).compute_advantages_and_returns(copy.deepcopy(base))]
+    runs = [("grpo", "group_norm", {}), ("dr_grpo", "dr_grpo", {}), ("oar_p", "group_norm", {}),
+            ("oar_g", "group_norm", {"tiers": "boost", "probe": "last"}), ("random", "group_norm", {}),
+            ("entropy", "group_norm", {}), ("entropy_shaping", "group_norm", {}), ("ktae", "group_norm", {})]
+    for method, est, extra in runs:
+        oar_orl.install(oar.OARConfig.from_json(json.dumps(dict(extra, method=method))), model=model)
+        res[method] = [e.advantages for e in maker(tok, est).compute_advantages_and_returns(copy.deepcopy(base))]
+    bad = [("kl_in_reward", dict(use_loss=False, kl=0.05), "oar_p"), ("gae", dict(estimator="gae"), "grpo"),
+           ("dr_grpo_needs_estimator", {}, "dr_grpo")]
+    for key, kw, method in bad:
+        oar_orl.install(oar.OARConfig.from_json(json.dumps({"method": method})), model=model)
+        try:
+            maker(tok, **kw).compute_advantages_and_returns(copy.deepcopy(base))
+            res["errors"][key] = None
+        except ValueError as e:
+            res["errors"][key] = str(e)
+    oar_orl.install(oar.OARConfig.from_json('{"method": "oar_g"}'), model=None)
+    try:
+        maker(tok).compute_advantages_and_returns(copy.deepcopy(base))
+    except ValueError as e:
+        res["errors"]["no_model"] = str(e)
+    oar_orl.uninstall()
+    res["restored"] = not hasattr(RemoteExperienceMaker.compute_advantages_and_returns, "__oar_original__")
+    import os
+
+    os.environ["OAR_CONFIG"] = '{"method": "grpo"}'
+    oar_orl.worker_setup_hook()  # what the Ray worker_process_setup_hook runs
+    res["hook_installed"] = hasattr(RemoteExperienceMaker.compute_advantages_and_returns, "__oar_original__")
+    res["hook_grpo"] = [e.advantages for e in maker(tok).compute_advantages_and_returns(copy.deepcopy(base))]
+    torch.save(res, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

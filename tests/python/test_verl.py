@@ -1,0 +1,232 @@
+"""oar's verl plugin against the REAL verl package (0.9.1; requirements/trainers.txt): entry-point loading, the
+estimator registry and the call path ``verl.trainer.ppo.ray_trainer.compute_advantage`` -> registry -> OAR
+estimator, on a tiny random Llama for the attribution methods.
+
+Skipped when verl is not installed (it is an optional dependency).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="verl not installed (pip install -r requirements/trainers.txt)")
+ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer")
+
+import oar  # noqa: E402
+from oar import baselines, ops  # noqa: E402
+from oar.integrations import verl as oar_verl  # noqa: E402
+from oar.models import tiny_random_llama  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.trainer.config import AlgoConfig  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    names = oar_verl.register()
+    yield names
+    oar_verl.configure(None, None)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+
+
+def _batch(tok, n_groups=3, G=4, R=10, seed=0, shuffle=True):
+    """A verl-shaped DataProto: left-padded prompts, right-padded responses, uid groups in shuffled row order."""
+    g = torch.Generator().manual_seed(seed)
+    B = n_groups * G
+    P = 6
+    vocab = len(tok)
+    prompts = torch.full((B, P), tok.pad_token_id)
+    pmask = torch.zeros((B, P), dtype=torch.long)
+    responses = torch.full((B, R), tok.pad_token_id)
+    rmask = torch.zeros((B, R), dtype=torch.long)
+    for i in range(B):
+        p = 3 + (i // G) % 3
+        prompts[i, P - p:] = torch.randint(3, vocab, (p,), generator=g)
+        pmask[i, P - p:] = 1
+        L = int(torch.randint(4, R + 1, (1,), generator=g))
+        responses[i, :L] = torch.randint(3, vocab, (L,), generator=g)
+        rmask[i, :L] = 1
+    rewards = torch.randint(0, 2, (B,), generator=g).float()
+    if G == 4:
+        rewards[:G] = torch.tensor([1.0, 0.0, 0.0, 1.0])  # at least one group with both outcomes
+    tlr = torch.zeros((B, R))
+    last = rmask.sum(1) - 1
+    tlr[torch.arange(B), last] = rewards
+    uid = np.array([f"u{i // G}" for i in range(B)], dtype=object)
+    answers = np.array([{"ground_truth": str(i // G + 3)} for i in range(B)], dtype=object)
+    order = torch.randperm(B, generator=g) if shuffle else torch.arange(B)
+    tensors = {"prompts": prompts, "responses": responses, "response_mask": rmask,
+               "attention_mask": torch.cat([pmask, rmask], 1), "token_level_rewards": tlr,
+               "input_ids": torch.cat([prompts, responses], 1)}
+    tensors = {k: v[order] for k, v in tensors.items()}
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid[order.numpy()],
+                                                             "reward_model": answers[order.numpy()]})
+
+
+def _run(data, name, **cfg):
+    # as RayPPOTrainer.fit calls it: norm_adv_by_std_in_grpo both as an argument and in the algorithm config
+    norm = cfg.get("norm_adv_by_std_in_grpo", True)
+    return ray_trainer.compute_advantage(data, adv_estimator=name, norm_adv_by_std_in_grpo=norm,
+                                         config=AlgoConfig(**cfg)).batch["advantages"]
+
+
+def test_pyproject_declares_the_plugin_entry_point():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        eps = tomllib.load(f)["project"]["entry-points"]["verl.plugins"]
+    assert eps == {"oar": "oar.integrations.verl_plugin"}
+
+
+def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path):
+    """`import verl` alone registers the OAR estimators, through importlib.metadata entry points (a dist-info
+    folder stands in for the installed oar distribution; its entry point is pyproject's)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        proj = tomllib.load(f)["project"]
+    dist = tmp_path / f"oar-{proj['version']}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: oar\nVersion: {proj['version']}\n")
+    lines = ["[verl.plugins]"] + [f"{k} = {v}" for k, v in proj["entry-points"]["verl.plugins"].items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    code = ("import json, sys; import verl; from verl.trainer.ppo import core_algos, ray_trainer; "
+            "print(json.dumps({'names': sorted(k for k in core_algos.ADV_ESTIMATOR_REGISTRY if k.startswith('oar')), "
+            "'wrapped': bool(getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)), "
+            "'plugin': 'oar.integrations.verl_plugin' in sys.modules}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(ROOT, "python"),
+                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["plugin"] and out["wrapped"]
+    assert out["names"] == sorted(oar_verl.ESTIMATORS)
+
+
+def test_registry_holds_every_method(registered):
+    assert set(registered) == set(oar_verl.ESTIMATORS)
+    methods = {m for m in oar_verl.ESTIMATORS.values() if m}
+    assert methods == set(oar.METHODS)
+    for name in registered:
+        assert core_algos.get_adv_estimator_fn(name).__name__ == f"compute_{name}_advantage"
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_uniform_credit_equals_verl_grpo(tiny, norm):
+    """oar_grpo (and oar_dr_grpo when norm is off) reproduce verl's own GRPO estimator exactly, rows shuffled and
+    with a singleton group (verl's mean 0 / std 1 quirk)."""
+    _, tok = tiny
+    data = _batch(tok)
+    data = DataProto.concat([data, _batch(tok, n_groups=1, G=1, seed=5)])
+    data.non_tensor_batch["uid"][-1] = "single"
+    ref = _run(data, "grpo", norm_adv_by_std_in_grpo=norm)
+    ours = _run(data, "oar_grpo", norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    if not norm:
+        torch.testing.assert_close(_run(data, "oar_dr_grpo"), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, tiers, probe", [("oar_p", "both", "answer_mean"), ("oar_g", "boost", "last"),
+                                                ("oar_p", "suppress", "answer_joint"), ("oar_random", "both", "answer_mean")])
+def test_attribution_methods_keep_mass(tiny, name, tiers, probe):
+    """Through compute_advantage with a driver-side HFScorer: per-token advantages keep each row's mass, are 0
+    off the response mask, and differ from uniform credit."""
+    model, tok = tiny
+    oar_verl.configure(oar.OARConfig.from_json(json.dumps({"tiers": tiers, "probe": probe})),
+                       oar_verl.HFScorer(tok, model))
+    try:
+        data = _batch(tok)
+        seq = _run(data, "oar_grpo")
+        adv = _run(data, name)
+    finally:
+        oar_verl.configure(None, None)
+    mask = data.batch["response_mask"].bool()
+    A = seq[torch.arange(len(data)), 0]
+    torch.testing.assert_close(adv.sum(1), A * mask.sum(1), rtol=1e-5, atol=1e-5)
+    assert (adv[~mask] == 0).all()
+    assert not torch.allclose(adv, seq, atol=1e-4)
+
+
+def test_attached_scores_are_used(tiny):
+    _, tok = tiny
+    data = _batch(tok)
+    mask = data.batch["response_mask"].bool()
+    scores = torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    oar_verl.attach_scores(data, scores, mask)
+    adv = _run(data, "oar_p")
+    seq = _run(data, "oar_grpo")[:, 0]
+    exp, _ = ops.reshape_advantages(seq, scores, mask, mask)
+    torch.testing.assert_close(adv, exp, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"scores must be \(B, R\)"):
+        oar_verl.attach_scores(data, scores[:, :3], mask)
+
+
+def test_ktae_uses_the_gathered_groups(tiny):
+    _, tok = tiny
+    oar_verl.configure(None, None, ignore_ids=[tok.eos_token_id, tok.pad_token_id])
+    try:
+        data = _batch(tok)
+        adv = _run(data, "oar_ktae")
+    finally:
+        oar_verl.configure(None, None)
+    b = data.batch
+    seq = _run(data, "oar_grpo")[:, 0]
+    uid = list(data.non_tensor_batch["uid"])
+    perm = sorted(range(len(uid)), key=lambda i: (int(uid[i][1:]), i))
+    inv = torch.empty(len(perm), dtype=torch.long)
+    inv[torch.tensor(perm)] = torch.arange(len(perm))
+    mask = b["response_mask"].bool()
+    rewards = b["token_level_rewards"].sum(1)
+    bonus = baselines.ktae_token_scores(b["responses"][perm], mask[perm], rewards[perm], group_size=4,
+                                        ignore_ids=sorted({tok.eos_token_id, tok.pad_token_id}))[inv]
+    torch.testing.assert_close(adv, (seq[:, None] + bonus) * mask, rtol=1e-5, atol=1e-6)
+    assert bonus.abs().sum() > 0
+
+
+def test_entropy_methods_read_the_entropies_kept_by_the_old_log_prob_wrapper(tiny):
+    _, tok = tiny
+    data = _batch(tok)
+    mask = data.batch["response_mask"].bool()
+    ent = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) * 3
+
+    def fake_old_log_prob(self, batch):  # what RayPPOTrainer._compute_old_log_prob returns in verl 0.9.1
+        return DataProto.from_dict(tensors={"old_log_probs": torch.zeros(mask.shape), "entropys": ent}), 0.0
+
+    wrapped = oar_verl._wrap_compute_old_log_prob(fake_old_log_prob)
+    wrapped(None, data)
+    torch.testing.assert_close(data.batch["oar_entropy"], ent)
+    assert getattr(ray_trainer.RayPPOTrainer._compute_old_log_prob, "__oar_wrapped__", False)
+    adv = _run(data, "oar_entropy_shaping")
+    seq = _run(data, "oar_grpo")[:, 0]
+    exp = baselines.entropy_shaping_advantages(seq, ent, mask)
+    torch.testing.assert_close(adv, exp, rtol=1e-5, atol=1e-6)
+    oar_verl.configure(None, oar_verl.HFScorer(tok))  # entropy as importance: no model needed, entropies reused
+    try:
+        adv = _run(data, "oar_entropy")
+    finally:
+        oar_verl.configure(None, None)
+    torch.testing.assert_close(adv.sum(1), seq * mask.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_generic_estimator_takes_the_method_from_the_config(tiny, monkeypatch):
+    _, tok = tiny
+    data = _batch(tok)
+    monkeypatch.setenv("OAR_CONFIG", '{"method": "dr_grpo"}')
+    torch.testing.assert_close(_run(data, "oar"), _run(data, "grpo", norm_adv_by_std_in_grpo=False))
+    monkeypatch.setenv("OAR_CONFIG", '{"method": "oar_q"}')
+    with pytest.raises(ValueError, match="oar.method must be one of"):
+        _run(data, "oar")
+
+
+def test_missing_scores_are_a_clear_error(tiny):
+    _, tok = tiny
+    with pytest.raises(ValueError, match="needs per-token scores: attach them"):
+        _run(_batch(tok), "oar_g")
