@@ -553,3 +553,118 @@ def _build_masked_batch_fake(input_ids, row_index, positions, pad_id):
 
 
 # ==== end section: probe ================================================================================
+
+# ==== section: CUDA validation (data checks of the CUDA kernels; src/torch/cuda_checks.h) ===============
+# The CUDA kernels validate data (NaN rewards, out-of-range ids, ...) on the device and record errors in a
+# per-device record instead of synchronizing. Step-level ops (group_advantages, normalize_importance,
+# reshape_advantages) always read it back; the hot-path ops (probe_divergence + backward, grad_x_input,
+# build_masked_batch) only in "eager" mode; in "lazy" mode (the default) their errors surface at the next
+# check on that device (docs/design.md, "CUDA kernels").
+
+import ctypes as _ctypes
+
+_CUDA_CHECK_MODES = ("lazy", "eager")
+
+
+_CUDA_LIB: dict = {}
+
+
+def _cuda_checks_lib():
+    """The loaded op library as a ctypes handle with the C entry points, or None (built without CUDA)."""
+    path = _lib.loaded_ops_library()
+    if path is None:
+        return None
+    if path not in _CUDA_LIB:
+        _CUDA_LIB[path] = _load_cuda_checks(path)
+    return _CUDA_LIB[path]
+
+
+def _load_cuda_checks(path: str):
+    try:
+        lib = _ctypes.CDLL(path)
+        lib.oar_cuda_set_checks.argtypes = [_ctypes.c_int]
+        lib.oar_cuda_get_checks.argtypes = [_ctypes.c_char_p, _ctypes.c_int]
+        lib.oar_cuda_take_error.argtypes = [_ctypes.c_int, _ctypes.c_char_p, _ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def set_cuda_checks(mode: str) -> str:
+    """Sets when the hot-path CUDA ops read their device error record back (process-wide).
+
+    Args:
+        mode: ``"lazy"`` (default; no host synchronization: a bad row gets NaN, or an all-PAD variant, and
+            the error is raised by the next step-level op or :func:`check_cuda_errors` on that device) or
+            ``"eager"`` (every call waits for its kernels and raises the CPU's exact ``ValueError``). The
+            environment variable ``OAR_CUDA_CHECKS`` sets the initial mode.
+
+    Returns:
+        The previous mode. In a build without CUDA kernels the call only validates ``mode`` and returns
+        ``"lazy"``.
+
+    Raises:
+        ValueError: ``mode`` is not ``"lazy"`` or ``"eager"``.
+    """
+    if not isinstance(mode, str) or mode not in _CUDA_CHECK_MODES:
+        raise ValueError(f"mode must be one of {_CUDA_CHECK_MODES}, got {mode!r}")
+    lib = _cuda_checks_lib()
+    if lib is None:
+        return "lazy"
+    prev = lib.oar_cuda_set_checks(_CUDA_CHECK_MODES.index(mode))
+    return _CUDA_CHECK_MODES[prev] if prev in (0, 1) else "lazy"
+
+
+def cuda_checks() -> str:
+    """The current CUDA check mode, ``"lazy"`` or ``"eager"`` (see :func:`set_cuda_checks`).
+
+    Raises:
+        ValueError: ``OAR_CUDA_CHECKS`` holds another value (and no mode was set explicitly).
+    """
+    lib = _cuda_checks_lib()
+    if lib is None:
+        return "lazy"
+    buf = _ctypes.create_string_buffer(1024)
+    m = lib.oar_cuda_get_checks(buf, len(buf))
+    if m < 0:
+        raise ValueError(buf.value.decode(errors="replace"))
+    return _CUDA_CHECK_MODES[m]
+
+
+def check_cuda_errors(device=None) -> None:
+    """Raises the data error that an oar CUDA op recorded on ``device`` and nobody raised yet.
+
+    Waits for the work queued on the device's current stream (one 64-byte copy). Call it where a lazily
+    checked op's result is consumed, e.g. once per attribution batch.
+
+    Args:
+        device: a CUDA device (``torch.device``, ``"cuda:1"`` or an index); default: the current device.
+            A no-op when CUDA was never initialized in this process or the build has no CUDA kernels.
+
+    Raises:
+        ValueError: the recorded error (op, what was wrong, first index and value); or ``device`` is not a
+            CUDA device.
+    """
+    if device is None:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        index = torch.cuda.current_device()
+    else:
+        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device!r}")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not torch.cuda.is_initialized():
+        return
+    lib = _cuda_checks_lib()
+    if lib is None:
+        return
+    buf = _ctypes.create_string_buffer(4096)
+    status = lib.oar_cuda_take_error(int(index), buf, len(buf))
+    if status != 0:
+        raise ValueError(buf.value.decode(errors="replace"))
+
+
+__all__ += ["set_cuda_checks", "cuda_checks", "check_cuda_errors"]
+
+# ==== end section: CUDA validation ======================================================================

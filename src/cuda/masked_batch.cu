@@ -1,6 +1,8 @@
 // CUDA OAR-P masked batch (method.md section 3): out[m, :] = input_ids[row_index[m], :] with
 // out[m, positions[m]] = pad_id. A pure copy: one block per (variant, 2048-token tile), 16-byte loads and
-// stores when T is even, the PAD substitution fused into the copy (no second write to the same element).
+// stores when T is even and both base pointers are 16-byte aligned (a contiguous view with an odd storage
+// offset is not: it takes the 8-byte path), the PAD substitution fused into the copy (no second write to the
+// same element).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -17,8 +19,8 @@ constexpr int64_t kTile = kThreads * 2 * 4;  // tokens per block: four 16-byte v
 
 __global__ void __launch_bounds__(kThreads)
     masked_batch_kernel(const int64_t* __restrict__ ids, int64_t B, int64_t T, const int64_t* __restrict__ rows,
-                        const int64_t* __restrict__ pos, int64_t tiles, int64_t pad, int64_t* __restrict__ out,
-                        ErrorSink sink) {
+                        const int64_t* __restrict__ pos, int64_t tiles, int64_t pad, bool vec16,
+                        int64_t* __restrict__ out, ErrorSink sink) {
   const int64_t m = blockIdx.x / tiles;
   const int64_t t0 = (blockIdx.x % tiles) * kTile;
   const int64_t t1 = min(T, t0 + kTile);
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const int64_t* src = ids + r * T;
-  if (T % 2 == 0) {  // rows start 16-byte aligned (allocations are), t0 and t1 are even
+  if (vec16) {  // T even and aligned bases: every row starts 16-byte aligned, t0 and t1 are even
     const auto* s2 = reinterpret_cast<const longlong2*>(src);
     auto* d2 = reinterpret_cast<longlong2*>(dst);
     for (int64_t i = t0 / 2 + threadIdx.x; i < t1 / 2; i += blockDim.x) {
@@ -65,8 +67,10 @@ void launch_build_masked_batch(const int64_t* input_ids, int64_t B, int64_t T, c
   const int64_t blocks = M * tiles;
   if (blocks > (int64_t{1} << 31) - 1)
     throw core::InvalidArgument("build_masked_batch (CUDA): too many variants for one launch: M=" + std::to_string(M));
+  const bool vec16 = T % 2 == 0 && reinterpret_cast<uintptr_t>(input_ids) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(out) % 16 == 0;
   masked_batch_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      input_ids, B, T, row_index, positions, tiles, pad_id, out, sink);
+      input_ids, B, T, row_index, positions, tiles, pad_id, vec16, out, sink);
   detail::check_launch("build_masked_batch");
 }
 

@@ -1,5 +1,5 @@
 // Every oar operator schema, in one place (docs/architecture.md, layer 2). Implementations register per
-// dispatch key: cpu_*.cpp (CPU), cuda_ops.cpp (CUDA). Python wrappers, docs and fake kernels:
+// dispatch key: cpu_*.cpp (CPU), cuda_advantages.cpp + cuda_probe.cpp (CUDA). Python wrappers, docs and fake kernels:
 // python/oar/ops.py. Plain-PyTorch references: python/oar/reference.py.
 #include <torch/library.h>
 

@@ -183,7 +183,8 @@ void launch_grad_x_input(core::DType dtype, const void* grad, const void* input,
 
 // ---- OAR-P masked batch (method.md section 3) -----------------------------------------------------------------
 
-/// out[m, :] = input_ids[row_index[m], :] with out[m, positions[m]] = pad_id; 16-byte copies when T is even.
+/// out[m, :] = input_ids[row_index[m], :] with out[m, positions[m]] = pad_id; 16-byte copies when T is even and both
+/// pointers are 16-byte aligned (8-byte copies otherwise).
 /// input_ids (B, T), row_index / positions (M,), out (M, T): int64 contiguous. A variant with an out-of-range
 /// row or position is filled with pad_id (never read out of bounds) and reported (kBadRowIndex/kBadPosition).
 void launch_build_masked_batch(const int64_t* input_ids, int64_t B, int64_t T, const int64_t* row_index,
