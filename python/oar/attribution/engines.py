@@ -325,7 +325,8 @@ def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits
             masked = batch.input_ids[row_index, p:].clone()
             masked[torch.arange(masked.shape[0]), var_col_t[sl] - p] = batch.pad_id
             dslots = slots.to(dev)
-            prefix_kv = [(k.index_select(0, dslots)[:, :, :p], v.index_select(0, dslots)[:, :, :p]) for k, v in kv_all]
+            # slice the prefix first, then gather per variant: copies p columns, not T
+            prefix_kv = [(k[:, :, :p].index_select(0, dslots), v[:, :, :p].index_select(0, dslots)) for k, v in kv_all]
             window = model.tail_logits_cached(prefix_kv, input_ids=masked.to(dev),
                                               attention_mask=batch.attention_mask[row_index].to(dev),
                                               position_ids=batch.position_ids[row_index, p:].to(dev), keep=batch.keep)
