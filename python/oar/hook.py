@@ -135,7 +135,9 @@ class TokenAdvantageHook:
             eligible_mask: (B, C) tokens that carry loss (default completion_mask; e.g. completion_mask *
                 tool_mask). Reasoning tokens outside it are not scored.
             rewards, group_offsets: (B,) rewards and the groups (CSR offsets (G + 1,) or an int group size);
-                used by method "ktae" only (correctness and per-group token tables; see oar.baselines).
+                used by method "ktae" (correctness and per-group token tables; see oar.baselines) and, when
+                given, for the ``oar/skipped_groups_frac`` metric (groups whose advantages are all 0: no
+                attribution runs for them).
 
         Methods "entropy_shaping" and "ktae" add a bonus to A instead of reshaping (method.md section 8; no
         sum preservation); "dr_grpo" gives uniform credit like "grpo".
@@ -243,9 +245,29 @@ class TokenAdvantageHook:
             "oar/top10_mass": float(top_mass(tok_adv[rows], weights[rows], eligible[rows], 0.1).mean()) if active else 0.1,
             "oar/reasoning_frac": float(reasoning.sum() / eligible.sum().clamp_min(1)),
             "oar/skipped_rows_frac": 1.0 - len(active) / max(B, 1),
+            **_skipped_groups(adv, group_offsets),
             "oar/forward_passes": float(stats.get("forward_passes", 0)),
             "oar/padding_forwards": float(stats.get("padding_forwards", 0)),
             "oar/attribution_seconds": time.perf_counter() - t0,
         }
         return TokenAdvantages(tok_adv.to(out_dev), weights.to(out_dev), scores.to(out_dev), reasoning.to(out_dev), metrics)
 
+
+def _skipped_groups(adv: torch.Tensor, group_offsets) -> dict:
+    """{"oar/skipped_groups_frac": share of groups whose sequence advantages are all exactly 0} when the groups
+    are known (an int group size dividing B, or CSR offsets (G + 1,)); {} otherwise (the metric is then
+    omitted rather than guessed)."""
+    B = int(adv.shape[0])
+    if group_offsets is None or B == 0:
+        return {}
+    if isinstance(group_offsets, int) and not isinstance(group_offsets, bool):
+        if group_offsets < 1 or B % group_offsets:
+            return {}
+        zero = (adv.view(-1, group_offsets) == 0).all(dim=1)
+        return {"oar/skipped_groups_frac": float(zero.float().mean())}
+    off = torch.as_tensor(group_offsets, dtype=torch.long).flatten().tolist()
+    if len(off) < 2 or off[0] != 0 or off[-1] != B or any(b < a for a, b in zip(off, off[1:])):
+        return {}
+    groups = [(a, b) for a, b in zip(off, off[1:]) if b > a]
+    skipped = sum(bool((adv[a:b] == 0).all()) for a, b in groups)
+    return {"oar/skipped_groups_frac": skipped / max(len(groups), 1)}

@@ -101,3 +101,22 @@ def test_metrics_against_hand_values():
     torch.testing.assert_close(top_mass(a, w, m, 0.25), torch.tensor([0.25, 0.5]))
     with pytest.raises(ValueError, match="frac must be in"):
         top_mass(a, w, m, 0.0)
+
+
+def test_skipped_groups_metric(tiny):
+    """Groups whose advantages are all 0 (all-equal rewards) run no attribution and are reported."""
+    model, tok = tiny
+    prompts, ids, mask = _batch(tok)
+    adv = torch.tensor([0.0, 0.0, 0.7, -0.7])  # group 0 (rows 0-1) all zero, group 1 not
+    hook = TokenAdvantageHook(_cfg(method="random"), tok)
+    out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=2)
+    assert out.metrics["oar/skipped_groups_frac"] == pytest.approx(0.5)
+    assert out.metrics["oar/skipped_rows_frac"] == pytest.approx(0.5)
+    assert not out.reasoning_mask[:2].any() and out.reasoning_mask[2:].any()
+    # CSR offsets: groups [0, 1), [1, 3), [3, 4) -> only the first is all zero
+    out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=torch.tensor([0, 1, 3, 4]))
+    assert out.metrics["oar/skipped_groups_frac"] == pytest.approx(1 / 3)
+    # unknown or inconsistent groups: the metric is omitted, never guessed
+    assert "oar/skipped_groups_frac" not in hook.compute(model, prompts, ids, mask, adv, ["5"] * 4).metrics
+    assert "oar/skipped_groups_frac" not in hook.compute(model, prompts, ids, mask, adv, ["5"] * 4,
+                                                         group_offsets=3).metrics

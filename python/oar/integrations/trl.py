@@ -145,7 +145,8 @@ class OARTrainerMixin:
         else:
             model = self.accelerator.unwrap_model(self.model)
             res = self.oar_hook.compute(model, prompt_ids, out["completion_ids"], out["completion_mask"],
-                                        out["advantages"], answers, eligible_mask=eligible)
+                                        out["advantages"], answers, eligible_mask=eligible,
+                                        group_offsets=int(self.num_generations))  # oar/skipped_groups_frac
         out["advantages"] = res.advantages.to(out["advantages"].device)
         t2 = time.perf_counter()
         for k, v in res.metrics.items():
