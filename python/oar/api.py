@@ -56,7 +56,8 @@ def additive_baseline(hook, model, prompt_ids: Sequence, completion_ids: torch.T
     - ``ktae``: A_t = A + KTAE score of token t within its group. Needs ``group_offsets`` (CSR offsets (G + 1,)
       or an int group size). Correctness: ``rewards > ktae.threshold``; **[decided]** without ``rewards``, a
       rollout is correct when its sequence advantage is > 0 (the same split as reward > 0 for 0/1 rewards in a
-      group with both outcomes; such a group is the only one KTAE scores).
+      group with both outcomes; such a group is the only one KTAE scores). NaN rewards (possible only with
+      ``skip_nan``) count as wrong; bool / integer rewards are read as numbers.
 
     Returns:
         :class:`oar.hook.TokenAdvantages`. ``weights`` = A_t / A on rows with A != 0 (1 elsewhere on eligible
@@ -118,7 +119,12 @@ def additive_baseline(hook, model, prompt_ids: Sequence, completion_ids: torch.T
             if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (B,):
                 got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
                 raise ValueError(f"rewards must be a (B,) = ({B},) tensor, got {got}")
-            r, threshold = rewards.detach().cpu(), kt.threshold
+            if rewards.dtype.is_complex:
+                raise ValueError(f"rewards must be real, got dtype {rewards.dtype}")
+            # bool / integer rewards are 0/1 outcomes; NaN rewards (kept only under skip_nan, which gives them A = 0)
+            # count as wrong, like the TRL adapter's unscorable rollouts.
+            r = torch.nan_to_num(rewards.detach().cpu().double(), nan=float("-inf")).clamp_min(-3e38)
+            threshold = kt.threshold
         ignore = list(hook.builder.stop_ids) if hook is not None else []
         scores = baselines.ktae_token_scores(completion_ids.detach().cpu(), eligible, r, alpha=kt.alpha, beta=kt.beta,
                                              tf=kt.tf, scale=kt.scale, threshold=threshold, ignore_ids=ignore, **grp)
@@ -210,12 +216,16 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
         advantages[b].sum() == sequence_advantages[b] * eligible_mask[b].sum().
 
     Raises:
-        ValueError: bad rewards/groups (see :func:`oar.ops.group_advantages`), a method's missing input
-            (model, tokenizer, prompt_ids, answers), shapes (naming the argument).
+        ValueError: bad rewards/groups (see :func:`oar.ops.group_advantages`), rewards on the meta device,
+            ``config`` that is not an ``oar.OARConfig``, a method's missing input (model, tokenizer, prompt_ids,
+            answers), shapes (naming the argument).
     """
     from oar import OARConfig
     from oar.hook import TokenAdvantages
 
+    if config is not None and not isinstance(config, OARConfig):
+        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
+                         "(build one with oar.OARConfig.from_json(...))")
     cfg = config if config is not None else OARConfig()
     method = cfg.method
     if not isinstance(completion_ids, torch.Tensor) or completion_ids.dim() != 2:
@@ -225,6 +235,8 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
     if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (B,):
         got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
         raise ValueError(f"rewards must be a (B,) = ({B},) tensor, one per completion row, got {got}")
+    if rewards.device.type == "meta":
+        raise ValueError("rewards must hold data, got a tensor on the meta device")
     for name, needed, value in (("model", NEEDS_MODEL, model), ("tokenizer", NEEDS_TOKENIZER, tokenizer),
                                 ("prompt_ids", NEEDS_MODEL, prompt_ids), ("answers", NEEDS_ANSWERS, answers)):
         if method in needed and value is None:

@@ -60,6 +60,10 @@ _TF_K1 = 2.0
 _TF_B = 0.5
 # p-values at or above 1 - _P_ONE_TOL count as "no association" (Fisher term 0).
 _P_ONE_TOL = 1e-9
+# Largest finite float32: outputs are float32.
+_F32_MAX = float(torch.finfo(torch.float32).max)
+# Largest table total n of fisher_exact_pvalue (its cost and memory are O(rows x n)).
+_FISHER_MAX_N = 1_000_000
 # Relative tolerance when comparing table probabilities with the observed one (ties), as scipy does.
 _TIE_RTOL = 1e-7
 
@@ -91,6 +95,17 @@ def _mask(name: str, value, shape) -> torch.Tensor:
     return value.bool()
 
 
+def _fits_float32(name: str, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float64) as float32; ValueError naming ``name`` when a value overflows float32."""
+    f = out.float()
+    bad = ~torch.isfinite(f)
+    if bool(bad.any()):
+        idx = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(f"{name} too large: the result at {idx} = {float(out[tuple(idx)]):.6g} overflows float32 "
+                         "(|x| <= 3.4e38); rescale the input")
+    return f
+
+
 def _finite(name: str, value: torch.Tensor) -> None:
     bad = ~torch.isfinite(value)
     if bool(bad.any()):
@@ -120,7 +135,7 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
 
     Raises:
         ValueError: shapes, dtypes, non-finite advantages or entropies, negative entropies on the mask,
-            alpha < 0, kappa <= 0 (messages name the argument).
+            alpha < 0, kappa <= 0, token advantages beyond float32 range (messages name the argument).
     """
     adv = _real("advantages", _tensor("advantages", advantages, 1)).detach()
     ent = _real("entropy", _tensor("entropy", entropy, 2)).detach()
@@ -142,7 +157,7 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
         raise ValueError(f"entropy must be >= 0 on the mask, got {float(e[idx[0], idx[1]])} at {idx}")
     bonus = torch.minimum(alpha * e, (a.abs() / kappa)[:, None])
     out = (a[:, None] + bonus) * m
-    return out.float()
+    return _fits_float32("advantages", out)
 
 
 def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
@@ -244,7 +259,7 @@ def fisher_exact_pvalue(table: torch.Tensor) -> torch.Tensor:
         (N,) float32 in (0, 1]; 1 for degenerate tables (a margin of 0 or n).
 
     Raises:
-        ValueError: wrong shape, negative or non-integer counts.
+        ValueError: wrong shape, negative or non-integer counts, a table total n above 10^6 (cost O(n) per row).
     """
     t = _tensor("table", table, 2)
     if t.shape[1] != 4:
@@ -254,7 +269,15 @@ def fisher_exact_pvalue(table: torch.Tensor) -> torch.Tensor:
     t = t.detach().double().cpu()
     if t.numel() and (bool((t < 0).any()) or bool((t != t.round()).any()) or not bool(torch.isfinite(t).all())):
         raise ValueError("table must hold non-negative integer counts")
-    return _fisher(t).float()
+    if t.numel() and float(t.sum(1).max()) > _FISHER_MAX_N:
+        k = int(t.sum(1).argmax())
+        raise ValueError(f"table counts too large: row {k} has n = a + b + c + d = {float(t[k].sum()):.0f} > "
+                         f"{_FISHER_MAX_N} (the exact test costs O(n) memory per row)")
+    out = torch.empty(t.shape[0], dtype=torch.float64)
+    step = max(1, (1 << 22) // (int(t.sum(1).max()) + 1 if t.numel() else 1))  # rows per chunk: ~4M table cells
+    for s in range(0, t.shape[0], step):
+        out[s: s + step] = _fisher(t[s: s + step])
+    return out.float()
 
 
 def _fisher(t: torch.Tensor) -> torch.Tensor:
@@ -291,11 +314,13 @@ def information_gain(table: torch.Tensor) -> torch.Tensor:
         (N,) float32 in [0, 1]; 0 for empty tables.
 
     Raises:
-        ValueError: wrong shape or negative counts.
+        ValueError: wrong shape, complex dtype, negative or non-finite counts.
     """
     t = _tensor("table", table, 2)
     if t.shape[1] != 4:
         raise ValueError(f"table must be (N, 4) rows [a, b, c, d], got shape {tuple(t.shape)}")
+    if t.dtype.is_complex:
+        raise ValueError(f"table must hold counts, got dtype {t.dtype}")
     t = t.detach().double().cpu()
     if t.numel() and (bool((t < 0).any()) or not bool(torch.isfinite(t).all())):
         raise ValueError("table must hold finite non-negative counts")
@@ -396,13 +421,14 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         rewards: (B,) real, finite: the rollouts' rewards (correctness = rewards > threshold).
         offsets / group_ids / group_size: the groups, exactly one (as in :func:`oar.ops.group_advantages`).
         alpha, beta: >= 0 weights, alpha + beta > 0. tf: token-frequency term. scale: > 0.
-        threshold: finite. ignore_ids: token ids scored 0 (EOS / PAD).
+        threshold: finite. ignore_ids: token ids scored 0 (EOS / PAD): a sequence of ints or a 1-D integer tensor.
 
     Returns:
         (B, T) float32 on ``token_ids.device``, in (-scale, scale), 0 off the mask.
 
     Raises:
-        ValueError: shapes/dtypes, non-finite rewards, bad weights, malformed groups.
+        ValueError: shapes/dtypes, non-finite rewards, bad weights, scale beyond float32, malformed groups,
+            ignore_ids that are not a sequence of ints.
     """
     ids = _tensor("token_ids", token_ids, 2)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -424,10 +450,15 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         raise ValueError(f"beta must be finite and >= 0, got {beta}")
     if not alpha + beta > 0:
         raise ValueError(f"alpha + beta must be > 0, got alpha = {alpha}, beta = {beta}")
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if not (0 < scale <= _F32_MAX):
+        raise ValueError(f"scale must be > 0 and fit in float32 (<= 3.4e38), got {scale}")
     if not math.isfinite(threshold):
         raise ValueError(f"threshold must be finite, got {threshold}")
+    if isinstance(ignore_ids, torch.Tensor) and ignore_ids.dim() == 1 and not (
+            ignore_ids.dtype.is_floating_point or ignore_ids.dtype.is_complex or ignore_ids.dtype == torch.bool):
+        ignore_ids = ignore_ids.tolist()
+    if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
+        raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
     ignore = torch.tensor([ops._int_arg("ignore_ids[i]", x) for x in ignore_ids], dtype=torch.long)
     off = _offsets(B, offsets, group_ids, group_size)
     idc = ids.detach().cpu().long()
@@ -450,6 +481,10 @@ def ktae_advantages(advantages: torch.Tensor, token_ids: torch.Tensor, mask: tor
 
     Returns:
         (B, T) float32 on ``token_ids.device``. Not sum-preserving (the scores are added).
+
+    Raises:
+        ValueError: as :func:`ktae_token_scores`; advantages of the wrong shape, non-finite, or whose token
+            advantages overflow float32.
     """
     adv = _real("advantages", _tensor("advantages", advantages, 1)).detach()
     bonus = ktae_token_scores(token_ids, mask, rewards, offsets, **kwargs)
@@ -458,7 +493,7 @@ def ktae_advantages(advantages: torch.Tensor, token_ids: torch.Tensor, mask: tor
     a = adv.to(bonus.device, torch.float64)
     _finite("advantages", a)
     m = mask.bool().to(bonus.device)
-    return ((a[:, None] + bonus.double()) * m).float()
+    return _fits_float32("advantages", (a[:, None] + bonus.double()) * m)
 
 
 # ==== IRPO ================================================================================================

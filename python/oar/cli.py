@@ -49,17 +49,34 @@ def _attribute(a) -> int:
 
 
 def _eval_attribution(a) -> int:
+    import math
+    import os
+
     from oar.eval_attribution import run
 
-    if "gsm8k" in a.tasks:
-        try:
-            _task_problems({"name": "gsm8k", "kwargs": {"test_path": a.data} if a.data else {}}, "test")
-        except (ValueError, FileNotFoundError) as e:
-            a.parser.error(str(e))
+    # Every usage error exits 2 with one line before the model is loaded (and before hours of work whose results
+    # could not be written).
     for name, v, lo in (("--traces", a.traces, 1), ("--draws", a.draws, 1), ("--problems", a.problems, 1),
-                        ("--num-generations", a.num_generations, 1)):
+                        ("--num-generations", a.num_generations, 1), ("--max-new-tokens", a.max_new_tokens, 1)):
         if v < lo:
             a.parser.error(f"{name} must be >= {lo}, got {v}")
+    if not (math.isfinite(a.temperature) and a.temperature > 0):
+        a.parser.error(f"--temperature must be finite and > 0, got {a.temperature}")
+    if not a.out or a.out.endswith(("/", os.sep)) or os.path.isdir(a.out):
+        a.parser.error(f"--out must be a file prefix (PREFIX.csv, .md, .png, .json are written), got {a.out!r}")
+    for task in dict.fromkeys(a.tasks):
+        kwargs = {"test_path": a.data} if task == "gsm8k" and a.data else {}
+        try:
+            _task_problems({"name": task, "kwargs": kwargs}, "test")  # GSM8K and MATH500 read local files
+        except (ValueError, FileNotFoundError) as e:
+            a.parser.error(str(e))
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        a.parser.error(f"--out: cannot create the output directory {out_dir!r}: {e.strerror or e}")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        a.parser.error(f"--out: the output directory {out_dir!r} is not writable")
     run(a)
     return 0
 

@@ -66,6 +66,10 @@ class ForwardGate:
         real_calls, dummy_calls: counters per kind ({1: n, 2: n}).
     """
 
+    # OAR-G's prefix path differentiates through tail_logits_cached, which this gate counts as a no-grad
+    # call: keep OAR-G on the plain path under a gate so that every rank runs the same collectives.
+    supports_prefix_grad = False
+
     def __init__(self, model, pad_id: int = 0, group=None):
         self._model = model
         self._pad_id = int(pad_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import numbers
 import os
 import random as _random
 import time
@@ -50,11 +51,15 @@ class Trace:
 
 def recall_at(scores: list[float], causal: list[bool], percent: float) -> float | None:
     """Share of causal tokens among the top ceil(percent% x L) tokens by score (ties: earlier position first).
-    None when the trace has no causal token. Raises ValueError on mismatched lengths or percent outside (0, 100]."""
+    None when the trace has no causal token. Raises ValueError on mismatched lengths, percent that is not a real
+    number in (0, 100], or NaN scores (they have no rank)."""
     if len(scores) != len(causal):
         raise ValueError(f"scores ({len(scores)}) and causal ({len(causal)}) must have one entry per token")
-    if not 0 < percent <= 100:
-        raise ValueError(f"percent must be in (0, 100], got {percent}")
+    if isinstance(percent, bool) or not isinstance(percent, numbers.Real) or not 0 < percent <= 100:
+        raise ValueError(f"percent must be in (0, 100] (a real number), got {percent!r}")
+    nan = [i for i, x in enumerate(scores) if math.isnan(x)]
+    if nan:
+        raise ValueError(f"scores must not contain NaN (no rank), got NaN at positions {nan[:8]}")
     n_causal = sum(bool(c) for c in causal)
     if n_causal == 0 or not scores:
         return None
@@ -64,7 +69,17 @@ def recall_at(scores: list[float], causal: list[bool], percent: float) -> float 
 
 
 def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (resampling traces)."""
+    """Percentile bootstrap interval of the mean (resampling traces).
+
+    Returns ``(nan, nan)`` for no values (no trace to resample: summarize() reports recall NaN with 0 traces).
+    Raises ValueError for reps not an int >= 1, level outside (0, 1) or non-finite values."""
+    if isinstance(reps, bool) or not isinstance(reps, numbers.Integral) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
+        raise ValueError(f"level must be a real number in (0, 1), got {level!r}")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"values must be finite, got {values[bad[0]]} at index {bad[0]}")
     if not values:
         return (float("nan"), float("nan"))
     rng = _random.Random(seed)
@@ -200,6 +215,9 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in rows})
+    if not tasks:  # no trace kept: the table says so; there is nothing to plot
+        print(f"no trace kept: {path} not written")
+        return
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), dpi=110, squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for m in dict.fromkeys(r["method"] for r in rows if r["task"] == task):

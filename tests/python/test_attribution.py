@@ -300,3 +300,35 @@ def test_oar_p_positions_subset(tiny, engine):
                 assert part.scores[r, j] == 0
     with pytest.raises(ValueError, match=r"positions\[0\] must be reasoning indices"):
         oar_p_scores(pm, batch, positions={0: [999]})
+
+
+class _NoPrefixGrad:
+    """A ProbeModel view of HFProbeModel without the prefix path (forces OAR-G's plain path)."""
+
+    supports_prefix_grad = False
+
+    def __init__(self, pm):
+        self._pm = pm
+
+    def __getattr__(self, name):
+        return getattr(self._pm, name)
+
+
+@pytest.mark.parametrize("probe", ["last", "answer_mean", "answer_joint"])
+@pytest.mark.parametrize("draws", [1, 2])
+def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
+    """The prompt prefix run once without grad (shared key/value cache) gives the plain path's scores."""
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    assert pm.supports_prefix_grad
+    fast = oar_g_scores(pm, batch, probe=probe, sigma=1e-2, noise_draws=draws,
+                        generator=torch.Generator().manual_seed(7))
+    plain = oar_g_scores(_NoPrefixGrad(pm), batch, probe=probe, sigma=1e-2, noise_draws=draws,
+                         generator=torch.Generator().manual_seed(7))
+    assert fast.stats["forward_passes"] == 2 + draws  # prefix + clean suffix + one suffix pass per draw
+    assert plain.stats["forward_passes"] == 1 + draws  # one clean pass over all rows + one pass per draw
+    assert plain.scores.abs().max() > 1e-4
+    torch.testing.assert_close(fast.scores, plain.scores, rtol=2e-3, atol=1e-7)
+    assert torch.equal(fast.mask, plain.mask)

@@ -75,6 +75,29 @@ def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
     return out
 
 
+def _positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[int]] | None:
+    """``positions`` checked: a mapping {requested row: reasoning indices in [0, L_row)} of ints."""
+    if positions is None:
+        return None
+    if not isinstance(positions, Mapping):
+        raise ValueError(f"positions must be a mapping {{row: reasoning indices}} or None, got {type(positions).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, js in positions.items():
+        r = _int_value("positions key", key)
+        if r not in rows:
+            raise ValueError(f"positions has row {r}, which is not among the rows scored ({rows[:8]}"
+                             f"{'...' if len(rows) > 8 else ''})")
+        if (isinstance(js, (str, bytes, Mapping)) or not hasattr(js, "__iter__")
+                or (isinstance(js, torch.Tensor) and js.dim() != 1)):
+            raise ValueError(f"positions[{r}] must be a sequence of reasoning indices, got {type(js).__name__} {js!r}")
+        L = int(batch.reasoning_len[r])
+        idx = [_int_value(f"positions[{r}][i]", j) for j in js]
+        if any(not 0 <= j < L for j in idx):
+            raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {idx[:8]}")
+        out[r] = idx
+    return out
+
+
 def _budget_bytes(memory_budget_mb) -> int:
     """memory_budget_mb (an int >= 1) in bytes, capped so that the planner's int64 never overflows."""
     try:
@@ -177,15 +200,17 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         clean_logits: optional (B, K_max, V) clean probe logits already computed for all rows ("batched" only;
             the prefix engine gets them from its own clean pass).
         engine: ``auto`` | ``prefix`` | ``batched``.
-        max_prefix_waste: in (0, 1], see above.
+        max_prefix_waste: a real number in (0, 1], see above (checked whatever the engine).
         positions: optional {row: reasoning indices} to score only those tokens (others keep score 0 and stay
-            in the mask); e.g. benchmarks that extrapolate from every k-th token.
+            in the mask); e.g. benchmarks that extrapolate from every k-th token. Keys must be rows being
+            scored (``rows``), values sequences of int indices in [0, reasoning_len[row]).
 
     Returns:
         Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``engine``,
         ``tokens`` (context tokens run through the model), ``seconds``.
     Raises:
-        ValueError: unknown probe or engine, rows out of range or not integers, memory_budget_mb not an int
+        ValueError: unknown probe or engine, max_prefix_waste outside (0, 1], positions that are not a mapping of
+            requested rows to int reasoning indices in range, rows out of range or not integers, memory_budget_mb not an int
             >= 1, max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary,
             clean_logits of the wrong shape, ``engine="prefix"`` on a model without a croppable cache, a
             masked variant whose divergence is infinite (zero probability where the clean distribution has
@@ -197,8 +222,12 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
     if max_variants < 0:
         raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
-    if engine not in OAR_P_ENGINES:
+    if not isinstance(engine, str) or engine not in OAR_P_ENGINES:
         raise ValueError(f"engine must be one of {OAR_P_ENGINES}, got {engine!r}")
+    max_prefix_waste = ops._float_arg("max_prefix_waste", max_prefix_waste)
+    if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
+        raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
+    positions = _positions(batch, rows, positions)
     prefix_ok = bool(getattr(model, "supports_prefix_cache", False)) and hasattr(model, "tail_logits_cached")
     if engine == "prefix" and not prefix_ok:
         raise ValueError("engine='prefix' needs a ProbeModel with a croppable key/value cache "
@@ -212,11 +241,6 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine=engine, seconds=0.0)
         return res
-    if positions is not None:
-        for r, js in positions.items():
-            L = int(batch.reasoning_len[int(r)])
-            if any(not 0 <= int(j) < L for j in js):
-                raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {list(js)[:8]}")
     run = _oar_p_prefix if engine == "prefix" else _oar_p_batched
     stats = run(model, batch, rows, probe, budget, max_variants, clean_logits, res, max_prefix_waste, positions)
     res.stats.update(engine=engine, seconds=time.perf_counter() - t0, **stats)
@@ -347,7 +371,10 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
 
     Gradients are taken with ``torch.autograd.grad`` w.r.t. the embeddings only, so no parameter
     ``.grad`` is written (safe inside a trainer's gradient accumulation). Rows are processed in chunks
-    whose estimated forward+backward memory stays under ``memory_budget_mb``.
+    whose estimated forward+backward memory stays under ``memory_budget_mb``. For models with a prefix
+    cache (``supports_prefix_grad``) and no ``clean_logits`` given, the columns before a chunk's first
+    reasoning token run once without grad and their key/value cache is shared by the clean pass and the
+    noisy passes, which then run and differentiate only the suffix (same scores within fp32 rounding).
 
     Args:
         sigma: noise std (absolute, > 0). noise_draws: K >= 1.
@@ -374,8 +401,16 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
         return res
     dev = _device(model, batch)
-    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
+    # Prefix path: the prompt before the first noised column is the same in the clean and every noisy pass
+    # and needs no gradient, so it runs once per chunk without grad (its key/value cache is shared) and
+    # only the suffix is run twice and differentiated. Same scores as the plain path within fp32 rounding.
+    use_prefix = clean_logits is None and bool(getattr(model, "supports_prefix_grad", False))
+    if use_prefix:
+        clean_all, clean_row, passes = None, {}, 0
+    else:
+        clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
     T = batch.input_ids.shape[1]
+    K = batch.answer_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     bytes_tok = (model.activation_bytes_per_token(max(widths), backward=True)
                  if hasattr(model, "activation_bytes_per_token") else 65536)
@@ -389,6 +424,7 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         ids = batch.input_ids[idx, off:].to(dev)
         attn = batch.attention_mask[idx, off:].to(dev)
         pos = batch.position_ids[idx, off:].to(dev)
+        width = ids.shape[1]
         noise_mask = torch.zeros(ids.shape, dtype=torch.bool)
         for i, r in enumerate(chunk_rows):
             s = int(batch.reasoning_start[r]) - off
@@ -396,18 +432,42 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         noise_mask = noise_mask.to(dev).unsqueeze(-1)
         with torch.no_grad():
             E = model.embed(ids).detach()
-        clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
+        # p: columns [0, p) of the window run once without grad (0: the plain path for this chunk).
+        p = 0
+        if use_prefix:
+            p = max(0, min(min(int(batch.reasoning_start[r]) - off for r in chunk_rows), width - batch.keep))
+        kv = None
+        if use_prefix and p > 0:
+            with torch.no_grad():
+                _, kv = model.tail_logits_and_cache(input_ids=ids[:, :p], attention_mask=attn[:, :p],
+                                                    position_ids=pos[:, :p], keep=1)
+                window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
+                                                  position_ids=pos[:, p:], keep=batch.keep)
+            passes += 2
+            clean = gather_probe_logits(window, batch.probe_start[idx], K)
+        elif use_prefix:
+            with torch.no_grad():
+                window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=batch.keep)
+            passes += 1
+            clean = gather_probe_logits(window, batch.probe_start[idx], K)
+        else:
+            clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
         acc = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         for _ in range(noise_draws):
+            # Noise is drawn over the whole window either way, so both paths use the same numbers.
             delta = torch.randn(E.shape, generator=generator, dtype=torch.float32).to(dev, E.dtype) * sigma
-            Ek = (E + delta * noise_mask).requires_grad_(True)
-            window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos, keep=batch.keep)
-            pert = gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+            Ek = (E[:, p:] + delta[:, p:] * noise_mask[:, p:]).requires_grad_(True)
+            if kv is not None:
+                window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn, position_ids=pos[:, p:],
+                                                  keep=batch.keep)
+            else:
+                window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos, keep=batch.keep)
+            pert = gather_probe_logits(window, batch.probe_start[idx], K)
             J = _divergence(clean, pert, batch, idx, probe).sum()
             (g,) = torch.autograd.grad(J, Ek)
             passes += 1
             backward += 1
-            acc += ops.grad_x_input(g.detach(), E)
+            acc[:, p:] += ops.grad_x_input(g.detach(), E[:, p:].contiguous())
         acc /= noise_draws
         acc = acc.cpu()
         for i, r in enumerate(chunk_rows):

@@ -96,18 +96,30 @@ class HFProbeModel:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -keep:], kv
 
-    def tail_logits_cached(self, prefix_kv, *, input_ids, attention_mask, position_ids, keep: int):
-        """Logits (B, keep, V) of the last ``keep`` positions of ``input_ids`` run on top of ``prefix_kv``
-        (per-layer (keys, values) of the first P columns; None or P = 0 for no prefix). ``attention_mask``
-        covers prefix + input (B, P + S); ``position_ids`` the input only (B, S)."""
+    def tail_logits_cached(self, prefix_kv, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids,
+                           keep: int):
+        """Logits (B, keep, V) of the last ``keep`` positions of the input (``input_ids`` (B, S) or
+        ``inputs_embeds`` (B, S, H), exactly one) run on top of ``prefix_kv`` (per-layer (keys, values) of the
+        first P columns; None or P = 0 for no prefix). ``attention_mask`` covers prefix + input (B, P + S);
+        ``position_ids`` the input only (B, S). Differentiable w.r.t. ``inputs_embeds`` (OAR-G's suffix pass);
+        the prefix cache is a constant."""
         from transformers import DynamicCache
 
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("tail_logits_cached: pass exactly one of input_ids and inputs_embeds")
         cache = None
         if prefix_kv is not None and prefix_kv[0][0].shape[-2] > 0:
             cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix_kv])
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         logits_to_keep=keep, use_cache=cache is not None, **{self._cache_kwarg: cache})
+        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                         position_ids=position_ids, logits_to_keep=keep, use_cache=cache is not None,
+                         **{self._cache_kwarg: cache})
         return out.logits[:, -keep:]
+
+    @property
+    def supports_prefix_grad(self) -> bool:
+        """OAR-G may run the clean prompt prefix once without grad and differentiate only the suffix
+        (same condition as :attr:`supports_prefix_cache`)."""
+        return self.supports_prefix_cache
 
     @property
     def _cache_kwarg(self) -> str:

@@ -21,10 +21,12 @@ CONFIG_ENV = "OAR_CONFIG"
 
 def config_from_env(method: str | None = None):
     """``oar.OARConfig`` from ``$OAR_CONFIG`` (JSON text or a .json/.yaml file; default: empty = defaults), with
-    ``method`` overriding the file's method when given.
+    ``method`` overriding the file's method when given. A file may hold the schema itself or a whole run config
+    with the schema under ``oar`` (configs/*.yaml, runs/*/config.json).
 
     Raises:
-        ValueError: unreadable file, invalid JSON/YAML, or a value the schema refuses (message names the key).
+        ValueError: unreadable file, invalid JSON/YAML (naming $OAR_CONFIG and the file), or a value the schema
+            refuses (message names the key).
     """
     from oar import OARConfig
 
@@ -39,15 +41,19 @@ def config_from_env(method: str | None = None):
         else:
             if not os.path.isfile(raw):
                 raise ValueError(f"${CONFIG_ENV} must be a JSON object or an existing file, got {raw!r}")
-            with open(raw) as f:
-                text = f.read()
-            if raw.endswith((".yaml", ".yml")):
-                import yaml
+            import yaml
 
-                obj = yaml.safe_load(text) or {}
-                obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
-            else:
-                obj = json.loads(text)
+            is_yaml = raw.endswith((".yaml", ".yml"))
+            try:
+                with open(raw, encoding="utf-8") as f:
+                    text = f.read()
+                obj = (yaml.safe_load(text) if is_yaml else json.loads(text)) or {}
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+                kind = "YAML" if is_yaml else "JSON"
+                msg = str(e).replace("\n", " ")
+                raise ValueError(f"${CONFIG_ENV} file {raw!r} is not readable {kind}: {msg}") from None
+            # a whole run config (configs/*.yaml, runs/*/config.json) holds the schema under "oar"
+            obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
         if not isinstance(obj, dict):
             raise ValueError(f"${CONFIG_ENV} must hold a JSON object, got {type(obj).__name__}")
     if method is not None:

@@ -59,6 +59,14 @@ def _check_signature(fn) -> None:
                            f"openrlhf {SUPPORTED_OPENRLHF}")
 
 
+def _check_config(config) -> None:
+    from oar import OARConfig
+
+    if config is not None and not isinstance(config, OARConfig):
+        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
+                         "(build one with oar.OARConfig.from_json(...))")
+
+
 def install(config=None, *, model=None) -> None:
     """Patches ``RemoteExperienceMaker.compute_advantages_and_returns`` in this process (idempotent; a second call
     replaces the config and model).
@@ -70,8 +78,10 @@ def install(config=None, *, model=None) -> None:
             entropy_shaping.
 
     Raises:
+        ValueError: ``config`` that is not an ``oar.OARConfig`` / None (checked before openrlhf is imported).
         ImportError: openrlhf missing. RuntimeError: the method's signature differs from the supported version's.
     """
+    _check_config(config)
     cls = _experience_maker_cls()
     current = cls.compute_advantages_and_returns
     original = getattr(current, "__oar_original__", current)
@@ -228,7 +238,11 @@ def launch(argv: list[str] | None = None, config=None) -> None:
     Args:
         argv: train_ppo_ray's arguments (default ``sys.argv[1:]``).
         config: ``oar.OARConfig`` (default ``$OAR_CONFIG``), forwarded to the workers as ``$OAR_CONFIG``.
+
+    Raises:
+        ValueError: ``config`` that is not an ``oar.OARConfig`` / None, or a bad ``$OAR_CONFIG``.
     """
+    _check_config(config)
     import runpy
 
     import ray

@@ -38,6 +38,23 @@ SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 _NEEDS_ANSWER = ("oar_p", "oar_g")
 
 
+def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
+    """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for oar_p /
+    oar_g, that a dataset with known columns has the answer column."""
+    from oar import OARConfig
+
+    if oar_config is not None and not isinstance(oar_config, OARConfig):
+        raise ValueError(f"oar_config must be an oar.OARConfig or None, got {type(oar_config).__name__} "
+                         "(build one with oar.OARConfig.from_json(...))")
+    if not isinstance(answer_column, str) or not answer_column:
+        raise ValueError(f"answer_column must be a non-empty str (a dataset column), got {answer_column!r}")
+    method = oar_config.method if oar_config is not None else OARConfig().method
+    columns = getattr(train_dataset, "column_names", None)
+    if method in _NEEDS_ANSWER and isinstance(columns, (list, tuple)) and answer_column not in columns:
+        raise KeyError(f"oar method {method!r} needs the reference answer in dataset column {answer_column!r}; "
+                       f"train_dataset has columns {list(columns)} (set answer_column=... to the right column)")
+
+
 def _check_args(args) -> None:
     """Refuses trainer settings under which per-token advantages are wrong, warns where pointless."""
     if getattr(args, "use_liger_kernel", False):
@@ -131,10 +148,10 @@ class OARTrainerMixin:
             return out
         method = self.oar_config.method
         if method in _NEEDS_ANSWER:
-            missing = [i for i, x in enumerate(inputs) if self.oar_answer_column not in x]
+            missing = [i for i, x in enumerate(inputs) if x.get(self.oar_answer_column) is None]
             if missing:
                 raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
-                               f"{missing[:5]} lack it (set answer_column=... to the right column)")
+                               f"{missing[:5]} lack it or hold None (set answer_column=... to the right column)")
         answers = [str(x.get(self.oar_answer_column, "")) for x in inputs]
         prompt_ids = [row[m.bool()] for row, m in zip(out["prompt_ids"], out["prompt_mask"])]
         eligible = out["completion_mask"]
@@ -179,11 +196,15 @@ def _make_trainer_class():
             answer_column: dataset column holding the reference answer (needed by oar_p / oar_g).
 
         Raises:
-            ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost).
+            ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost);
+                ``oar_config`` not an ``oar.OARConfig``; ``answer_column`` not a non-empty str.
+            KeyError: method oar_p / oar_g and a ``train_dataset`` without ``answer_column`` (checked here; rows
+                whose answer is missing or None are refused at the step that samples them).
         """
 
         def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
             # Refuse incompatible settings before TRL builds anything (GRPOTrainer(model, reward_funcs, args, ...)).
+            _check_oar_args(oar_config, answer_column, kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
             grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
             if grpo_args is not None:
                 _check_args(grpo_args)

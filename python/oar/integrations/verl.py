@@ -67,9 +67,24 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
             method unless the estimator is ``oar``.
         scorer: callable ``(data: verl.DataProto, config, seq_adv: (B,) float32) -> (scores (B, R) float >= 0,
             reasoning_mask (B, R) bool)``, e.g. :class:`HFScorer`.
-        ignore_ids: token ids KTAE scores 0 (the tokenizer's EOS / PAD).
+        ignore_ids: token ids KTAE scores 0 (the tokenizer's EOS / PAD), a sequence of ints.
+
+    Raises:
+        ValueError: ``config`` not an ``oar.OARConfig`` / None, ``scorer`` not callable / None, ``ignore_ids`` not a
+            sequence of ints (checked here, not at the first training step).
     """
-    _STATE.update(config=config, scorer=scorer, ignore_ids=tuple(int(x) for x in ignore_ids))
+    from oar import OARConfig, ops
+
+    if config is not None and not isinstance(config, OARConfig):
+        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
+                         "(build one with oar.OARConfig.from_json(...))")
+    if scorer is not None and not callable(scorer):
+        raise ValueError(f"scorer must be callable (data, config, seq_adv) -> (scores, reasoning_mask) or None, "
+                         f"got {type(scorer).__name__}")
+    if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
+        raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
+    ids = tuple(ops._int_arg("ignore_ids[i]", x) for x in ignore_ids)
+    _STATE.update(config=config, scorer=scorer, ignore_ids=ids)
 
 
 def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> None:
@@ -81,15 +96,33 @@ def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> N
         reasoning_mask: (B, R) bool, the scored reasoning tokens.
 
     Raises:
-        ValueError: shapes that are not the responses' (B, R).
+        ValueError: shapes that are not the responses' (B, R), tensors on the meta device, complex or bool
+            scores, a reasoning_mask that is not bool or 0/1, scores that are NaN/Inf or < 0 on the reasoning mask.
+        KeyError: ``data`` without ``batch["responses"]``.
     """
-    shape = tuple(data.batch["responses"].shape)
+    batch = getattr(data, "batch", None)
+    if batch is None or "responses" not in batch.keys():
+        raise KeyError(f"data must be a verl DataProto with batch['responses'] (B, R), got {type(data).__name__}"
+                       + ("" if batch is None else f" with batch keys {sorted(batch.keys())}"))
+    shape = tuple(batch["responses"].shape)
     for name, t in (("scores", scores), ("reasoning_mask", reasoning_mask)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be (B, R) = {shape} like batch['responses'], got {got}")
-    data.batch["oar_scores"] = scores.detach().float()
-    data.batch["oar_reasoning_mask"] = reasoning_mask.detach().bool()
+        if t.device.type == "meta":
+            raise ValueError(f"{name} must hold data, got a tensor on the meta device")
+    if scores.dtype.is_complex or scores.dtype == torch.bool:
+        raise ValueError(f"scores must be real importance values, got dtype {scores.dtype}")
+    if reasoning_mask.dtype != torch.bool and not bool(((reasoning_mask == 0) | (reasoning_mask == 1)).all()):
+        raise ValueError("reasoning_mask must be bool or 0/1, got other values")
+    rm = reasoning_mask.detach().bool()
+    s = scores.detach().float()
+    bad = rm & ~(torch.isfinite(s) & (s >= 0))
+    if bool(bad.any()):
+        i, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"scores must be finite and >= 0 on reasoning_mask, got scores[{i}, {j}] = {float(s[i, j])}")
+    data.batch["oar_scores"] = s
+    data.batch["oar_reasoning_mask"] = rm
 
 
 class HFScorer:
@@ -103,7 +136,8 @@ class HFScorer:
             RL datasets: ``reward_model.ground_truth``).
 
     Calling it with ``(data, config, seq_adv)`` returns ``(scores, reasoning_mask)``, both (B, R) (rows with
-    seq_adv == 0 are not scored).
+    seq_adv == 0 are not scored). For ``oar_p`` / ``oar_g`` a row without an answer (no key, or None) raises
+    KeyError instead of probing a placeholder.
     """
 
     def __init__(self, tokenizer, model=None, answer_key: tuple[str, str] = ("reward_model", "ground_truth")):
@@ -140,7 +174,12 @@ class HFScorer:
         answers = ["0"] * len(prompt_ids)
         k0, k1 = self.answer_key
         if k0 in data.non_tensor_batch:
-            answers = [str(x[k1]) if isinstance(x, dict) else str(x) for x in data.non_tensor_batch[k0]]
+            raw = [x.get(k1) if isinstance(x, dict) else x for x in data.non_tensor_batch[k0]]
+            missing = [i for i, x in enumerate(raw) if x is None]
+            if missing and config.method in ("oar_p", "oar_g"):
+                raise KeyError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
+                               f"[i][{k1!r}]; rows {missing[:5]} have none (HFScorer(answer_key=...) to change)")
+            answers = ["0" if x is None else str(x) for x in raw]
         elif config.method in ("oar_p", "oar_g"):
             raise ValueError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
                              f"[i][{k1!r}] (HFScorer(answer_key=...) to change)")
@@ -166,13 +205,21 @@ def _estimator(name: str, method: str | None):
             ``(advantages, returns)``: both the (bs, R) float32 per-token advantages, on the rewards' device.
 
         Raises:
-            ValueError: no ``index``; a method whose inputs (scores, entropies, responses) are not available.
+            ValueError: no ``index`` or one of another length than the batch; token_level_rewards not 2-D;
+                a method whose inputs (scores, entropies, responses) are not available.
         """
         from oar import ops
 
         if index is None:
             raise ValueError(f"verl estimator {name!r} needs the group ids (index = non_tensor_batch['uid'])")
+        if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
+            got = tuple(token_level_rewards.shape) if isinstance(token_level_rewards, torch.Tensor) else \
+                type(token_level_rewards).__name__
+            raise ValueError(f"token_level_rewards must be a (bs, R) tensor, got {got}")
         B, R = token_level_rewards.shape
+        if len(index) != B:
+            raise ValueError(f"index must hold one group id per row: (bs,) = ({B},), got {len(index)} ids")
+        epsilon = ops._float_arg("epsilon", epsilon)
         if tuple(response_mask.shape) != (B, R):
             raise ValueError(f"response_mask must be (bs, R) = {(B, R)}, got {tuple(response_mask.shape)}")
         base = _STATE["config"] if _STATE["config"] is not None else config_from_env()
