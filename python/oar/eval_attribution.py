@@ -220,10 +220,15 @@ def _plot(rows: list[dict], path: str) -> None:
         return
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), dpi=110, squeeze=False)
     for ax, task in zip(axes[0], tasks):
+        # Colour = method family (OAR-P, OAR-G with 1 / K draws, entropy, random), line style = probe.
+        colours = {}
+        styles = {"last": ":", "answer_mean": "-", "answer_joint": "--"}
         for m in dict.fromkeys(r["method"] for r in rows if r["task"] == task):
             rs = [r for r in rows if r["task"] == task and r["method"] == m]
-            style = "--" if m in ("random", "entropy") else "-"
-            ax.plot([r["top_percent"] for r in rs], [r["recall"] for r in rs], style, marker="o", ms=3, label=m)
+            family, _, probe = m.partition("/")
+            colour = colours.setdefault(family, f"C{len(colours)}")
+            ax.plot([r["top_percent"] for r in rs], [r["recall"] for r in rs], styles.get(probe, "-."),
+                    color=colour, marker="o", ms=3, label=m, lw=1.2 if probe else 2.0)
         ax.set_title(f"{task}: recall of oracle-causal tokens", fontsize=9)
         ax.set_xlabel("top K% tokens by score")
         ax.set_ylabel("recall")

@@ -634,7 +634,9 @@ def test_cuda_checks_mode_argument_is_validated():
 def test_gpu_benchmark_dry_run_prints_the_table(tmp_path):
     """benchmarks/gpu/bench_cuda.py --dry-run: tiny sizes on the CPU through the same timing and table code."""
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    # The child imports the same oar as this process (installed package in CI, python/ + OAR_BUILD_DIR in a dev tree).
+    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([oar_parent, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu", "bench_cuda.py"), "--dry-run"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -102,8 +102,10 @@ def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path):
             "print(json.dumps({'names': sorted(k for k in core_algos.ADV_ESTIMATOR_REGISTRY if k.startswith('oar')), "
             "'wrapped': bool(getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)), "
             "'plugin': 'oar.integrations.verl_plugin' in sys.modules}))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(ROOT, "python"),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    # The child imports the same oar as this process (installed package in CI, python/ + OAR_BUILD_DIR in a dev tree).
+    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), oar_parent, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
