@@ -362,6 +362,48 @@ def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
+def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):
+    """Key/value cache (per layer (keys, values), each (n, kv_heads, p, head_dim)) of window columns [0, p) of
+    ``chunk_rows`` (window = batch columns [off, off + width)), computed once per distinct prompt: rollouts of
+    one group share their prompt, so its forward runs once and its cache is copied to each row.
+
+    Row r's context starts at window column a_r = width - context_len[r]; columns [a_r, p) hold the first
+    p - a_r tokens of its prompt (p never exceeds a row's reasoning start), and position ids restart at 0 at
+    a row's first token, so those tokens' keys/values equal the first p - a_r of the distinct prompt's,
+    wherever the padding put them. Columns before a_r are padding (masked by the attention mask; filled with
+    any cached entry). Returns (cache, number of distinct prompts)."""
+    starts = [int(batch.reasoning_start[r]) for r in chunk_rows]
+    firsts = [int(batch.input_ids.shape[1]) - int(batch.context_len[r]) for r in chunk_rows]  # batch columns
+    keys = [tuple(batch.input_ids[r, a:s].tolist()) for r, a, s in zip(chunk_rows, firsts, starts)]
+    distinct = list(dict.fromkeys(keys))
+    slot = {k: i for i, k in enumerate(distinct)}
+    Pm = max(1, max(len(k) for k in distinct))
+    n = len(distinct)
+    ids = torch.full((n, Pm), int(batch.pad_id), dtype=torch.long)
+    attn = torch.zeros((n, Pm), dtype=torch.long)
+    pos = torch.zeros((n, Pm), dtype=torch.long)
+    for i, k in enumerate(distinct):
+        if k:
+            ids[i, Pm - len(k):] = torch.tensor(k, dtype=torch.long)
+            attn[i, Pm - len(k):] = 1
+            pos[i, Pm - len(k):] = torch.arange(len(k))
+    attn[:, -1] = 1  # an empty prompt (p = 0 never reaches here) keeps one attended column
+    _, kv_u = model.tail_logits_and_cache(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                                          position_ids=pos.to(dev), keep=1)
+    # Source (prompt, column) of every (row, window column c < p).
+    U = torch.empty((len(chunk_rows), p), dtype=torch.long)
+    C = torch.zeros((len(chunk_rows), p), dtype=torch.long)
+    for i, (k, a) in enumerate(zip(keys, firsts)):
+        U[i] = slot[k]
+        a_w = a - off  # window column of the row's first token
+        cols = torch.arange(p) - a_w
+        C[i] = torch.where(cols >= 0, Pm - len(k) + cols, torch.zeros_like(cols))
+    U, C = U.to(dev), C.to(dev)
+    cache = [(k.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous(),
+              v.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous()) for k, v in kv_u]
+    return cache, n
+
+
 def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  sigma: float = 1e-3, noise_draws: int = 1, generator: torch.Generator | None = None,
                  clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096) -> Attribution:
@@ -439,8 +481,7 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         kv = None
         if use_prefix and p > 0:
             with torch.no_grad():
-                _, kv = model.tail_logits_and_cache(input_ids=ids[:, :p], attention_mask=attn[:, :p],
-                                                    position_ids=pos[:, :p], keep=1)
+                kv, _ = _shared_prompt_cache(model, batch, chunk_rows, off, width, p, dev)
                 window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
                                                   position_ids=pos[:, p:], keep=batch.keep)
             passes += 2
