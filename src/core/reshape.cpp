@@ -142,7 +142,8 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
   // Per row: check, normalize (into the row of `weights`, or a row-sized buffer), reshape the span.
   const size_t row_len = static_cast<size_t>(T_len);
   std::vector<float> own(weights == nullptr && !scores_are_normalized ? row_len : 0);
-  std::vector<float> span(row_len), wspan(row_len), scratch(row_len);
+  std::vector<float> span(row_len + 1), wspan(row_len), scratch(row_len);
+  std::vector<int64_t> cols(row_len + 1);  // column of each span entry (+1: the branch-free compaction's spill)
   for (int64_t b = rows.begin; b < rows.end; ++b) {
     if (!std::isfinite(advantages[b])) {
       std::ostringstream os;
@@ -151,7 +152,9 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
     }
     const bool* rm = reasoning_mask + b * T_len;
     const bool* pm = response_mask + b * T_len;
-    for (int64_t t = 0; t < T_len; ++t) {
+    bool not_subset = false;  // branch-free scan; the slow loop below only runs to name the column
+    for (int64_t t = 0; t < T_len; ++t) not_subset |= rm[t] & !pm[t];
+    for (int64_t t = 0; not_subset && t < T_len; ++t) {
       if (rm[t] && !pm[t]) {
         std::ostringstream os;
         os << "reasoning_mask must be a subset of response_mask, got reasoning_mask[" << b << ", " << t
@@ -164,8 +167,11 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
       // s_hat of this row: into weights[b] (overwritten below) or the row buffer.
       float* s_hat = weights != nullptr ? weights + b * T_len : own.data();
       normalize_importance_row(scores + b * T_len, rm, T_len, s_hat, b);
-      for (int64_t t = 0; t < T_len; ++t)
-        if (rm[t]) span[L++] = s_hat[t];
+      for (int64_t t = 0; t < T_len; ++t) {  // compaction without a branch: always write, advance on the mask
+        span[L] = s_hat[t];
+        cols[L] = t;
+        L += rm[t];
+      }
     } else {
       const T* row = scores + b * T_len;
       for (int64_t t = 0; t < T_len; ++t) {
@@ -177,7 +183,8 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
              << ", " << t << "] = " << v;
           fail(os.str());
         }
-        span[L++] = static_cast<float>(row[t]);
+        span[L] = static_cast<float>(row[t]);
+        cols[L++] = t;
       }
     }
     reshape_span_weights(span.data(), L, opts, wspan.data(), scratch.data());
@@ -185,9 +192,15 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
     const float a = advantages[b];
     float* ta = token_advantages + b * T_len;
     float* wr = weights != nullptr ? weights + b * T_len : nullptr;
-    int64_t k = 0;
+    // Off the span: weight 1 on the response, 0 elsewhere (vectorizable); then the span's weights by column.
     for (int64_t t = 0; t < T_len; ++t) {
-      const float w = rm[t] ? wspan[k++] : (pm[t] ? 1.0f : 0.0f);
+      const float w = pm[t] ? 1.0f : 0.0f;
+      ta[t] = w * a;
+      if (wr != nullptr) wr[t] = w;
+    }
+    for (int64_t k = 0; k < L; ++k) {
+      const int64_t t = cols[k];
+      const float w = wspan[k];
       const float x = w * a;
       // A finite weight times a finite advantage can still overflow (|A| near FLT_MAX, weight > 1).
       if (!std::isfinite(x)) {

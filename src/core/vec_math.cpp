@@ -5,6 +5,7 @@
 
 #include "widen.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__)) && \
@@ -48,7 +49,44 @@ inline float exp_poly(float x) {
   return y * scale;
 }
 
+// log1p(x) for one float x >= 0, branch-free (Cephes logf of u = 1 + x, then the first-order correction
+// for the rounding of 1 + x).
+inline float log1p_poly(float x) {
+  const float u = 1.0f + x;
+  uint32_t bits;
+  std::memcpy(&bits, &u, sizeof bits);
+  int32_t e = static_cast<int32_t>((bits >> 23) & 0xffu) - 126;  // u = m * 2^e, m in [0.5, 1)
+  const uint32_t mbits = (bits & 0x007fffffu) | 0x3f000000u;
+  float m;
+  std::memcpy(&m, &mbits, sizeof m);
+  const bool small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const float fe = static_cast<float>(e);
+  y += -2.12194440e-4f * fe;
+  y += -0.5f * z;
+  float r = m + y;
+  r += 0.693359375f * fe;
+  return r + (x - (u - 1.0f)) / u;
+}
+
 }  // namespace
+
+OAR_MULTI_ISA void vlog1p(const float* x, float* out, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) out[i] = log1p_poly(x[i]);
+}
 
 OAR_MULTI_ISA float vmax(const float* z, int64_t len) {
   float m = z[0];
@@ -97,6 +135,45 @@ OAR_MULTI_ISA float vdot_diff(const float* e, const float* zc, const float* zp, 
     s += e[i] * d;
   }
   return s;
+}
+
+// The masks are read as bytes (bool is one byte holding 0 or 1): GCC vectorizes byte compares and blends,
+// not loads of `bool`.
+OAR_MULTI_ISA bool vmasked_minmax(const float* x, const bool* mask, int64_t len, float* lo, float* hi) {
+  constexpr float kInf = __builtin_inff();
+  const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
+  float l = kInf, h = -kInf;
+  int bad = 0;
+#pragma omp simd reduction(min : l) reduction(max : h) reduction(| : bad)
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = x[i];
+    const bool on = mk[i] != 0;
+    const bool ok = (v >= 0.0f) & (v < kInf);  // NaN fails both comparisons
+    bad |= (on & !ok) ? 1 : 0;
+    const float vl = on ? v : kInf;
+    const float vh = on ? v : -kInf;
+    l = vl < l ? vl : l;
+    h = vh > h ? vh : h;
+  }
+  *lo = l;
+  *hi = h;
+  return bad != 0;
+}
+
+OAR_MULTI_ISA void vdivide_clamp_masked(float* out, const bool* mask, float den, int64_t len) {
+  const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    float v = out[i] / den;
+    v = v < 0.0f ? 0.0f : v;
+    v = v > 1.0f ? 1.0f : v;
+    out[i] = mk[i] != 0 ? v : 0.0f;
+  }
+}
+
+OAR_MULTI_ISA void vshift_scale(const float* x, float shift, float scale, float* out, int64_t len) {
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) out[i] = (x[i] - shift) * scale;
 }
 
 void vload_f32(const float* src, float* dst, int64_t len) {

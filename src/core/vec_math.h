@@ -33,6 +33,20 @@ float vdot(const float* a, const float* b, int64_t len);
 /// contributes nothing, even when zp[i] is -inf too: no -inf - -inf = NaN).
 float vdot_diff(const float* e, const float* zc, const float* zp, int64_t len);
 
+/// out[i] = log1p(x[i]) for x[i] >= 0 (Cephes-style log of u = 1 + x with the (x - (u - 1)) / u correction:
+/// ~2 ulp). Negative or NaN x give NaN or garbage: callers select such entries away. out may alias x.
+void vlog1p(const float* x, float* out, int64_t len);
+
+/// Over entries with mask[i]: *lo = min, *hi = max (+inf / -inf when none); returns true when one of them
+/// is NaN, negative or +inf (the caller then finds and names it).
+bool vmasked_minmax(const float* x, const bool* mask, int64_t len, float* lo, float* hi);
+
+/// out[i] = mask[i] ? clamp(out[i] / den, 0, 1) : 0.
+void vdivide_clamp_masked(float* out, const bool* mask, float den, int64_t len);
+
+/// out[i] = (x[i] - shift) * scale.
+void vshift_scale(const float* x, float shift, float scale, float* out, int64_t len);
+
 /// dst[i] = float(src[i]) (bits of IEEE binary16 / bfloat16; exact) or dst[i] += ... for the *_add forms.
 void vload_f32(const float* src, float* dst, int64_t len);
 void vadd_f32(const float* src, float* dst, int64_t len);

@@ -31,9 +31,9 @@ static_assert(sizeof(at::BFloat16) == sizeof(Eigen::bfloat16) &&
               "at::BFloat16 and Eigen::bfloat16 must share a layout");
 
 // Calls fn(T{}) with T the core element type matching `dtype` (float32, float16, bfloat16; float64 when
-// allow_double). The dtype has been checked before, so any other type is an internal error.
-template <typename Fn>
-void dispatch_float(at::ScalarType dtype, bool allow_double, Fn&& fn) {
+// kAllowDouble). The dtype has been checked before, so any other type is an internal error.
+template <bool kAllowDouble, typename Fn>
+void dispatch_float(at::ScalarType dtype, Fn&& fn) {
   switch (dtype) {
     case at::kFloat:
       fn(float{});
@@ -45,7 +45,9 @@ void dispatch_float(at::ScalarType dtype, bool allow_double, Fn&& fn) {
       fn(Eigen::bfloat16{});
       return;
     case at::kDouble:
-      if (allow_double) {
+      // A compile-time switch: the double instantiation must not exist where the core has none (with
+      // OpenMP the parallel region is outlined, so a runtime `false` would still reference it).
+      if constexpr (kAllowDouble) {
         fn(double{});
         return;
       }
@@ -88,7 +90,7 @@ at::Tensor probe_divergence_cpu(const at::Tensor& clean_logits, const at::Tensor
   at::Tensor out = at::empty({a.N}, perturbed_logits.options().dtype(at::kFloat));
   if (a.N == 0) return out;
   float* out_ptr = out.data_ptr<float>();
-  dispatch_float(a.pert.scalar_type(), /*allow_double=*/false, [&](auto tag) {
+  dispatch_float</*kAllowDouble=*/false>(a.pert.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const auto cv = view_of<T>(a.clean);
     const auto pv = view_of<T>(a.pert);
@@ -113,7 +115,7 @@ at::Tensor probe_divergence_backward_cpu(const at::Tensor& grad_out, const at::T
   at::Tensor grad = at::empty({a.N, a.S, a.V}, perturbed_logits.options());
   if (grad.numel() == 0) return grad;
   const float* go_ptr = go.const_data_ptr<float>();
-  dispatch_float(a.pert.scalar_type(), /*allow_double=*/false, [&](auto tag) {
+  dispatch_float</*kAllowDouble=*/false>(a.pert.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const auto cv = view_of<T>(a.clean);
     const auto pv = view_of<T>(a.pert);
@@ -138,7 +140,7 @@ at::Tensor grad_x_input_cpu(const at::Tensor& grad, const at::Tensor& input) {
   const at::Tensor g = grad.contiguous();
   const at::Tensor x = input.contiguous();
   float* out_ptr = out.data_ptr<float>();
-  dispatch_float(x.scalar_type(), /*allow_double=*/true, [&](auto tag) {
+  dispatch_float</*kAllowDouble=*/true>(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* gp = reinterpret_cast<const T*>(g.const_data_ptr());
     const T* xp = reinterpret_cast<const T*>(x.const_data_ptr());
