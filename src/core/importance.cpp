@@ -25,6 +25,19 @@ template <typename T>
   throw InvalidArgument(os.str());
 }
 
+// Names the first masked score of row b that is NaN, negative or +-inf (the caller found one).
+template <typename T>
+[[noreturn]] void throw_first_bad_score(const T* s, const bool* m, int64_t T_len, int64_t b) {
+  for (int64_t t = 0; t < T_len; ++t) {
+    const double v = static_cast<double>(s[t]);
+    if (m[t] && (!(v >= 0.0) || std::isinf(v))) bad_score("scores", b, t, s[t]);  // `!(v >= 0)`: also NaN
+  }
+  throw InvalidArgument("scores: internal error: a bad score was detected but not found");
+}
+
+// A row with an empty mask is all zero.
+inline void empty_row(float* o, int64_t T_len) { std::fill(o, o + T_len, 0.0f); }
+
 }  // namespace
 
 template <typename T>
@@ -78,16 +91,8 @@ void normalize_importance_row(const T* s, const bool* m, int64_t T_len, float* o
       // logarithms; entries off the mask may hold anything there and are set to 0 at the end. s = hi gives
       // exactly 1, s = lo exactly 0.
       float flo = 0.0f, fhi = 0.0f;
-      if (detail::vmasked_minmax(s, m, T_len, &flo, &fhi)) {
-        for (int64_t t = 0; t < T_len; ++t) {
-          const double v = static_cast<double>(s[t]);
-          if (m[t] && (!(v >= 0.0) || std::isinf(v))) bad_score("scores", b, t, s[t]);
-        }
-      }
-      if (flo > fhi) {  // empty mask: the row is all zero
-        std::fill(o, o + T_len, 0.0f);
-        return;
-      }
+      if (detail::vmasked_minmax(s, m, T_len, &flo, &fhi)) throw_first_bad_score(s, m, T_len, b);
+      if (flo > fhi) return empty_row(o, T_len);
       const float inv = static_cast<float>(1.0 / (1.0 + static_cast<double>(flo)));
       detail::vshift_scale(s, flo, inv, o, T_len);
       detail::vlog1p(o, o, T_len);
@@ -107,16 +112,8 @@ void normalize_importance_row(const T* s, const bool* m, int64_t T_len, float* o
       lo = std::min(lo, m[t] ? v : std::numeric_limits<double>::infinity());
       hi = std::max(hi, m[t] ? v : -std::numeric_limits<double>::infinity());
     }
-    if (bad) {
-      for (int64_t t = 0; t < T_len; ++t) {
-        const double v = static_cast<double>(s[t]);
-        if (m[t] && (!(v >= 0.0) || std::isinf(v))) bad_score("scores", b, t, s[t]);
-      }
-    }
-    if (lo > hi) {  // empty mask: the row is all zero
-      std::fill(o, o + T_len, 0.0f);
-      return;
-    }
+    if (bad) throw_first_bad_score(s, m, T_len, b);
+    if (lo > hi) return empty_row(o, T_len);
     const double s_lo = std::log1p(lo);
     const double range = std::log1p(hi) - s_lo;
     // max == min: every s_t - min is exactly 0, so any denominator works; 1 is the documented choice.
