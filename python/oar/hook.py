@@ -255,18 +255,16 @@ class TokenAdvantageHook:
 
 def _skipped_groups(adv: torch.Tensor, group_offsets) -> dict:
     """{"oar/skipped_groups_frac": share of groups whose sequence advantages are all exactly 0} when the groups
-    are known (an int group size dividing B, or CSR offsets (G + 1,)); {} otherwise (the metric is then
-    omitted rather than guessed)."""
-    B = int(adv.shape[0])
-    if group_offsets is None or B == 0:
+    are known (an int group size dividing B, or CSR offsets (G + 1,), resolved as by ops.group_advantages);
+    {} otherwise (the metric is then omitted rather than guessed)."""
+    if group_offsets is None or adv.shape[0] == 0:
         return {}
-    if isinstance(group_offsets, int) and not isinstance(group_offsets, bool):
-        if group_offsets < 1 or B % group_offsets:
-            return {}
-        zero = (adv.view(-1, group_offsets) == 0).all(dim=1)
-        return {"oar/skipped_groups_frac": float(zero.float().mean())}
-    off = torch.as_tensor(group_offsets, dtype=torch.long).flatten().tolist()
-    if len(off) < 2 or off[0] != 0 or off[-1] != B or any(b < a for a, b in zip(off, off[1:])):
+    size = group_offsets if isinstance(group_offsets, int) and not isinstance(group_offsets, bool) else None
+    try:
+        off = ops._resolve_offsets(adv, None if size is not None else group_offsets, None, size).tolist()
+    except ValueError:
+        return {}
+    if len(off) < 2 or off[0] != 0 or off[-1] != adv.shape[0] or any(b < a for a, b in zip(off, off[1:])):
         return {}
     groups = [(a, b) for a, b in zip(off, off[1:]) if b > a]
     skipped = sum(bool((adv[a:b] == 0).all()) for a, b in groups)
