@@ -9,6 +9,7 @@ import torch
 import oar
 from oar import baselines, ops, reference
 from oar.models import tiny_random_llama
+from _completions import completion_batch
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +20,9 @@ def tiny():
 def _batch(tok, C=30):
     texts = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5",
              "4 4 4 \\boxed{8}", "5 \\boxed{5}"]
-    prompt = tok.encode("Q: 2+3?", add_special_tokens=False)
-    ids = torch.full((6, C), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((6, C), dtype=torch.long)
-    for i, t in enumerate(texts):
-        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
-        ids[i, : len(e)] = torch.tensor(e)
-        mask[i, : len(e)] = 1
+    prompts, ids, mask = completion_batch(tok, texts, C)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
-    return [prompt] * 6, ids, mask, rewards
+    return prompts, ids, mask, rewards
 
 
 def _cfg(**kw):

@@ -9,6 +9,7 @@ import oar
 from oar.hook import TokenAdvantageHook
 from oar.metrics import ess_ratio, top_mass
 from oar.models import tiny_random_llama
+from _completions import completion_batch
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +20,7 @@ def tiny():
 
 def _batch(tok, C=40):
     texts = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5"]
-    prompt = tok.encode("Q: 2+3?", add_special_tokens=False)
-    ids = torch.full((4, C), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((4, C), dtype=torch.long)
-    for i, t in enumerate(texts):
-        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
-        ids[i, : len(e)] = torch.tensor(e)
-        mask[i, : len(e)] = 1
-    return [prompt] * 4, ids, mask
+    return completion_batch(tok, texts, C)
 
 
 def _cfg(**kw):
