@@ -176,6 +176,48 @@ OAR_MULTI_ISA void vshift_scale(const float* x, float shift, float scale, float*
   for (int64_t i = 0; i < len; ++i) out[i] = (x[i] - shift) * scale;
 }
 
+OAR_MULTI_ISA double vtier_weights_masked(const float* s, const bool* rm, const bool* pm, int64_t len, double tau,
+                                         double lo_den, double hi_den, double beta, double floor, float* w) {
+  const uint8_t* r = reinterpret_cast<const uint8_t*>(rm);
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(pm);
+  // Masks enter as 0/1 float factors rather than selects, and the sum runs over the whole row (off the
+  // span it adds the integer count of response tokens, subtracted at the end): GCC vectorizes selects and
+  // float64 reductions mixed with uint8 loads only with AVX-512. The products are exact (x * 1 = x,
+  // x * 0 = 0 for finite x; an infinite x on the span makes the sum non-finite, which the caller reports).
+  double sum = 0.0, off = 0.0;
+#pragma omp simd reduction(+ : sum, off)
+  for (int64_t i = 0; i < len; ++i) {
+    const double v = static_cast<double>(s[i]);
+    const double q = v / lo_den;
+    const double sup = q > floor ? q : floor;
+    const double bst = 1.0 + beta * (v - tau) / hi_den;
+    const float x = static_cast<float>(v < tau ? sup : bst);
+    const float on = static_cast<float>(r[i]);
+    const float resp_off = (1.0f - on) * static_cast<float>(p[i]);
+    const float out = on * x + resp_off;
+    w[i] = out;
+    sum += static_cast<double>(out);
+    off += static_cast<double>(resp_off);
+  }
+  return sum - off;  // off is an integer count: exact
+}
+
+OAR_MULTI_ISA bool vscale_advantages_masked(float* w, const bool* rm, double scale, float a, float* ta, int64_t len) {
+  const uint8_t* r = reinterpret_cast<const uint8_t*>(rm);
+  float bad = 0.0f;
+#pragma omp simd reduction(+ : bad)
+  for (int64_t i = 0; i < len; ++i) {
+    const float on = static_cast<float>(r[i]);
+    const float scaled = static_cast<float>(static_cast<double>(w[i]) * scale);
+    const float wi = on * scaled + (1.0f - on) * w[i];
+    const float x = wi * a;
+    w[i] = wi;
+    ta[i] = x;
+    bad += x - x;  // 0 when x is finite, NaN otherwise (and NaN stays NaN)
+  }
+  return bad != 0.0f;
+}
+
 void vload_f32(const float* src, float* dst, int64_t len) {
   std::memcpy(dst, src, static_cast<size_t>(len) * sizeof(float));
 }

@@ -5,7 +5,8 @@
 // Why not Eigen here: Eigen's packet math is chosen at compile time, and compiling Eigen code for several
 // ISAs in one library would instantiate the same inline templates with different instruction sets (an ODR
 // hazard: the linker keeps one of them). These loops are plain C++ that GCC/Clang auto-vectorize; only
-// this translation unit is built with -fopenmp-simd (for the `omp simd` reductions, no OpenMP runtime).
+// this translation unit is built with -fopenmp-simd (for the `omp simd` reductions, no OpenMP runtime) and
+// -fno-trapping-math (if-conversion of float64 selects; results are unchanged).
 //
 // Accuracy: vexp_* use a Cephes-style exp (range reduction by ln 2, degree-5 polynomial): max relative
 // error ~2 ulp for arguments in [-87.3, 88]; arguments below -87.3 (including -inf) give ~1.2e-38 instead
@@ -46,6 +47,19 @@ void vdivide_clamp_masked(float* out, const bool* mask, float den, int64_t len);
 
 /// out[i] = (x[i] - shift) * scale.
 void vshift_scale(const float* x, float shift, float scale, float* out, int64_t len);
+
+/// Tier weights of one row before mass preservation (method.md section 6), for the reshaping:
+///   w[i] = rm[i] ? float(tier(s[i])) : (pm[i] ? 1 : 0),
+///   tier(s) = s < tau ? max(s / lo_den, floor) : 1 + beta (s - tau) / hi_den,
+/// computed in float64 and stored as float32 (lo_den = +inf with floor = 1 gives the weight 1 below tau,
+/// beta = 0 the weight 1 above it: the one-tier variants). Returns the float64 sum of the stored w over rm
+/// (lanes summed pairwise: the order differs from a sequential loop by float64 rounding only). s may alias w.
+double vtier_weights_masked(const float* s, const bool* rm, const bool* pm, int64_t len, double tau, double lo_den,
+                            double hi_den, double beta, double floor, float* w);
+
+/// Mass preservation and advantages of one row: w[i] = rm[i] ? float(double(w[i]) * scale) : w[i], then
+/// ta[i] = w[i] * a. Returns true when some ta[i] is not finite (the caller finds and names it).
+bool vscale_advantages_masked(float* w, const bool* rm, double scale, float a, float* ta, int64_t len);
 
 /// dst[i] = float(src[i]) (bits of IEEE binary16 / bfloat16; exact) or dst[i] += ... for the *_add forms.
 void vload_f32(const float* src, float* dst, int64_t len);

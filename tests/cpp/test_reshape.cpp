@@ -65,6 +65,54 @@ TEST(Quantile, MatchesSortedDefinitionOnRandomInput) {
   }
 }
 
+// masked_quantile_unit must return exactly quantile_linear of the masked entries (same order statistics,
+// same interpolation), whatever the distribution: spread, clustered in one radix bin (forcing the refining
+// passes), heavy duplicates, zeros of both signs, a single entry.
+TEST(MaskedQuantileUnit, EqualsQuantileLinearOfTheMaskedEntries) {
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> u(0, 1);
+  std::uniform_int_distribution<int> pick(0, 7);
+  auto draw = [&](int kind) -> float {
+    switch (kind) {
+      case 0: return u(gen);                                      // spread over [0, 1]
+      case 1: return 0.5f + u(gen) * 1e-3f;                       // one top-level bin: refining passes
+      case 2: return std::floor(u(gen) * 4.0f) / 4.0f;            // 4 distinct values
+      case 3: return u(gen) < 0.5f ? (u(gen) < 0.5f ? 0.0f : -0.0f) : u(gen);  // many (signed) zeros
+      case 4: return 0.75f;                                       // all equal
+      case 5: return std::pow(u(gen), 12.0f);                     // down to ~1e-30 (many exponents)
+      case 6: return 0.5f + static_cast<float>(pick(gen)) * 1.1920929e-7f;  // 8 adjacent floats
+      default: return u(gen) < 0.01f ? 1.0f : 0.3f + u(gen) * 1e-6f;
+    }
+  };
+  for (int trial = 0; trial < 400; ++trial) {
+    const int kind = trial % 8;
+    const int len = std::vector<int>{1, 2, 3, 17, 600, 1500, 5000}[trial % 7];
+    std::vector<float> v(len), scratch(len), picked;
+    std::vector<uint8_t> m(len);
+    for (int t = 0; t < len; ++t) {
+      v[t] = draw(kind);
+      m[t] = u(gen) < 0.8f || t == len / 2;  // at least one masked entry
+      if (m[t]) picked.push_back(v[t]);
+    }
+    for (double q : {0.0, 0.01, 0.25, 0.5, 0.77, 0.999, 1.0}) {
+      std::vector<float> ref(picked);
+      const double want = quantile_linear(ref.data(), static_cast<int64_t>(ref.size()), q);
+      const double got = masked_quantile_unit(v.data(), bp(m), len, q, scratch.data());
+      EXPECT_EQ(got, want) << "kind=" << kind << " len=" << len << " q=" << q;
+    }
+  }
+}
+
+TEST(MaskedQuantileUnit, Errors) {
+  std::vector<float> v{0.1f, 0.2f}, scratch(2);
+  const auto none = mask_of({0, 0});
+  EXPECT_NE(error_of([&] { masked_quantile_unit(v.data(), bp(none), 2, 0.5, scratch.data()); }).find("at least one"),
+            std::string::npos);
+  const auto all = mask_of({1, 1});
+  EXPECT_NE(error_of([&] { masked_quantile_unit(v.data(), bp(all), 2, 1.5, scratch.data()); }).find("q must be"),
+            std::string::npos);
+}
+
 // --- normalize_importance --------------------------------------------------------------------------------
 
 TEST(NormalizeImportance, HandValues) {

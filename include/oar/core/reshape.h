@@ -25,6 +25,14 @@ void check_reshape_options(const ReshapeOptions& opts);
 /// numpy-default (linear interpolation) quantile of `values` (n >= 1), which it partially reorders.
 double quantile_linear(float* values, int64_t n, double q);
 
+/// numpy-default (linear interpolation) quantile of the entries of `values` (len,) where `mask` is true,
+/// for values in [0, 1] (normalized scores; -0.0 counts as 0). Radix selection on the float bits (a
+/// histogram pass over the row, then only the entries of the selected bin), so the cost is about one pass
+/// over the row instead of a comparison-based selection. Returns exactly the value of quantile_linear on
+/// the masked entries. `scratch`: len floats. Throws InvalidArgument when the mask selects nothing or q is
+/// outside [0, 1]. Values outside [0, 1] or NaN break the precondition (the result is then unspecified).
+double masked_quantile_unit(const float* values, const bool* mask, int64_t len, double q, float* scratch);
+
 /// Weights for one rollout's reasoning span from normalized scores s_hat (L,), each in [0, 1]:
 /// tiers, floor, then mass preservation (sum w = L). L == 0 is a no-op. Uses `scratch` (L floats).
 void reshape_span_weights(const float* s_hat, int64_t L, const ReshapeOptions& opts, float* w, float* scratch);
