@@ -3,11 +3,14 @@
 #   1. builds oar from source with the CUDA kernels (one architecture, -j16 by default),
 #   2. runs the CUDA tests (pytest tests/python/test_cuda.py, then ctest when GoogleTest was found),
 #   3. times every kernel against the PyTorch reference on the same GPU and measures the device copy bandwidth
-#      (benchmarks/gpu/bench_cuda.py), printing the table.
+#      (benchmarks/gpu/bench_cuda.py), printing the table,
+#   4. times one training step of GRPO, OAR-G and OAR-P (ours, naive batched, naive serial) on the fixed-shape
+#      suite (benchmarks/python/bench_step.py --device cuda; issue 3's step goals), printing the table.
 # Logs and results go to $OUT if set, else ./gpu_results: build.log, pytest.log, ctest.log, bench.log,
-# bench_cuda.csv, bench_cuda.md, bench_cuda_env.json (7 files). Exit status: 0 only if every step passed.
+# bench_cuda.csv, bench_cuda.md, bench_cuda_env.json, step.log, step.md, step.csv, step.json (11 files).
+# Exit status: 0 only if every step passed.
 #
-# Usage: benchmarks/gpu/run_gpu_checks.sh [--setup] [--no-tests] [--no-bench]
+# Usage: benchmarks/gpu/run_gpu_checks.sh [--setup] [--no-tests] [--no-bench] [--no-step]
 #   (default)  use an existing Python with a CUDA torch (.venv/bin/python if it has one, else $PYTHON or python3)
 #              and build with CMake directly into $OAR_GPU_BUILD_DIR (default build-gpu). For machines without
 #              network access (no pip, no apt): the C++ dependencies (Eigen, spdlog + fmt, nlohmann-json,
@@ -16,7 +19,8 @@
 #   --setup    run ./setup.sh first (needs network: apt + pip), with the same single architecture and -j, then
 #              use its .venv and build tree.
 # Knobs: OAR_CUDA_ARCHITECTURES (default: the GPU's own, e.g. 90 on H100/H200), OAR_JOBS (16),
-#        OAR_GPU_PYTEST_ARGS (extra pytest arguments), BENCH_ARGS (extra bench_cuda.py arguments).
+#        OAR_GPU_PYTEST_ARGS (extra pytest arguments), BENCH_ARGS (extra bench_cuda.py arguments),
+#        STEP_ARGS (bench_step.py arguments; default: the fixed suite at 128 512 2048, 2 repeats, bfloat16).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -24,13 +28,14 @@ OUT_DIR=${OUT:-$ROOT/gpu_results}
 mkdir -p "$OUT_DIR"
 JOBS=${OAR_JOBS:-16}
 BUILD_DIR=${OAR_GPU_BUILD_DIR:-$ROOT/build-gpu}
-DO_SETUP=0 DO_TESTS=1 DO_BENCH=1
+DO_SETUP=0 DO_TESTS=1 DO_BENCH=1 DO_STEP=1
 for a in "$@"; do
   case "$a" in
     --setup) DO_SETUP=1 ;;
     --no-tests) DO_TESTS=0 ;;
     --no-bench) DO_BENCH=0 ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    --no-step) DO_STEP=0 ;;
+    -h|--help) sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "run_gpu_checks.sh: unknown argument '$a' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -133,6 +138,22 @@ if [ "$DO_BENCH" = 1 ]; then
   "$PY" benchmarks/gpu/bench_cuda.py --out "$OUT_DIR" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench.log"
   rc=${PIPESTATUS[0]}
   STATUS+=("bench: rc=$rc"); [ "$rc" = 0 ] || fail=1
+fi
+
+# ---- 4. one training step (issue 3) ------------------------------------------------------------------------------
+if [ "$DO_STEP" = 1 ]; then
+  if "$PY" -c "import transformers" >/dev/null 2>&1; then
+    log "benchmarks/python/bench_step.py --device cuda"
+    # shellcheck disable=SC2086
+    "$PY" benchmarks/python/bench_step.py --device cuda --out "$OUT_DIR/step" \
+      ${STEP_ARGS:---suite fixed --lengths 128 512 2048 --repeats 2 --naive-stride 8 --dtype bfloat16} \
+      2>&1 | tee "$OUT_DIR/step.log"
+    rc=${PIPESTATUS[0]}
+    STATUS+=("step: rc=$rc"); [ "$rc" = 0 ] || fail=1
+  else
+    echo "step benchmark skipped: transformers is not importable by $PY" | tee "$OUT_DIR/step.log"
+    STATUS+=("step: skipped (no transformers)")
+  fi
 fi
 
 log "summary"

@@ -25,7 +25,8 @@ naive providers everywhere and for all OAR-P providers at L >= 512), providers s
 reasoning token and their time is multiplied by k: the table marks those rows "x k (extrapolated)".
 
 Usage:  python benchmarks/python/bench_step.py [--suite default fixed] [--lengths 128 512 2048]
-            [--repeats 3] [--out docs/benchmarks/step]   (writes .md, .csv, .json next to --out)
+            [--repeats 3] [--device cpu|cuda] [--dtype float32|bfloat16] [--out docs/benchmarks/step]
+        (writes .md, .csv, .json next to --out). On a GPU every timed section ends with a device sync.
 """
 
 from __future__ import annotations
@@ -54,9 +55,20 @@ def _commit() -> str:
         return "unknown"
 
 
+_DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if _DEVICE.type == "cuda":
+        torch.cuda.synchronize(_DEVICE)
+
+
 def _timed(fn):
+    """(fn(), wall seconds); on a GPU the queued work is finished before each clock read."""
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return out, time.perf_counter() - t0
 
 
@@ -69,9 +81,11 @@ def _update(model, opt, prompt_ids, comp_ids, comp_mask, tok_adv, pad_id):
     for i, p in enumerate(prompt_ids):
         ids[i, P - len(p):P] = torch.as_tensor(p)
         attn[i, P - len(p):P] = 1
-    ids[:, P:] = comp_ids
-    attn[:, P:] = comp_mask.long()
+    ids[:, P:] = comp_ids.cpu()
+    attn[:, P:] = comp_mask.long().cpu()
     pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    ids, attn, pos = ids.to(_DEVICE), attn.to(_DEVICE), pos.to(_DEVICE)
+    comp_ids, comp_mask, tok_adv = comp_ids.to(_DEVICE), comp_mask.to(_DEVICE), tok_adv.to(_DEVICE)
     model.train()
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=comp_ids.shape[1] + 1).logits
     logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, comp_ids[..., None])[..., 0]
@@ -103,8 +117,8 @@ def _generate(model, tok, prompts: list[list[int]], G: int, max_new: int, min_ne
     kw = dict(max_new_tokens=max_new, min_new_tokens=min_new, pad_token_id=tok.pad_token_id, top_k=0,
               do_sample=True, temperature=temperature)
     with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=a, **kw)
-    comp = out[:, P:]
+        out = model.generate(input_ids=x.to(_DEVICE), attention_mask=a.to(_DEVICE), **kw)
+    comp = out[:, P:].cpu()
     mask = torch.ones_like(comp, dtype=torch.bool)
     eos = tok.eos_token_id
     if min_new < max_new:
@@ -164,7 +178,7 @@ def suite_default(args) -> list[dict]:
     from oar.tasks import get_task
 
     model, tok = load_model("smollm2-135m-instruct")
-    model.eval()
+    model.to(device=_DEVICE, dtype=args.torch_dtype).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     task = get_task("arithmetic")
     problems = task.problems("train", n=4 * (args.repeats + 1), seed=0)
@@ -195,6 +209,7 @@ def suite_fixed(args) -> list[dict]:
     for L in args.lengths:
         model, tok = tiny_random_llama(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, seed=0,
                                        tokenizer="minimal", max_position_embeddings=L + 256)
+        model.to(device=_DEVICE, dtype=args.torch_dtype)
         model.generation_config.eos_token_id = None  # fixed length: never stop early
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         g = torch.Generator().manual_seed(L)
@@ -238,17 +253,20 @@ def summarize(rows: list[dict], args) -> list[dict]:
     return out
 
 
-def write(summary: list[dict], rows: list[dict], out: str) -> None:
+def write(summary: list[dict], rows: list[dict], out: str, dtype: str = "float32") -> None:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    meta = {"torch": torch.__version__, "oar": oar.__version__, "commit": _commit(), "device": "cpu",
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    meta = {"torch": torch.__version__, "oar": oar.__version__, "commit": _commit(), "device": str(_DEVICE),
+            "device_name": torch.cuda.get_device_name(_DEVICE) if _DEVICE.type == "cuda" else
+            (platform.processor() or platform.machine()), "threads": torch.get_num_threads(),
+            "dtype": dtype}
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "summary": summary, "raw": rows}, f, indent=1, default=str)
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(summary[0]))
         w.writeheader()
         w.writerows(summary)
-    lines = [f"Device cpu ({meta['threads']} threads), torch {meta['torch']}, oar {meta['oar']}, commit {meta['commit']}.",
+    where = (f"cuda ({meta['device_name']})" if _DEVICE.type == "cuda" else f"cpu ({meta['threads']} threads)")
+    lines = [f"Device {where}, {meta['dtype']}, torch {meta['torch']}, oar {meta['oar']}, commit {meta['commit']}.",
              "", "| suite | response len | provider | attribution s | GRPO step s | step / GRPO step | naive batched / this |",
              "|---|---|---|---|---|---|---|"]
     for s in summary:
@@ -270,15 +288,25 @@ def main(argv=None) -> int:
                    help="naive providers score every k-th reasoning token; time x k")
     p.add_argument("--naive-batch", type=int, default=16, help="variants per forward of the naive batched provider")
     p.add_argument("--budget-mb", type=int, default=2048, help="OAR-P memory budget of our engine")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, generation, update, attribution)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights and activations")
     p.add_argument("--out", default="docs/benchmarks/step")
     args = p.parse_args(argv)
+    global _DEVICE
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch has no CUDA device available")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    _DEVICE = device
+    args.torch_dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     rows = []
     if "default" in args.suite:
         rows += suite_default(args)
     if "fixed" in args.suite:
         rows += suite_fixed(args)
-    write(summarize(rows, args), rows, args.out)
+    write(summarize(rows, args), rows, args.out, args.dtype)
     return 0
 
 

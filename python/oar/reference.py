@@ -273,7 +273,7 @@ def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tens
     if probe == "answer_mean":
         return torch.log_softmax(z.mean(0), -1)
     lp = torch.log_softmax(z, -1)
-    return lp[torch.arange(len(cols)), answer_ids].mean()
+    return lp[torch.arange(len(cols), device=lp.device), answer_ids].mean()
 
 
 def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched", rows=None, positions=None,
@@ -284,21 +284,23 @@ def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched",
 
     ``mode="serial"``: one unpadded context per forward. ``mode="batched"``: ``variants_per_forward``
     masked copies of one rollout per forward. ``positions``: optional {row: list of reasoning indices} to
-    score a subset (benchmarks extrapolate from it). Returns {row: {reasoning index j: score}}.
+    score a subset (benchmarks extrapolate from it). Runs on the model's device (the batch may stay on the
+    CPU). Returns {row: {reasoning index j: score}}.
     """
     out = {}
     rows = range(batch.batch_size) if rows is None else rows
+    dev = next(model.parameters()).device
     with torch.no_grad():
         for r in rows:
             m = batch.attention_mask[r].bool()
-            ids = batch.input_ids[r][m]  # unpadded context
+            ids = batch.input_ids[r][m].to(dev)  # unpadded context
             off = int((~m).sum())
             s = int(batch.reasoning_start[r]) - off
             L = int(batch.reasoning_len[r])
             K = int(batch.answer_len[r])
             first = ids.numel() - (batch.keep - int(batch.probe_start[r]))  # position predicting answer token 0
-            cols = torch.arange(first, first + K)
-            a_ids = batch.answer_ids[r, :K]
+            cols = torch.arange(first, first + K, device=dev)
+            a_ids = batch.answer_ids[r, :K].to(dev)
             clean = _probe_stat(model(input_ids=ids[None]).logits[0], cols, a_ids, probe)
             js = list(range(L)) if positions is None else list(positions[r])
             scores = {}
@@ -306,7 +308,7 @@ def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched",
             for k in range(0, len(js), step):
                 chunk = js[k:k + step]
                 masked = ids.repeat(len(chunk), 1)
-                masked[torch.arange(len(chunk)), torch.tensor(chunk) + s] = batch.pad_id
+                masked[torch.arange(len(chunk), device=dev), torch.tensor(chunk, device=dev) + s] = batch.pad_id
                 logits = model(input_ids=masked).logits
                 for i, j in enumerate(chunk):
                     pert = _probe_stat(logits[i], cols, a_ids, probe)

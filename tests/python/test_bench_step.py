@@ -1,0 +1,46 @@
+"""benchmarks/python/bench_step.py end to end on a tiny fixed-shape run: every provider is timed on the same
+rollouts and the table's ratios are consistent with its own times (the benchmark behind issue 3's step goals)."""
+
+import csv
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
+import bench_step  # noqa: E402
+
+PROVIDERS = ["grpo", "oar_g", "oar_p", "oar_p_all_rows", "oar_p_naive_batched", "oar_p_naive_serial"]
+
+
+def test_fixed_suite_tiny_run(tmp_path):
+    out = str(tmp_path / "step")
+    assert bench_step.main(["--suite", "fixed", "--lengths", "8", "--repeats", "1", "--naive-stride", "2",
+                            "--out", out]) == 0
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == PROVIDERS
+    by = {r["provider"]: r for r in rows}
+    grpo_s = float(by["grpo"]["grpo_step_s"])
+    assert grpo_s > 0
+    assert float(by["grpo"]["ratio_to_grpo"]) == 1.0
+    for p in PROVIDERS[1:]:
+        attr = float(by[p]["attribution_s"])
+        assert attr > 0, p
+        # one repeat: ratio = (GRPO step + attribution) / GRPO step exactly
+        assert float(by[p]["ratio_to_grpo"]) == pytest.approx((grpo_s + attr) / grpo_s, rel=1e-9), p
+        assert float(by[p]["naive_batched_over_this"]) == pytest.approx(
+            float(by["oar_p_naive_batched"]["attribution_s"]) / attr, rel=1e-9), p
+    assert int(by["oar_p_naive_batched"]["extrapolated_stride"]) == 2
+    assert float(by["oar_p"]["skipped_rows_frac"]) == 0.0  # rewards 1, 0, 1, 0: no zero-advantage row
+    with open(out + ".md") as f:
+        assert f.readline().startswith("Device cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a CUDA device")
+def test_cuda_device_without_cuda_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        bench_step.main(["--device", "cuda", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="cpu, cuda or cuda:N"):
+        bench_step.main(["--device", "meta", "--out", str(tmp_path / "x")])
