@@ -163,7 +163,7 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("columns"), py::arg("width"), py::arg("bytes_per_token"), py::arg("kv_bytes_per_token"),
         py::arg("bytes_per_variant"), py::arg("memory_budget_bytes"), py::arg("max_variants_per_chunk") = 0,
-        py::arg("max_prefix_waste") = 0.25,
+        py::arg("max_prefix_waste") = 0.1,
         "Prefix-cached OAR-P plan (issue 3): greedy chunks of column-sorted variants, each run on the clean "
         "key/value cache of its smallest column, under a memory budget. Raises ValueError on bad input.");
 

@@ -208,6 +208,7 @@ oar::core::PrefixPlanRequest prefix_req(std::vector<int64_t> cols, int64_t width
 
 TEST(PrefixPlan, CoversEveryVariantOnceInOrderWithMinColumnPrefix) {
   auto req = prefix_req({3, 3, 4, 5, 5, 9, 12, 12, 13}, 20, 1000000);
+  req.max_prefix_waste = 0.25;
   const auto plan = oar::core::plan_prefix_chunks(req);
   int64_t next = 0;
   for (const auto& c : plan) {

@@ -142,10 +142,74 @@ def test_prefix_engine_equals_batched_engine(tiny, budget_mb, waste):
     pm = HFProbeModel(model)
     ref = oar_p_scores(pm, batch, engine="batched")
     got = oar_p_scores(pm, batch, engine="prefix", memory_budget_mb=budget_mb, max_prefix_waste=waste)
-    torch.testing.assert_close(got.scores, ref.scores, rtol=1e-4, atol=1e-7)
+    # Both engines are ~2e-7 away from the float64 scores (test_shared_prefix_attention_is_exact): compare
+    # them at that level.
+    torch.testing.assert_close(got.scores, ref.scores, rtol=1e-4, atol=5e-7)
     assert torch.equal(got.mask, ref.mask)
     # the prefix engine runs fewer context tokens than re-running every full masked context
     assert got.stats["tokens"] < ref.stats["tokens"]
+
+
+def _float64_truth(model, batch, probe):
+    """OAR-P scores of the float64 copy of ``model`` by the naive reference, as a (B, L_max) tensor."""
+    import copy
+
+    from oar import reference
+
+    m64 = copy.deepcopy(model).double()
+    out = torch.zeros(batch.batch_size, int(batch.reasoning_len.max()), dtype=torch.float64)
+    for r, scores in reference.oar_p_naive(m64, batch, probe=probe, mode="batched").items():
+        for j, v in scores.items():
+            out[r, j] = v
+    return out
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("probe", ["answer_mean", "answer_joint"])
+def test_shared_prefix_attention_is_exact(kv_heads, probe):
+    """The prefix engine's shared-prefix attention (each row's prefix read in place, prefix and causal
+    suffix parts merged by log-sum-exp) against the cached path (HF attention over a copied prefix with a
+    dense mask) and against float64 truth, with left-padded rows and grouped-query attention; plans where
+    some chunks must fall back to the cached path (padding reaching past the chunk's prefix) are included."""
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=kv_heads,
+                                   tokenizer="minimal", seed=3)
+    with torch.no_grad():
+        for prm in model.parameters():
+            if prm.dim() > 1:
+                prm.mul_(6.0)
+    model.eval()
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    assert int((batch.attention_mask == 0).sum()) > 0, "rows must be left-padded for this test"
+    truth = _float64_truth(model, batch, probe)
+    assert truth.abs().max() > 1e-3
+    shared_total = 0
+    for budget, waste in [(1, 0.25), (64, 1.0), (64, 0.01), (64, 0.3)]:
+        pm = HFProbeModel(model)
+        assert pm.supports_shared_prefix_attention
+        new = oar_p_scores(pm, batch, probe=probe, engine="prefix", memory_budget_mb=budget, max_prefix_waste=waste)
+        pm.shared_prefix_attention = False
+        assert not pm.supports_shared_prefix_attention
+        old = oar_p_scores(pm, batch, probe=probe, engine="prefix", memory_budget_mb=budget, max_prefix_waste=waste)
+        assert old.stats["shared_prefix_chunks"] == 0
+        shared_total += new.stats["shared_prefix_chunks"]
+        torch.testing.assert_close(new.scores, old.scores, rtol=1e-4, atol=5e-7)
+        torch.testing.assert_close(new.scores.double(), truth, rtol=1e-4, atol=1e-6)
+    assert shared_total > 0
+
+
+def test_tail_logits_shared_prefix_checks_groups(tiny):
+    model, _ = tiny
+    pm = HFProbeModel(model)
+    ids = torch.full((3, 4), 5, dtype=torch.long)
+    pos = torch.arange(6, 10).expand(3, 4)
+    kv = [(torch.zeros(2, 4, 6, 8), torch.zeros(2, 4, 6, 8))] * 2
+    with pytest.raises(ValueError, match="groups must tile"):
+        pm.tail_logits_shared_prefix(kv, [(0, 0, 1, 0), (1, 2, 3, 0)], 6, input_ids=ids, position_ids=pos, keep=1)
+    with pytest.raises(ValueError, match="groups cover"):
+        pm.tail_logits_shared_prefix(kv, [(0, 0, 2, 0)], 6, input_ids=ids, position_ids=pos, keep=1)
+    with pytest.raises(ValueError, match="pad <= prefix_len"):
+        pm.tail_logits_shared_prefix(kv, [(0, 0, 3, 7)], 6, input_ids=ids, position_ids=pos, keep=1)
 
 
 def test_prefix_engine_refused_without_cache_support(tiny):

@@ -50,10 +50,13 @@ def test_provider_ordering_and_one_column_chunks(eager_llama):
     cols = [10 + j for j in range(20)] + [10 + j for j in range(20)]
     naive = fb.naive_batched_flops(s, T, cols)
     ideal = fb.ours_ideal_flops(s, T, cols, rows, keep)
-    dense = fb.ours_dense_flops(s, T, cols, rows, keep, 0.25)
-    assert ideal < dense < naive
+    built = fb.ours_built_flops(s, T, cols, rows, keep, 0.25)
+    dense = fb.ours_built_flops(s, T, cols, rows, keep, 0.25, dense=True)
+    assert ideal < built < dense < naive
     # A waste bound below one column per chunk: every chunk holds the variants of one column, and the
-    # as-built count is the clean passes + one dense suffix forward per variant from its own column.
-    tight = fb.ours_dense_flops(s, T, cols, rows, keep, 1e-6)
-    want = rows * fb.forward_flops(s, 0, T, None, keep) + sum(fb.forward_flops(s, c, T, T, keep) for c in cols)
-    assert tight == want
+    # as-built count is the clean passes + one suffix forward per variant from its own column.
+    clean = rows * fb.forward_flops(s, 0, T, None, keep)
+    tight = fb.ours_built_flops(s, T, cols, rows, keep, 1e-6, dense=True)
+    assert tight == clean + sum(fb.forward_flops(s, c, T, T, keep) for c in cols)
+    # and with causal suffixes, one chunk per column is exactly the ideal engine
+    assert fb.ours_built_flops(s, T, cols, rows, keep, 1e-6) == ideal

@@ -57,7 +57,7 @@ struct PrefixPlanRequest {
   int64_t max_variants_per_chunk = 0; ///< 0 = unlimited
   /// A chunk is closed when the next variant's column exceeds prefix_len by more than this fraction of the
   /// chunk's suffix (width - prefix_len): bounds the tokens recomputed in vain. In (0, 1].
-  double max_prefix_waste = 0.25;
+  double max_prefix_waste = 0.1;
 };
 
 /// Greedy plan over the column-sorted variants. Each chunk takes at least one variant. Throws

@@ -174,7 +174,7 @@ OAR_P_ENGINES = ("auto", "prefix", "batched")
 def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
                  clean_logits: torch.Tensor | None = None, engine: str = "auto",
-                 max_prefix_waste: float = 0.25, positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
+                 max_prefix_waste: float = 0.1, positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
     """OAR-P importance (method.md section 3): I_t = KL(p_clean || p_masked_t), or the clamped drop of the
     answer log-likelihood for ``probe="answer_joint"``.
 
@@ -342,24 +342,45 @@ def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits
         var_slot_t = torch.tensor([slot[int(r)] for r in var_row_t], dtype=torch.long)
         plan = _C.plan_prefix_chunks(var_col_t.tolist(), T, bytes_tok, kv_tok, bytes_var, budget, max_variants,
                                      float(max_prefix_waste))
+        # Left padding of each cached row (its first `pad` columns).
+        pad_of_slot = [T - int(batch.context_len[r]) for r in rows]
+        shared = bool(getattr(model, "supports_shared_prefix_attention", False))
+        shared_chunks = 0
         for ch in plan:
             sl = slice(ch.begin, ch.end)
             p = ch.prefix_len
-            row_index, slots = var_row_t[sl], var_slot_t[sl]
+            row_index, slots, cols, js = var_row_t[sl], var_slot_t[sl], var_col_t[sl], var_j_t[sl]
+            # Shared-prefix attention reads each row's prefix in place and needs the suffixes free of padding
+            # (a chunk may mix rows whose padding reaches past p: those chunks take the cached path).
+            if shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p:
+                order = torch.argsort(slots, stable=True)
+                row_index, slots, cols, js = row_index[order], slots[order], cols[order], js[order]
             masked = batch.input_ids[row_index, p:].clone()
-            masked[torch.arange(masked.shape[0]), var_col_t[sl] - p] = batch.pad_id
-            dslots = slots.to(dev)
-            # slice the prefix first, then gather per variant: copies p columns, not T
-            prefix_kv = [(k[:, :, :p].index_select(0, dslots), v[:, :, :p].index_select(0, dslots)) for k, v in kv_all]
-            window = model.tail_logits_cached(prefix_kv, input_ids=masked.to(dev),
-                                              attention_mask=batch.attention_mask[row_index].to(dev),
-                                              position_ids=batch.position_ids[row_index, p:].to(dev), keep=batch.keep)
+            masked[torch.arange(masked.shape[0]), cols - p] = batch.pad_id
+            if shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p:
+                ids, counts = torch.unique_consecutive(slots, return_counts=True)
+                ends = counts.cumsum(0).tolist()
+                groups = [(int(x), e - int(c), e, pad_of_slot[int(x)]) for x, c, e in zip(ids, counts, ends)]
+                window = model.tail_logits_shared_prefix(kv_all, groups, p, input_ids=masked.to(dev),
+                                                         position_ids=batch.position_ids[row_index, p:].to(dev),
+                                                         keep=batch.keep)
+                shared_chunks += 1
+            else:
+                dslots = slots.to(dev)
+                # slice the prefix first, then gather per variant: copies p columns, not T
+                prefix_kv = [(k[:, :, :p].index_select(0, dslots), v[:, :, :p].index_select(0, dslots))
+                             for k, v in kv_all]
+                window = model.tail_logits_cached(prefix_kv, input_ids=masked.to(dev),
+                                                  attention_mask=batch.attention_mask[row_index].to(dev),
+                                                  position_ids=batch.position_ids[row_index, p:].to(dev),
+                                                  keep=batch.keep)
             passes += 1
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], K)
             clean = clean_all[slots.to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl])
-    return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
+    return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens,
+            "shared_prefix_chunks": shared_chunks}
 
 
 def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):

@@ -10,6 +10,8 @@ whose ``forward`` accepts ``logits_to_keep``). C++ users implement the same thre
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -115,6 +117,62 @@ class HFProbeModel:
                          **{self._cache_kwarg: cache})
         return out.logits[:, -keep:]
 
+    # ---- shared-prefix attention (OAR-P suffix passes without copying the prefix or a dense mask) ---------
+
+    #: Set to False to make the prefix engine use :meth:`tail_logits_cached` for every chunk.
+    shared_prefix_attention: bool = True
+
+    @property
+    def supports_shared_prefix_attention(self) -> bool:
+        """True when :meth:`tail_logits_shared_prefix` can run this model: a croppable cache
+        (:attr:`supports_prefix_cache`), an architecture whose attention modules call the attention
+        interface with plain causal semantics (Llama, Qwen2, Qwen3), a CPU model (the attention with
+        log-sum-exp is PyTorch's CPU flash kernel; on GPUs the engine keeps the cached path) and the switch
+        :attr:`shared_prefix_attention` on."""
+        if not self.shared_prefix_attention or not self.supports_prefix_cache or self.device.type != "cpu":
+            return False
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            return False
+        cfg = getattr(self.model, "config", None)
+        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        return getattr(text, "model_type", None) in _SHARED_PREFIX_MODEL_TYPES
+
+    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
+        """Logits (N, keep, V) of the last ``keep`` positions of N suffixes (``input_ids`` (N, S), columns
+        [prefix_len, prefix_len + S) of their contexts; ``position_ids`` (N, S)), each attending over the
+        first ``prefix_len`` clean keys/values of its row plus its own suffix, causally.
+
+        ``prefix_kv``: per layer (keys, values) of shape (R, kv_heads, >= prefix_len, head_dim), the clean
+        cache of R rows, read in place (never copied per suffix). ``groups``: (slot, begin, end, pad) tuples:
+        suffixes [begin, end) belong to cache row ``slot`` whose first ``pad`` columns are left padding
+        (pad <= prefix_len); the groups must cover 0..N in order. Attention is computed in two exact parts
+        merged by their log-sum-exp: the suffix queries of a row against its prefix (one call per row, its
+        suffixes' queries stacked, no mask but the padding) and each suffix against itself (causal, so the
+        kernel skips the upper triangle). Equal to :meth:`tail_logits_cached` within float rounding (tested).
+        Raises ValueError on groups that do not tile the batch or a pad beyond the prefix."""
+        n = int(input_ids.shape[0])
+        at = 0
+        for slot, begin, end, pad in groups:
+            if begin != at or end <= begin or not 0 <= pad <= prefix_len:
+                raise ValueError(f"tail_logits_shared_prefix: groups must tile [0, {n}) in order with "
+                                 f"0 <= pad <= prefix_len = {prefix_len}, got {(slot, begin, end, pad)} at {at}")
+            at = end
+        if at != n:
+            raise ValueError(f"tail_logits_shared_prefix: groups cover [0, {at}), expected [0, {n})")
+        _register_shared_prefix_attention()
+        ctx = _SharedPrefix(prefix_kv, [(int(sl), int(b), int(e), int(pd)) for sl, b, e, pd in groups],
+                            int(prefix_len))
+        cfg = self.model.config
+        old = cfg._attn_implementation
+        token = _SHARED_PREFIX.set(ctx)
+        cfg._attn_implementation = _SHARED_PREFIX_IMPL
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        finally:
+            cfg._attn_implementation = old
+            _SHARED_PREFIX.reset(token)
+        return out.logits[:, -keep:]
+
     @property
     def supports_prefix_grad(self) -> bool:
         """OAR-G may run the clean prompt prefix once without grad and differentiate only the suffix
@@ -153,6 +211,91 @@ class HFProbeModel:
         finally:
             if was_training:
                 self.model.train()
+
+
+# ---- the shared-prefix attention function (registered with transformers' attention interface) ----------------
+
+_SHARED_PREFIX_IMPL = "oar_shared_prefix"
+_SHARED_PREFIX_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+@dataclass
+class _SharedPrefix:
+    kv: list  # per layer (keys, values): (R, kv_heads, >= p, head_dim)
+    groups: list  # (slot, begin, end, pad)
+    p: int
+    bias: dict | None = None  # pad -> additive (1, 1, 1, p) mask, built once per call
+
+
+_SHARED_PREFIX: contextvars.ContextVar = contextvars.ContextVar("oar_shared_prefix", default=None)
+
+
+def _flash_cpu(q, k, v, causal: bool, bias, scale):
+    """PyTorch's CPU flash attention with its log-sum-exp: (B, H, Lq, D) output, (B, H, Lq) float32 lse."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                      scale=scale)
+
+
+def _shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             **kwargs):
+    """Attention of N suffixes over their row's clean prefix (from the context set by
+    :meth:`HFProbeModel.tail_logits_shared_prefix`) and over themselves (causal). query (N, H, S, D); key,
+    value (N, kv_heads, S, D): the suffixes' own keys/values. Returns ((N, S, H, D), None)."""
+    ctx = _SHARED_PREFIX.get()
+    if ctx is None:
+        raise RuntimeError("oar shared-prefix attention called outside HFProbeModel.tail_logits_shared_prefix")
+    if dropout:
+        raise RuntimeError("oar shared-prefix attention runs in eval mode only (dropout must be 0)")
+    if kwargs.get("sliding_window") is not None:
+        raise RuntimeError("oar shared-prefix attention does not support sliding-window layers")
+    N, H, S, D = query.shape
+    rep = H // key.shape[1]
+    if rep > 1:  # grouped-query attention: query head h reads kv head h // rep
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    out_s, lse_s = _flash_cpu(query, key, value, True, None, scaling)
+    p = ctx.p
+    if p == 0:
+        return out_s.transpose(1, 2).contiguous(), None
+    keys, values = ctx.kv[module.layer_idx]
+    if ctx.bias is None:
+        ctx.bias = {}
+    out_p = torch.empty_like(out_s)
+    lse_p = torch.empty_like(lse_s)
+    for slot, begin, end, pad in ctx.groups:
+        n = end - begin
+        q = query[begin:end].transpose(0, 1).reshape(1, H, n * S, D)
+        k, v = keys[slot:slot + 1, :, :p], values[slot:slot + 1, :, :p]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        bias = None
+        if pad > 0:
+            bias = ctx.bias.get(pad)
+            if bias is None:
+                bias = torch.zeros(1, 1, 1, p, dtype=query.dtype, device=query.device)
+                bias[..., :pad] = float("-inf")
+                ctx.bias[pad] = bias
+        o, lse = _flash_cpu(q, k, v, False, bias, scaling)
+        out_p[begin:end] = o.reshape(H, n, S, D).transpose(0, 1)
+        lse_p[begin:end] = lse.reshape(H, n, S).transpose(0, 1)
+    # softmax over prefix + suffix keys = the two partial softmaxes weighted by their shares of the mass
+    top = torch.maximum(lse_p, lse_s)
+    w_p = (lse_p - top).exp_().unsqueeze(-1)
+    w_s = (lse_s - top).exp_().unsqueeze(-1)
+    out = (out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    """Mask function of the shared-prefix attention: it builds its own (padding of the prefix only)."""
+    return None
+
+
+def _register_shared_prefix_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_SHARED_PREFIX_IMPL, _shared_prefix_attention)
+    AttentionMaskInterface.register(_SHARED_PREFIX_IMPL, _no_mask)
 
 
 def as_probe_model(model) -> ProbeModel:
