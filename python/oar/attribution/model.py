@@ -36,6 +36,10 @@ class HFProbeModel:
 
     Uses ``model(..., logits_to_keep=keep, use_cache=False)`` so the LM head runs only on the probe window.
     ``eval_mode()`` switches off dropout for the duration of an attribution pass and restores the mode.
+    For OAR-P's prefix engine it offers the clean key/value cache (:meth:`tail_logits_and_cache`), suffix
+    passes on a copied prefix (:meth:`tail_logits_cached`) and, for CPU Llama/Qwen2/Qwen3 models, suffix
+    passes that read each row's prefix in place through a registered attention function
+    (:meth:`tail_logits_shared_prefix`; switch off with ``shared_prefix_attention = False``).
 
     Args:
         model: a ``PreTrainedModel`` with a causal-LM head (or a wrapper exposing the same forward).
