@@ -30,7 +30,7 @@ KIND_FORWARD_BACKWARD = 2
 KIND_DONE = 3
 
 # ProbeModel calls that run the policy without grad (the prefix-cache calls are OAR-P's fast path).
-_NO_GRAD_CALLS = ("tail_logits_and_cache", "tail_logits_cached", "full_logits")
+_NO_GRAD_CALLS = ("tail_logits_and_cache", "tail_logits_cached", "tail_logits_shared_prefix", "full_logits")
 
 
 def distributed_world() -> bool:

@@ -396,3 +396,23 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     assert plain.scores.abs().max() > 1e-4
     torch.testing.assert_close(fast.scores, plain.scores, rtol=2e-3, atol=1e-7)
     assert torch.equal(fast.mask, plain.mask)
+
+
+def test_shared_prefix_attention_under_bf16_autocast(tiny):
+    """Under CPU autocast (a trainer's bf16 mixed precision) the rotary embedding leaves queries/keys in
+    float32 and values in bf16: the shared-prefix attention must run in the autocast dtype like SDPA does,
+    and agree with the cached path to bf16 precision."""
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new = oar_p_scores(pm, batch, engine="prefix", max_prefix_waste=0.01)
+        pm.shared_prefix_attention = False
+        old = oar_p_scores(pm, batch, engine="prefix", max_prefix_waste=0.01)
+    assert new.stats["shared_prefix_chunks"] > 0
+    fp32 = oar_p_scores(HFProbeModel(model), batch, engine="batched").scores
+    # bf16 attention: both paths land within a few percent of the fp32 scores and of each other
+    for got in (new.scores, old.scores):
+        torch.testing.assert_close(got, fp32, rtol=0.1, atol=2e-3)
+    torch.testing.assert_close(new.scores, old.scores, rtol=0.1, atol=2e-3)

@@ -252,6 +252,11 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         raise RuntimeError("oar shared-prefix attention runs in eval mode only (dropout must be 0)")
     if kwargs.get("sliding_window") is not None:
         raise RuntimeError("oar shared-prefix attention does not support sliding-window layers")
+    # Under CPU autocast (e.g. a trainer's bf16 mixed precision) the rotary embedding leaves queries and keys
+    # in float32 and values in bf16; SDPA's autocast rule runs attention in the autocast dtype, the private
+    # kernel needs one dtype: use the same one.
+    dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    query, key, value = query.to(dt), key.to(dt), value.to(dt)
     N, H, S, D = query.shape
     rep = H // key.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads kv head h // rep
@@ -268,14 +273,14 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     for slot, begin, end, pad in ctx.groups:
         n = end - begin
         q = query[begin:end].transpose(0, 1).reshape(1, H, n * S, D)
-        k, v = keys[slot:slot + 1, :, :p], values[slot:slot + 1, :, :p]
+        k, v = keys[slot:slot + 1, :, :p].to(dt), values[slot:slot + 1, :, :p].to(dt)
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         bias = None
         if pad > 0:
             bias = ctx.bias.get(pad)
             if bias is None:
-                bias = torch.zeros(1, 1, 1, p, dtype=query.dtype, device=query.device)
+                bias = torch.zeros(1, 1, 1, p, dtype=dt, device=query.device)
                 bias[..., :pad] = float("-inf")
                 ctx.bias[pad] = bias
         o, lse = _flash_cpu(q, k, v, False, bias, scaling)
@@ -286,7 +291,7 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     w_p = (lse_p - top).exp_().unsqueeze(-1)
     w_s = (lse_s - top).exp_().unsqueeze(-1)
     out = (out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.to(dt).transpose(1, 2).contiguous(), None
 
 
 def _no_mask(*args, **kwargs):
