@@ -27,36 +27,6 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw InvalidArgument(msg); }
 
-template <Tiers K>
-void tier_weights(const float* s_hat, int64_t L, double tau, const ReshapeOptions& o, float* w) {
-  const double lo_den = tau + ReshapeOptions::kEps;
-  const double hi_den = 1.0 - tau + ReshapeOptions::kEps;
-  double sum = 0.0;
-  for (int64_t t = 0; t < L; ++t) {
-    const double s = static_cast<double>(s_hat[t]);
-    // Both tiers computed, then selected: branch-free (s < tau is unpredictable along a span).
-    double suppress = 1.0, boost = 1.0;
-    if constexpr (K != Tiers::kBoostOnly) suppress = std::max(s / lo_den, o.floor);
-    if constexpr (K != Tiers::kSuppressOnly) boost = 1.0 + o.beta * (s - tau) / hi_den;
-    const double x = s < tau ? suppress : boost;
-    w[t] = static_cast<float>(x);
-    sum += static_cast<double>(w[t]);
-  }
-  // A huge beta (~1e38 and beyond) overflows the float32 boost weights; the rescaling would then turn them
-  // into NaN (inf * 0). Refuse rather than return NaN weights.
-  if (!std::isfinite(sum)) {
-    std::ostringstream os;
-    os << "beta = " << o.beta << " makes the boost weights 1 + beta * (s - tau) / (1 - tau) overflow float32; "
-       << "use a smaller beta";
-    fail(os.str());
-  }
-  // Sum the stored floats, so that the rescaled floats sum to L up to one rounding per element. When every
-  // weight is 1 (e.g. all-equal scores), scale is exactly 1 and the weights stay exactly 1.
-  const double scale = static_cast<double>(L) / sum;
-  if (scale == 1.0) return;
-  for (int64_t t = 0; t < L; ++t) w[t] = static_cast<float>(static_cast<double>(w[t]) * scale);
-}
-
 }  // namespace
 
 void check_reshape_options(const ReshapeOptions& opts) {
@@ -121,18 +91,9 @@ int64_t select_bin(const uint32_t* hist, int64_t nbins, int64_t* k) {
   fail("masked_quantile_unit: rank beyond the counted entries (internal error)");
 }
 
-}  // namespace
-
-double masked_quantile_unit(const float* values, const bool* mask, int64_t len, double q, float* scratch) {
-  if (!(q >= 0.0 && q <= 1.0)) {
-    std::ostringstream os;
-    os << "q must be in [0, 1], got " << q;
-    fail(os.str());
-  }
-  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask);
-  int64_t n = 0;
-  for (int64_t t = 0; t < len; ++t) n += m[t];
-  if (n < 1) fail("masked_quantile_unit needs at least one masked value, got none of len = " + std::to_string(len));
+// masked_quantile_unit with the count n >= 1 of masked entries already known (the reshaping has it).
+double masked_quantile_unit_counted(const float* values, const uint8_t* m, int64_t len, int64_t n, double q,
+                                    float* scratch) {
   const double h = static_cast<double>(n - 1) * q;
   const int64_t lo = std::min<int64_t>(static_cast<int64_t>(std::floor(h)), n - 1);
   const double frac = h - static_cast<double>(lo);
@@ -194,16 +155,55 @@ double masked_quantile_unit(const float* values, const bool* mask, int64_t len, 
   return static_cast<double>(a) + frac * (static_cast<double>(b) - static_cast<double>(a));
 }
 
+// Tier weights (method.md section 6) of one row in place: on entry w holds s_hat on rm (in [0, 1]), on
+// exit the tier weights there and 1 / 0 elsewhere by pm. L = count of rm. Returns the mass-preservation
+// scale L / sum_rm w (1 when L = 0); throws when a huge beta overflows the float32 weights.
+double tier_weights_in_place(float* w, const bool* rm, const bool* pm, int64_t len, int64_t L,
+                             const ReshapeOptions& opts, float* scratch) {
+  const double tau =
+      L > 0 ? masked_quantile_unit_counted(w, reinterpret_cast<const uint8_t*>(rm), len, L, opts.q, scratch) : 0.0;
+  // One-tier variants: the suppress tier becomes max(s / inf, 1) = 1, the boost tier 1 + 0 = 1.
+  const bool suppress = opts.tiers != Tiers::kBoostOnly, boost = opts.tiers != Tiers::kSuppressOnly;
+  const double sum = detail::vtier_weights_masked(
+      w, rm, pm, len, tau, suppress ? tau + ReshapeOptions::kEps : std::numeric_limits<double>::infinity(),
+      1.0 - tau + ReshapeOptions::kEps, boost ? opts.beta : 0.0, suppress ? opts.floor : 1.0, w);
+  // A huge beta (~1e38 and beyond) overflows the float32 boost weights; the rescaling would then turn them
+  // into NaN (inf * 0). Refuse rather than return NaN weights.
+  if (!std::isfinite(sum)) {
+    std::ostringstream os;
+    os << "beta = " << opts.beta << " makes the boost weights 1 + beta * (s - tau) / (1 - tau) overflow float32; "
+       << "use a smaller beta";
+    fail(os.str());
+  }
+  // The sum is never 0 (the largest score is >= tau, so one weight is >= 1). Scaling the stored floats
+  // makes the span sum to L up to one rounding per element; when every weight is 1, scale is exactly 1.
+  return L > 0 ? static_cast<double>(L) / sum : 1.0;
+}
+
+}  // namespace
+
+double masked_quantile_unit(const float* values, const bool* mask, int64_t len, double q, float* scratch) {
+  if (!(q >= 0.0 && q <= 1.0)) {
+    std::ostringstream os;
+    os << "q must be in [0, 1], got " << q;
+    fail(os.str());
+  }
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask);
+  int64_t n = 0;
+  for (int64_t t = 0; t < len; ++t) n += m[t];
+  if (n < 1) fail("masked_quantile_unit needs at least one masked value, got none of len = " + std::to_string(len));
+  return masked_quantile_unit_counted(values, m, len, n, q, scratch);
+}
+
 void reshape_span_weights(const float* s_hat, int64_t L, const ReshapeOptions& opts, float* w, float* scratch) {
   if (L <= 0) return;
-  std::copy(s_hat, s_hat + L, scratch);
-  const double tau = quantile_linear(scratch, L, opts.q);
-  switch (opts.tiers) {
-    case Tiers::kBoth: tier_weights<Tiers::kBoth>(s_hat, L, tau, opts, w); return;
-    case Tiers::kBoostOnly: tier_weights<Tiers::kBoostOnly>(s_hat, L, tau, opts, w); return;
-    case Tiers::kSuppressOnly: tier_weights<Tiers::kSuppressOnly>(s_hat, L, tau, opts, w); return;
-  }
-  fail("tiers: unknown enum value " + std::to_string(static_cast<int>(opts.tiers)));
+  check_reshape_options(opts);
+  // The span is the whole (compacted) row: every entry is on the reasoning span.
+  const std::vector<uint8_t> on(static_cast<size_t>(L), 1);
+  const bool* all = reinterpret_cast<const bool*>(on.data());
+  std::copy(s_hat, s_hat + L, w);
+  const double scale = tier_weights_in_place(w, all, all, L, L, opts, scratch);
+  for (int64_t t = 0; t < L; ++t) w[t] = static_cast<float>(static_cast<double>(w[t]) * scale);
 }
 
 template <typename T>
@@ -293,25 +293,7 @@ void reshape_advantages(const float* advantages, const T* scores, const bool* re
     }
     const float a = advantages[b];
     float* ta = token_advantages + b * T_len;
-    double tau = 0.0, sum = 0.0;
-    if (L > 0) tau = masked_quantile_unit(w, rm, T_len, opts.q, scratch.data());
-    // Off the span: weight 1 on the response, 0 elsewhere; on it the tier weights (float64, stored float32).
-    // One-tier variants: the suppress tier becomes max(s / inf, 1) = 1, the boost tier 1 + 0 = 1.
-    const bool suppress = opts.tiers != Tiers::kBoostOnly, boost = opts.tiers != Tiers::kSuppressOnly;
-    sum = detail::vtier_weights_masked(
-        w, rm, pm, T_len, tau, suppress ? tau + ReshapeOptions::kEps : std::numeric_limits<double>::infinity(),
-        1.0 - tau + ReshapeOptions::kEps, boost ? opts.beta : 0.0, suppress ? opts.floor : 1.0, w);
-    // A huge beta (~1e38 and beyond) overflows the float32 boost weights; the rescaling would then turn them
-    // into NaN (inf * 0). Refuse rather than return NaN weights.
-    if (!std::isfinite(sum)) {
-      std::ostringstream os;
-      os << "beta = " << opts.beta << " makes the boost weights 1 + beta * (s - tau) / (1 - tau) overflow float32; "
-         << "use a smaller beta";
-      fail(os.str());
-    }
-    // The sum is never 0 (the largest score is >= tau, so one weight is >= 1). Scaling the stored floats
-    // makes the span sum to L up to one rounding per element; when every weight is 1, scale is exactly 1.
-    const double scale = L > 0 ? static_cast<double>(L) / sum : 1.0;
+    const double scale = tier_weights_in_place(w, rm, pm, T_len, L, opts, scratch.data());
     if (detail::vscale_advantages_masked(w, rm, scale, a, ta, T_len)) {
       // A finite weight times a finite advantage can still overflow (|A| near FLT_MAX, weight > 1).
       for (int64_t t = 0; t < T_len; ++t) {
