@@ -207,7 +207,8 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
 
     Returns:
         Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``engine``,
-        ``tokens`` (context tokens run through the model), ``seconds``.
+        ``tokens`` (context tokens run through the model), ``seconds``; the prefix engine adds
+        ``shared_prefix_chunks`` (chunks run with :meth:`HFProbeModel.tail_logits_shared_prefix`).
     Raises:
         ValueError: unknown probe or engine, max_prefix_waste outside (0, 1], positions that are not a mapping of
             requested rows to int reasoning indices in range, rows out of range or not integers, memory_budget_mb not an int
@@ -352,12 +353,13 @@ def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits
             row_index, slots, cols, js = var_row_t[sl], var_slot_t[sl], var_col_t[sl], var_j_t[sl]
             # Shared-prefix attention reads each row's prefix in place and needs the suffixes free of padding
             # (a chunk may mix rows whose padding reaches past p: those chunks take the cached path).
-            if shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p:
+            use_shared = shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p
+            if use_shared:  # group the variants by cached row: one prefix attention call per row
                 order = torch.argsort(slots, stable=True)
                 row_index, slots, cols, js = row_index[order], slots[order], cols[order], js[order]
             masked = batch.input_ids[row_index, p:].clone()
             masked[torch.arange(masked.shape[0]), cols - p] = batch.pad_id
-            if shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p:
+            if use_shared:
                 ids, counts = torch.unique_consecutive(slots, return_counts=True)
                 ends = counts.cumsum(0).tolist()
                 groups = [(int(x), e - int(c), e, pad_of_slot[int(x)]) for x, c, e in zip(ids, counts, ends)]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -228,7 +229,7 @@ class _SharedPrefix:
     kv: list  # per layer (keys, values): (R, kv_heads, >= p, head_dim)
     groups: list  # (slot, begin, end, pad)
     p: int
-    bias: dict | None = None  # pad -> additive (1, 1, 1, p) mask, built once per call
+    bias: dict = field(default_factory=dict)  # pad -> additive (1, 1, 1, p) mask, built once per call
 
 
 _SHARED_PREFIX: contextvars.ContextVar = contextvars.ContextVar("oar_shared_prefix", default=None)
@@ -266,8 +267,6 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     if p == 0:
         return out_s.transpose(1, 2).contiguous(), None
     keys, values = ctx.kv[module.layer_idx]
-    if ctx.bias is None:
-        ctx.bias = {}
     out_p = torch.empty_like(out_s)
     lse_p = torch.empty_like(lse_s)
     for slot, begin, end, pad in ctx.groups:
@@ -299,6 +298,7 @@ def _no_mask(*args, **kwargs):
     return None
 
 
+@functools.cache
 def _register_shared_prefix_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
