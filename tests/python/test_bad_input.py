@@ -16,6 +16,8 @@ from oar.config import load_config, parse_overrides
 from oar.hook import TokenAdvantageHook
 from oar.models import tiny_random_llama
 
+from _completions import completion_batch
+
 R = torch.tensor([1.0, 0.0, 1.0, 0.0])
 S = torch.rand(2, 5, generator=torch.Generator().manual_seed(0))
 M = torch.ones(2, 5, dtype=torch.bool)
@@ -267,14 +269,7 @@ def tiny():
 
 
 def _hook_batch(tok, C=12):
-    texts = ["so 2 and 3 \\boxed{5}", "hmm 9"]
-    ids = torch.full((2, C), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((2, C), dtype=torch.long)
-    for i, t in enumerate(texts):
-        e = tok.encode(t, add_special_tokens=False)[:C]
-        ids[i, : len(e)] = torch.tensor(e)
-        mask[i, : len(e)] = 1
-    return [tok.encode("Q: 2+3?", add_special_tokens=False)] * 2, ids, mask
+    return completion_batch(tok, ["so 2 and 3 \\boxed{5}", "hmm 9"], C, eos=False)
 
 
 def _hook(tok, method="oar_p"):

@@ -15,6 +15,8 @@ from oar import baselines
 from oar.attribution import ProbeContextBuilder, as_probe_model, oar_p_scores
 from oar.models import tiny_random_llama
 
+from _completions import completion_batch
+
 CONCLUDE = "\nTherefore, the final answer is \\boxed{"
 
 
@@ -28,14 +30,7 @@ def _cfg(**kw):
 
 
 def _batch(tok, C=20):
-    texts = ["so 2 and 3 \\boxed{5}", "hmm 9", "5 \\boxed{5}", "4 4 \\boxed{8}"]
-    ids = torch.full((4, C), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((4, C), dtype=torch.long)
-    for i, t in enumerate(texts):
-        e = tok.encode(t, add_special_tokens=False)[:C]
-        ids[i, : len(e)] = torch.tensor(e)
-        mask[i, : len(e)] = 1
-    return [tok.encode("Q: 2+3?", add_special_tokens=False)] * 4, ids, mask
+    return completion_batch(tok, ["so 2 and 3 \\boxed{5}", "hmm 9", "5 \\boxed{5}", "4 4 \\boxed{8}"], C, eos=False)
 
 
 # ---- oar.token_advantages --------------------------------------------------------------------------------------
