@@ -1,4 +1,4 @@
-"""Command line: ``oar train | attribute | info`` (see README)."""
+"""Command line: ``oar train | compare | attribute | eval-attribution | info`` (see README)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,22 @@ import sys
 
 def _train(a) -> int:
     from oar.config import load_config
-    from oar.train import run_training
+    from oar.train import eval_settings, format_summary, run_training
 
     # Configuration errors are user errors: report them as such (exit 2, no traceback) before any work.
     try:
         cfg = load_config(a.config, a.set)
+        eval_settings(cfg)
         _task_problems(dict(cfg.task), "train")  # missing data fails here, before the model is loaded
     except (ValueError, FileNotFoundError) as e:
         a.parser.error(str(e))
-
-    summary = run_training(a.config, a.set, a.output_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k != "reward_per_step"}, indent=2))
+    try:
+        summary = run_training(a.config, a.set, a.output_dir, resume=a.resume)
+    except ValueError as e:
+        if "checkpoint" not in str(e):
+            raise
+        a.parser.error(str(e))
+    print(format_summary(summary))
     return 0
 
 
@@ -81,6 +86,38 @@ def _eval_attribution(a) -> int:
     return 0
 
 
+def _compare(a) -> int:
+    import os
+
+    from oar.compare import build_report, run_compare
+
+    if a.report_only:
+        if not os.path.isdir(os.path.join(a.out, "results")):
+            a.parser.error(f"--report-only: {a.out!r} holds no results/ folder (run the sweep first)")
+        report = build_report(a.out, reward_level=a.reward_level, baseline="grpo")
+        print(open(os.path.join(a.out, "compare.md")).read() if report else f"no finished runs in {a.out}")
+        return 0
+    try:
+        from oar.config import load_config
+        from oar.train import eval_settings
+
+        eval_settings(load_config(a.config, a.set))
+        _task_problems(dict(load_config(a.config, a.set).task), "train")
+        if a.max_runs is not None and a.max_runs < 1:
+            raise ValueError(f"--max-runs must be >= 1, got {a.max_runs}")
+        res = run_compare(a.config, a.set, a.methods, a.seeds, a.out, max_runs=a.max_runs,
+                          save_models=a.save_models, reward_level=a.reward_level, progress=not a.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        a.parser.error(str(e))
+    md = os.path.join(a.out, "compare.md")
+    if os.path.exists(md):
+        print(open(md).read())
+    print(f"[oar] {res['done']} runs finished, {len(res['pending'])} pending"
+          + (f" (resume with the same command: {', '.join(res['pending'][:6])}...)" if res["pending"] else "")
+          + (f"; failed: {', '.join(res['failed'])}" if res["failed"] else ""))
+    return 1 if res["failed"] else 0
+
+
 def _info(a) -> int:
     import oar
 
@@ -96,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set oar.method=oar_p --set grpo.max_steps=5")
     t.add_argument("--output-dir", default=None)
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint-N in the output folder (grpo.save_strategy=steps)")
     t.set_defaults(func=_train, parser=t)
 
     at = sub.add_parser("attribute", help="sample G completions for one question, print per-token advantages, "
@@ -129,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="runs/eval_attribution/recall", help="output prefix (.csv .md .png .json)")
     ev.set_defaults(func=_eval_attribution, parser=ev)
+
+    c = sub.add_parser("compare", help="methods x seeds side by side on one config, held-out accuracy with "
+                                       "bootstrap intervals (resumable)")
+    c.add_argument("--config", default=None, help="YAML path or shipped name (default: default)")
+    c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override for every run (oar.method, run.seed, oar.seed are set per run)")
+    c.add_argument("--methods", nargs="+", default=["grpo", "oar_g", "oar_p", "random"])
+    c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    c.add_argument("--out", default="runs/compare", help="sweep folder (resumable: finished runs are kept)")
+    c.add_argument("--max-runs", type=int, default=None, help="start at most this many pending runs, then report")
+    c.add_argument("--reward-level", type=float, default=None,
+                   help="reward level of 'steps to reach' (default: halfway from the first-5-steps mean to the best)")
+    c.add_argument("--save-models", action="store_true", help="keep each run's trained policy")
+    c.add_argument("--no-progress", action="store_true", help="no live progress display")
+    c.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs, run nothing")
+    c.set_defaults(func=_compare, parser=c)
 
     i = sub.add_parser("info", help="print build information (CUDA kernels, torch versions)")
     i.set_defaults(func=_info)

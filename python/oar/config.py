@@ -1,10 +1,12 @@
 """Run configuration files (configs/*.yaml): one YAML file per run, read with PyYAML.
 
 Sections:
-    run:   output_dir, seed, plot (bool)
+    run:   output_dir, seed, plot (bool), save_model (bool)
     model: name (``smollm2-135m-instruct`` or a local HF folder), dtype
     task:  name (arithmetic | gsm8k | math500), kwargs (passed to oar.tasks.get_task), train_size
     grpo:  keyword arguments of ``trl.GRPOConfig`` (max_steps, learning_rate, num_generations, ...)
+    eval:  held-out evaluation of ``oar train`` (problems, every_steps, max_new_tokens, batch_size, seed,
+           before_cache; ``oar.train.EVAL_DEFAULTS``)
     oar:   the OAR schema, validated by the C++ parser (``oar.OARConfig.from_json``; docs/config.md)
 
 Unknown top-level sections raise ValueError naming them; unknown ``oar`` keys raise from the C++ schema.
@@ -22,7 +24,7 @@ from typing import Any
 
 import yaml
 
-SECTIONS = ("run", "model", "task", "grpo", "oar")
+SECTIONS = ("run", "model", "task", "grpo", "eval", "oar")
 
 
 class _Loader(yaml.SafeLoader):
@@ -103,6 +105,7 @@ class RunConfig:
     model: dict = field(default_factory=dict)
     task: dict = field(default_factory=dict)
     grpo: dict = field(default_factory=dict)
+    eval: dict = field(default_factory=dict)
     oar: Any = None  # oar.OARConfig
     source: str = ""
 
@@ -171,4 +174,4 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     _check_run_fields(raw)
     oar_cfg = OARConfig.from_json(_oar_json(raw.get("oar") or {}))
     return RunConfig(run=raw.get("run") or {}, model=raw.get("model") or {}, task=raw.get("task") or {},
-                     grpo=raw.get("grpo") or {}, oar=oar_cfg, source=path)
+                     grpo=raw.get("grpo") or {}, eval=raw.get("eval") or {}, oar=oar_cfg, source=path)

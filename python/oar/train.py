@@ -1,28 +1,40 @@
 """The main job: GRPO training with OAR per-token advantages through TRL (``oar train``).
 
-Reads a run config (oar.config), loads the model (oar.models) and task (oar.tasks), trains with
-:class:`oar.integrations.trl.OARGRPOTrainer`, and writes to ``run.output_dir``:
+Reads a run config (oar.config), loads the model (oar.models) and task (oar.tasks), evaluates the policy on
+held-out problems of the task (greedy, the task's verifier; never seen in training), trains with
+:class:`oar.integrations.trl.OARGRPOTrainer`, evaluates again, and writes to ``run.output_dir``:
 
-- ``metrics.jsonl``: one JSON object per optimizer step: step, reward mean/std, share of zero-variance
-  groups, ESS ratio, top-10% advantage mass, time split (generation / attribution / update, seconds),
-  loss, KL, completion length, plus every ``oar/*`` metric;
-- ``reward_curve.png``: reward mean per step (matplotlib);
+- ``metrics.jsonl``: one JSON object per optimizer step, under TRL's metric names (``reward``,
+  ``reward_std``, ``frac_reward_zero_std``, ``time/generation``, ``time/attribution``, ``oar/*``, ...) plus
+  ``time/update``; and one object per held-out evaluation (``{"step": N, "heldout/accuracy": ...}``,
+  step 0 = before training). The console shows the same names.
+- ``reward_curve.png``: reward per step and the held-out accuracy points (matplotlib);
 - ``config.json``: the resolved configuration (oar section as parsed by the C++ schema);
-- ``summary.json``: written last, only when the run completed (a run that failed leaves none, so a
-  partial metrics file is never mistaken for a finished run).
+- ``model/``: the trained policy (Hugging Face folder: ``oar.models.load_model(path)`` and
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` load it), when ``run.save_model`` (default);
+- ``checkpoint-N/``: TRL checkpoints when ``grpo.save_strategy: steps`` (``oar train --resume`` continues
+  from the last one);
+- ``summary.json``: written last, atomically, only when the run completed (a run that failed leaves none,
+  so a partial metrics file is never mistaken for a finished run).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
 from oar.config import RunConfig, load_config
+
+#: Defaults of the ``eval`` config section (docs/config.md).
+EVAL_DEFAULTS = {"problems": 96, "every_steps": 0, "max_new_tokens": None, "batch_size": 32, "seed": 0,
+                 "before_cache": None}
 
 
 def _rows_for_dataset(task, problems) -> list[dict]:
@@ -43,94 +55,204 @@ def make_reward_func(task, problems_by_id: dict):
     return correctness
 
 
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Writes ``obj`` as JSON to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB (VmHWM of /proc/self/status; 0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def _console(msg: str) -> None:
+    """One line on the console that does not break a tqdm progress bar."""
+    try:
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg, file=sys.stdout)
+    except ImportError:  # pragma: no cover
+        print(msg, flush=True)
+
+
 class MetricsWriter:
-    """TrainerCallback writing one JSONL line per logged step and updating a rich progress line."""
+    """Appends one JSON line per logged optimizer step (TRL's names plus ``time/update``) and one per held-out
+    evaluation to ``path``; ``rows`` keeps them in memory for the plot and the summary.
 
-    KEYS = {
-        "reward": "reward_mean", "reward_std": "reward_std", "frac_reward_zero_std": "zero_std_group_frac",
-        "oar/ess_ratio": "ess_ratio", "oar/top10_mass": "top10_mass", "time/generation": "time_generation_s",
-        "time/attribution": "time_attribution_s", "step_time": "step_time_s", "loss": "loss", "kl": "kl",
-        "completions/mean_length": "completion_length",
-    }
+    Args:
+        path: the ``metrics.jsonl`` file.
+        keep_until: resume: rows of an earlier run with ``step <= keep_until`` are kept, later ones dropped
+            (None: start a new file).
+    """
 
-    def __init__(self, path: str, max_steps: int):
+    def __init__(self, path: str, keep_until: int | None = None):
         from transformers import TrainerCallback
 
         self.path = path
-        self.max_steps = max_steps
         self.rows: list[dict] = []
-        self.fh = open(path, "w")
+        if keep_until is not None and os.path.exists(path):
+            with open(path) as f:
+                self.rows = [r for r in (json.loads(line) for line in f if line.strip()) if r["step"] <= keep_until]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+        os.replace(path + ".tmp", path)
+        self.fh = open(path, "a")
         writer = self
 
         class _CB(TrainerCallback):
             def on_log(self, args, state, control, logs=None, **kw):
-                writer.write(state.global_step, logs or {})
+                if logs is not None:
+                    writer.add_update_time(logs)  # before the progress callback prints the same dict
+                    writer.write_train(state.global_step, logs)
 
         self.callback = _CB()
 
-    def write(self, step: int, logs: dict) -> None:
-        if "reward" not in logs:  # the final train summary log has no reward
-            return
-        row: dict[str, Any] = {"step": step}
-        for k, v in logs.items():
-            if isinstance(v, (int, float)):
-                row[self.KEYS.get(k, k)] = v
-        st = row.get("step_time_s")
-        if st is not None:
-            gen = row.get("time_generation_s", 0.0)
-            att = row.get("time_attribution_s", 0.0)
-            row["time_update_s"] = max(st - gen - att, 0.0)
+    @staticmethod
+    def add_update_time(logs: dict) -> None:
+        """``time/update`` = TRL's ``step_time`` minus generation and attribution (seconds, >= 0)."""
+        st = logs.get("step_time")
+        if isinstance(st, (int, float)) and "reward" in logs:
+            logs["time/update"] = max(st - logs.get("time/generation", 0.0) - logs.get("time/attribution", 0.0), 0.0)
+
+    def _append(self, row: dict) -> None:
         self.rows.append(row)
         self.fh.write(json.dumps(row) + "\n")
         self.fh.flush()
+
+    def write_train(self, step: int, logs: dict) -> None:
+        if "reward" not in logs:  # the final train summary log has no reward
+            return
+        self._append({"step": step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
+
+    def write_eval(self, step: int, result) -> None:
+        self._append({"step": step, "heldout/accuracy": result.accuracy, "heldout/n": len(result.correct),
+                      "heldout/seconds": result.seconds})
+
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.rows if "reward" in r]
+
+    def eval_rows(self) -> list[dict]:
+        return [r for r in self.rows if "heldout/accuracy" in r]
 
     def close(self):
         self.fh.close()
 
 
 def plot_reward_curve(rows: list[dict], path: str, title: str) -> None:
-    """Reward mean per step with a 5-step moving average (matplotlib, Agg backend)."""
+    """Reward per step with a 5-step moving average, and the held-out accuracy points (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    rew = [r.get("reward_mean", float("nan")) for r in rows]
+    train = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "heldout/accuracy" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, rew, marker="o", ms=3, lw=1, label="reward mean")
-    if len(rew) >= 5:
-        ma = [sum(rew[max(0, i - 4): i + 1]) / len(rew[max(0, i - 4): i + 1]) for i in range(len(rew))]
-        ax.plot(steps, ma, lw=2, label="5-step average")
+    if train:
+        steps = [r["step"] for r in train]
+        rew = [r["reward"] for r in train]
+        ax.plot(steps, rew, marker="o", ms=3, lw=1, alpha=0.6, label="reward (training rollouts)")
+        if len(rew) >= 5:
+            ma = [sum(rew[max(0, i - 4): i + 1]) / len(rew[max(0, i - 4): i + 1]) for i in range(len(rew))]
+            ax.plot(steps, ma, lw=2, label="reward, 5-step average")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["heldout/accuracy"] for r in evals], marker="s", ms=6, lw=1.5,
+                color="black", label=f"heldout/accuracy (greedy, {evals[0].get('heldout/n', '?')} problems)")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("reward (accuracy)")
+    ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def build_trainer(cfg: RunConfig, output_dir: str, callbacks=()):
-    """Model, tokenizer, dataset, reward function and OARGRPOTrainer for a run config."""
-    from datasets import Dataset
-    from trl import GRPOConfig
+def eval_settings(cfg: RunConfig) -> dict:
+    """The ``eval`` section with its defaults filled in (``max_new_tokens`` defaults to the training
+    completion length).
 
-    from oar.integrations.trl import OARGRPOTrainer
-    from oar.models import load_by_name
+    Raises:
+        ValueError: unknown key or a bad value (named).
+    """
+    raw = dict(cfg.eval or {})
+    unknown = sorted(set(raw) - set(EVAL_DEFAULTS))
+    if unknown:
+        raise ValueError(f"eval section has unknown keys {unknown}; known: {sorted(EVAL_DEFAULTS)}")
+    ev = {**EVAL_DEFAULTS, **raw}
+    if ev["max_new_tokens"] is None:
+        ev["max_new_tokens"] = int(cfg.grpo.get("max_completion_length", 256))
+    for key, lo in (("problems", 0), ("every_steps", 0), ("max_new_tokens", 1), ("batch_size", 1), ("seed", 0)):
+        v = ev[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"eval.{key} must be an integer >= {lo}, got {v!r}")
+    if ev["before_cache"] is not None and not isinstance(ev["before_cache"], str):
+        raise ValueError(f"eval.before_cache must be a file path or null, got {ev['before_cache']!r}")
+    return ev
+
+
+def build_task(cfg: RunConfig):
+    """The task of a config and its training problems (``task.train_size``, drawn with ``run.seed``)."""
     from oar.tasks import get_task
 
     seed = int(cfg.run.get("seed", 0))
-    torch.manual_seed(seed)
     tcfg = dict(cfg.task)
     task = get_task(tcfg.pop("name", "arithmetic"), **(tcfg.pop("kwargs", None) or {}))
     problems = task.problems("train", n=tcfg.pop("train_size", None), seed=seed)
     if not problems:
         raise ValueError(f"task {task!r} produced no training problems")
+    return task, problems
+
+
+def heldout_problems(task, ev: dict, train_problems) -> list:
+    """The held-out problems: ``eval.problems`` of the task's test split, drawn with ``eval.seed`` (not the run
+    seed: every run of a comparison is evaluated on the same problems).
+
+    Raises:
+        ValueError: a held-out question also occurs among the training problems.
+    """
+    if ev["problems"] == 0:
+        return []
+    problems = task.problems("test", n=ev["problems"], seed=ev["seed"])
+    seen = {p.question for p in train_problems}
+    leaked = [p.id for p in problems if p.question in seen]
+    if leaked:
+        raise ValueError(f"held-out problems {leaked[:3]} also occur in the training problems: the task's test and "
+                         "train splits overlap")
+    return problems
+
+
+def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, problems=None):
+    """Model, tokenizer, dataset, reward function and OARGRPOTrainer for a run config; returns
+    ``(trainer, task)``."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from oar.integrations.trl import OARGRPOTrainer
+    from oar.models import load_by_name
+
+    seed = int(cfg.run.get("seed", 0))
+    torch.manual_seed(seed)
+    if task is None:
+        task, problems = build_task(cfg)
     mcfg = dict(cfg.model)
     dtype = getattr(torch, str(mcfg.pop("dtype", "float32")))
+    # The trainer owns the only copy: no cached second copy of the weights in this process.
+    if mcfg.get("name", "smollm2-135m-instruct") != "tiny-random-llama":
+        mcfg.setdefault("fresh", False)
     model, tokenizer = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=seed, **mcfg)
     ds = Dataset.from_list(_rows_for_dataset(task, problems))
     grpo = dict(cfg.grpo)
@@ -147,49 +269,197 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=()):
     return trainer, task
 
 
-def run_training(config: str | None = None, overrides: list[str] | None = None, output_dir: str | None = None) -> dict:
-    """Runs the main job and returns the summary dict (also written to ``summary.json``)."""
+def _before_cache_key(cfg: RunConfig, ev: dict, problems) -> dict:
+    return {"model": cfg.model, "task": {k: v for k, v in cfg.task.items() if k != "train_size"},
+            "max_new_tokens": ev["max_new_tokens"], "problem_ids": [p.id for p in problems]}
+
+
+def _evaluate_before(cfg, ev, task, problems, model, tokenizer):
+    """The before-training evaluation, read from ``eval.before_cache`` when it holds one for the same model,
+    task, problems and length (greedy decoding is deterministic), else computed (and stored there)."""
+    from oar.tasks.evaluate import HeldoutResult, heldout_accuracy
+
+    key = _before_cache_key(cfg, ev, problems)
+    path = ev["before_cache"]
+    if path and os.path.exists(path):
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("key") == json.loads(json.dumps(key)):
+            r = cached["result"]
+            return HeldoutResult(r["accuracy"], r["correct"], r["problem_ids"], r["seconds"])
+    res = heldout_accuracy(task, problems, model, tokenizer, max_new_tokens=ev["max_new_tokens"],
+                           batch_size=ev["batch_size"])
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_json_atomic(path, {"key": key, "result": res.as_dict()})
+    return res
+
+
+def _eval_callback(every: int, evaluate):
+    from transformers import TrainerCallback
+
+    class _Eval(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if every > 0 and state.global_step % every == 0 and state.global_step < state.max_steps:
+                evaluate(model, state.global_step)
+
+    return _Eval()
+
+
+def _load_evals(path: str, keep_until: int | None) -> dict:
+    from oar.tasks.evaluate import HeldoutResult
+
+    if keep_until is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(s): HeldoutResult(r["accuracy"], r["correct"], r["problem_ids"], r["seconds"])
+            for s, r in raw.items() if int(s) <= keep_until}
+
+
+def _record_eval(out: str, evals: dict, step: int, res) -> None:
+    evals[step] = res
+    write_json_atomic(os.path.join(out, "heldout.json"), {str(s): evals[s].as_dict() for s in sorted(evals)})
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """TRL/transformers checkpoint folders (``checkpoint-N``) in ``output_dir``, oldest first."""
+    found = [d for d in glob.glob(os.path.join(output_dir, "checkpoint-*")) if d.rsplit("-", 1)[-1].isdigit()]
+    return sorted(found, key=lambda d: int(d.rsplit("-", 1)[-1]))
+
+
+def run_training(config: str | None = None, overrides: list[str] | None = None, output_dir: str | None = None,
+                 resume: bool = False) -> dict:
+    """Runs the main job and returns the summary dict (also written to ``summary.json``).
+
+    Args:
+        config: YAML path or shipped config name (default ``default``).
+        overrides: ``section.key=value`` strings.
+        output_dir: overrides ``run.output_dir``.
+        resume: continue from the last ``checkpoint-N`` in the output folder (TRL's checkpointing; the
+            metrics of steps after that checkpoint are dropped and redone).
+
+    Raises:
+        ValueError: bad config; ``resume`` without a checkpoint; a fresh run into a folder holding
+            checkpoints of an earlier run (it would mix two runs: pass ``resume`` or another folder).
+    """
     cfg = load_config(config, overrides)
     out = output_dir or cfg.run.get("output_dir", "runs/default")
+    ev = eval_settings(cfg)
     os.makedirs(out, exist_ok=True)
-    for stale in ("summary.json",):
-        if os.path.exists(os.path.join(out, stale)):
-            os.remove(os.path.join(out, stale))
+    ckpts = checkpoints(out)
+    keep_until = None
+    if resume:
+        if not ckpts:
+            raise ValueError(f"--resume: no checkpoint-N folder in {out!r} (checkpoints are written when "
+                             "grpo.save_strategy=steps and grpo.save_steps=N)")
+        with open(os.path.join(ckpts[-1], "trainer_state.json")) as f:
+            keep_until = int(json.load(f)["global_step"])
+    elif ckpts:
+        raise ValueError(f"output folder {out!r} holds checkpoints of an earlier run ({os.path.basename(ckpts[-1])}): "
+                         "pass --resume to continue it, or choose another --output-dir")
+    if os.path.exists(os.path.join(out, "summary.json")):
+        os.remove(os.path.join(out, "summary.json"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({"source": cfg.source, "run": cfg.run, "model": cfg.model, "task": cfg.task, "grpo": cfg.grpo,
-                   "oar": cfg.oar_dict()}, f, indent=2)
-    max_steps = int(cfg.grpo.get("max_steps", 0))
-    writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), max_steps)
+                   "eval": ev, "oar": cfg.oar_dict()}, f, indent=2)
+    writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), keep_until)
     t0 = time.perf_counter()
+    # Per-problem results of every held-out evaluation, by step (heldout.json; a resumed run reloads them).
+    evals = _load_evals(os.path.join(out, "heldout.json"), keep_until)
     try:
-        trainer, task = build_trainer(cfg, out, callbacks=[writer.callback])
+        task, train_problems = build_task(cfg)
+        held = heldout_problems(task, ev, train_problems)
+
+        def evaluate(model, step):
+            from oar.tasks.evaluate import heldout_accuracy
+
+            res = heldout_accuracy(task, held, model, tokenizer, max_new_tokens=ev["max_new_tokens"],
+                                   batch_size=ev["batch_size"])
+            _record_eval(out, evals, step, res)
+            writer.write_eval(step, res)
+            _console(f"[oar] step {step}: heldout/accuracy {res.accuracy:.3f} ({sum(res.correct)}/{len(held)}, "
+                     f"greedy, {res.seconds:.0f} s)")
+
+        cbs = [writer.callback]
+        if held and ev["every_steps"]:
+            cbs.append(_eval_callback(ev["every_steps"], evaluate))
+        trainer, task = build_trainer(cfg, out, callbacks=cbs, task=task, problems=train_problems)
+        tokenizer = trainer.processing_class
         load_s = time.perf_counter() - t0
-        trainer.train()
+        if held and keep_until is None:
+            res = _evaluate_before(cfg, ev, task, held, trainer.model, tokenizer)
+            _record_eval(out, evals, 0, res)
+            writer.write_eval(0, res)
+            _console(f"[oar] before training: heldout/accuracy {res.accuracy:.3f} ({sum(res.correct)}/{len(held)} "
+                     f"held-out problems, greedy)")
+        trainer.train(resume_from_checkpoint=ckpts[-1] if resume else None)
+        final_step = int(trainer.state.global_step)
+        if held:
+            evaluate(trainer.model, final_step)
+        model_dir = None
+        if cfg.run.get("save_model", True):
+            model_dir = os.path.join(out, "model")
+            trainer.save_model(model_dir)
     finally:
         writer.close()
     rows = writer.rows
     if cfg.run.get("plot", True) and rows:
         plot_reward_curve(rows, os.path.join(out, "reward_curve.png"),
                           f"GRPO + OAR ({cfg.oar.method}, {cfg.oar.probe}) on {cfg.task.get('name', 'arithmetic')}")
+    summary = summarize(writer, evals, final_step)
+    summary.update({"method": cfg.oar.method, "seed": int(cfg.run.get("seed", 0)), "peak_rss_mb": peak_rss_mb(),
+                    "load_seconds": load_s, "wall_seconds": time.perf_counter() - t0, "output_dir": out,
+                    "model_dir": model_dir})
+    write_json_atomic(os.path.join(out, "summary.json"), summary)
+    return summary
 
-    def mean(key, sl=slice(None)):
-        vals = [r[key] for r in rows[sl] if key in r and not math.isnan(r[key])]
+
+def summarize(writer: MetricsWriter, evals: dict, final_step: int) -> dict:
+    """The summary of a finished run: per metric name (the names of metrics.jsonl) its aggregates."""
+    from oar.stats import bootstrap_mean
+
+    train = writer.train_rows()
+
+    def agg(key, sl=slice(None)):
+        vals = [r[key] for r in train[sl] if key in r and not math.isnan(r[key])]
         return sum(vals) / len(vals) if vals else None
 
-    summary = {
-        "steps": len(rows),
-        "reward_first5": mean("reward_mean", slice(0, 5)),
-        "reward_last5": mean("reward_mean", slice(-5, None)),
-        "reward_per_step": [r.get("reward_mean") for r in rows],
-        "mean_time_generation_s": mean("time_generation_s"),
-        "mean_time_attribution_s": mean("time_attribution_s"),
-        "mean_time_update_s": mean("time_update_s"),
-        "mean_ess_ratio": mean("ess_ratio"),
-        "mean_top10_mass": mean("top10_mass"),
-        "load_seconds": load_s,
-        "wall_seconds": time.perf_counter() - t0,
-        "output_dir": out,
-    }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return summary
+    out: dict[str, Any] = {"steps": final_step}
+    out["reward"] = {"first5": agg("reward", slice(0, 5)), "last5": agg("reward", slice(-5, None)),
+                     "per_step": [r.get("reward") for r in train]}
+    for key in ("time/generation", "time/attribution", "time/update", "step_time", "oar/ess_ratio",
+                "oar/top10_mass", "completions/mean_length"):
+        out[key] = {"mean": agg(key)}
+    if evals:
+        before, after = evals.get(0), evals.get(final_step)
+        held: dict[str, Any] = {"n": len(next(iter(evals.values())).correct),
+                                "history": [[s, evals[s].accuracy] for s in sorted(evals)],
+                                "before": before.accuracy if before is not None else None,
+                                "after": after.accuracy if after is not None else None}
+        if before is not None and after is not None:
+            # Paired over the same problems: per-problem differences in {-1, 0, 1}, bootstrap over problems.
+            held["gain"] = bootstrap_mean([a - b for a, b in zip(after.correct, before.correct)], seed=0).as_dict()
+            held["correct_before"] = before.correct
+            held["correct_after"] = after.correct
+            held["problem_ids"] = after.problem_ids
+        out["heldout/accuracy"] = held
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """A few console lines for a finished run (the full summary is in ``summary.json``)."""
+    lines = [f"[oar] finished {summary['steps']} steps in {summary['wall_seconds'] / 60:.1f} min "
+             f"(peak memory {summary['peak_rss_mb'] / 1024:.2f} GiB); outputs in {summary['output_dir']}"]
+    rw = summary["reward"]
+    if rw["first5"] is not None:
+        lines.append(f"[oar] reward (training rollouts): first 5 steps {rw['first5']:.3f}, last 5 steps {rw['last5']:.3f}")
+    held = summary.get("heldout/accuracy")
+    if held and held.get("before") is not None and held.get("after") is not None:
+        g = held.get("gain")
+        gain = f"; gain {g['mean']:+.3f}, 95% CI [{g['lo']:+.3f}, {g['hi']:+.3f}]" if g else ""
+        lines.append(f"[oar] heldout/accuracy (greedy, {held['n']} problems never trained on): "
+                     f"before {held['before']:.3f} -> after {held['after']:.3f}{gain}")
+    if summary.get("model_dir"):
+        lines.append(f"[oar] trained policy saved to {summary['model_dir']} (oar.models.load_model(path))")
+    return "\n".join(lines)

@@ -4,8 +4,11 @@ import json
 import os
 
 import pytest
+import torch
 
 import oar
+from oar.tasks import register_task
+from oar.tasks.arithmetic import ArithmeticTask
 from oar.config import config_dir, load_config, parse_overrides
 
 
@@ -38,25 +41,130 @@ def test_overrides_and_errors(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
-def test_train_job_writes_metrics_plot_summary(tmp_path):
+TINY = ["model.name=tiny-random-llama", "model.tokenizer=minimal", "model.hidden_size=32", "model.num_layers=1",
+        "model.num_heads=2", "task.train_size=16", "grpo.max_steps=2", "grpo.per_device_train_batch_size=8",
+        "grpo.max_completion_length=8", "grpo.disable_tqdm=true", "eval.problems=6", "eval.batch_size=3"]
+
+
+@register_task("digit-test")
+class _DigitTask(ArithmeticTask):
+    """The arithmetic problems with a reward a random tiny model earns about half of the time (a digit anywhere in
+    the completion), so that advantages are non-zero and training changes the model."""
+
+    name = "digit-test"
+
+    def reward(self, completion, problem):
+        return float(any(c.isdigit() for c in completion))
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from oar.models import load_model
     from oar.train import run_training
 
     out = tmp_path / "run"
-    summary = run_training(None, [
-        "model.name=tiny-random-llama", "model.tokenizer=minimal", "model.hidden_size=32", "model.num_layers=1",
-        "model.num_heads=2", "task.train_size=16", "grpo.max_steps=2", "grpo.per_device_train_batch_size=8",
-        "grpo.max_completion_length=8", "grpo.disable_tqdm=true",
-    ], str(out))
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
-    for key in ("reward_mean", "zero_std_group_frac", "ess_ratio", "top10_mass", "time_generation_s",
-                "time_attribution_s", "time_update_s"):
-        assert all(key in r for r in rows), key
-    assert all(r["time_update_s"] >= 0 for r in rows)
+    summary = run_training(None, TINY, str(out))
+    rows = _rows(out / "metrics.jsonl")
+    train = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "heldout/accuracy" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["heldout/n"] == 6 for r in evals)
+    # One name per metric: TRL's names in the file, the same names in the summary.
+    for key in ("reward", "frac_reward_zero_std", "oar/ess_ratio", "oar/top10_mass", "time/generation",
+                "time/attribution", "time/update", "step_time"):
+        assert all(key in r for r in train), key
+    assert not any("reward_mean" in r for r in rows)
+    for r in train:
+        assert r["time/update"] == pytest.approx(max(r["step_time"] - r["time/generation"] - r["time/attribution"], 0))
     assert (out / "reward_curve.png").stat().st_size > 1000
     saved = json.load(open(out / "summary.json"))
     assert saved["steps"] == 2 and saved == json.loads(json.dumps(summary))
+    assert saved["reward"]["per_step"] == [r["reward"] for r in train]
+    held = saved["heldout/accuracy"]
+    assert held["before"] == evals[0]["heldout/accuracy"] and held["after"] == evals[1]["heldout/accuracy"]
+    assert held["before"] == sum(held["correct_before"]) / 6 and held["after"] == sum(held["correct_after"]) / 6
+    assert held["gain"]["lo"] <= held["gain"]["mean"] <= held["gain"]["hi"]
+    assert held["gain"]["mean"] == pytest.approx(held["after"] - held["before"])
     assert json.load(open(out / "config.json"))["oar"]["method"] == "oar_g"
+    assert saved["peak_rss_mb"] > 0
+    # The trained policy is a Hugging Face folder that both loaders read, with the trained weights.
+    assert saved["model_dir"] == str(out / "model")
+    m1, tok = load_model(saved["model_dir"])
+    m2 = AutoModelForCausalLM.from_pretrained(saved["model_dir"])
+    assert tok.pad_token is not None
+    for (n1, p1), (n2, p2) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_heldout_problems_are_disjoint_from_training_and_shared_across_seeds():
+    from oar.config import load_config
+    from oar.train import build_task, eval_settings, heldout_problems
+
+    held = []
+    for seed in (0, 1):
+        cfg = load_config(None, [f"run.seed={seed}", "eval.problems=40"])
+        task, train = build_task(cfg)
+        h = heldout_problems(task, eval_settings(cfg), train)
+        assert len(h) == 40 and not {p.question for p in h} & {p.question for p in train}
+        held.append([p.id for p in h])
+    assert held[0] == held[1]
+
+
+def _without_times(rows):
+    timed = ("step_time", "heldout/seconds", "oar/attribution_seconds", "train_runtime")
+    return [{k: v for k, v in r.items() if not (k.startswith("time/") or k in timed)} for r in rows]
+
+
+def test_same_config_same_seed_gives_the_same_metrics_line_for_line(tmp_path):
+    from oar.train import run_training
+
+    args = TINY + ["task.name=digit-test", "grpo.max_steps=3", "grpo.learning_rate=1e-2"]
+    for name in ("a", "b"):
+        run_training(None, args, str(tmp_path / name))
+    a, b = (_without_times(_rows(tmp_path / n / "metrics.jsonl")) for n in ("a", "b"))
+    assert len(a) == 5 and a == b
+    # The runs trained: advantages were non-zero (mixed groups), so the weights moved.
+    assert any(r.get("frac_reward_zero_std", 1.0) < 1.0 for r in a)
+    c = run_training(None, args + ["run.seed=1"], str(tmp_path / "c"))
+    assert _without_times(_rows(tmp_path / "c" / "metrics.jsonl")) != a and c["steps"] == 3
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path):
+    from oar.train import run_training
+
+    out = tmp_path / "run"
+    ck = TINY + ["task.name=digit-test", "grpo.save_strategy=steps", "grpo.save_steps=1", "run.save_model=false"]
+    run_training(None, ck, str(out))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    first = _rows(out / "metrics.jsonl")
+    # A fresh run into the same folder would mix two runs: refused, nothing touched.
+    with pytest.raises(ValueError, match="--resume"):
+        run_training(None, ck, str(out))
+    assert _rows(out / "metrics.jsonl") == first
+    # Resume from checkpoint-2 with a longer budget: steps 1-2 kept as they were, step 3 trained and appended.
+    s = run_training(None, ck + ["grpo.max_steps=3"], str(out), resume=True)
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
+    assert rows[:3] == first[:3] and s["steps"] == 3
+    assert s["heldout/accuracy"]["history"][0][0] == 0 and s["heldout/accuracy"]["history"][-1][0] == 3
+    with pytest.raises(ValueError, match="no checkpoint"):
+        run_training(None, TINY, str(tmp_path / "empty"), resume=True)
+
+
+def test_eval_section_errors_name_the_key():
+    from oar.config import load_config
+    from oar.train import eval_settings
+
+    with pytest.raises(ValueError, match="eval.problems must be an integer >= 0"):
+        eval_settings(load_config(None, ["eval.problems=-1"]))
+    with pytest.raises(ValueError, match=r"eval section has unknown keys \['problem'\]"):
+        eval_settings(load_config(None, ["eval.problem=3"]))
+    assert eval_settings(load_config(None))["max_new_tokens"] == load_config(None).grpo["max_completion_length"]
 
 
 def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):

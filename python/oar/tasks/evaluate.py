@@ -14,7 +14,7 @@ import torch
 
 from oar.tasks.base import Problem, Task
 
-__all__ = ["generate_completions", "sample_accuracy", "AccuracyReport"]
+__all__ = ["generate_completions", "sample_accuracy", "AccuracyReport", "heldout_accuracy", "HeldoutResult"]
 
 
 def generate_completions(
@@ -111,3 +111,51 @@ def sample_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer: 
     acc = sum(sum(r) for r in rewards) / total
     mixed = sum(1 for r in rewards if 0.0 < sum(r) < len(r)) / len(rewards)
     return AccuracyReport(acc, mixed, rewards, comps)
+
+
+@dataclass
+class HeldoutResult:
+    """Result of :func:`heldout_accuracy`.
+
+    Attributes:
+        accuracy: fraction of problems answered correctly (greedy decoding, the task's verifier).
+        correct: (N,) list of 0/1 per problem, in the order of ``problems`` (paired comparisons use it).
+        problem_ids: the problems' ids, same order.
+        seconds: wall time of the evaluation.
+    """
+
+    accuracy: float
+    correct: list[int]
+    problem_ids: list[str]
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "n": len(self.correct), "correct": self.correct,
+                "problem_ids": self.problem_ids, "seconds": self.seconds}
+
+
+def heldout_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer: Any, *, max_new_tokens: int = 96,
+                     batch_size: int = 32) -> HeldoutResult:
+    """Greedy accuracy of ``model`` on ``problems`` (held-out: never in the training set), one sample each.
+
+    The model is put in eval mode for the call and returned to its previous mode; the global RNG is
+    untouched (greedy decoding draws nothing). Deterministic for a given model, problems and machine.
+
+    Raises:
+        ValueError: empty ``problems``, ``max_new_tokens`` or ``batch_size`` < 1.
+    """
+    import time
+
+    if not problems:
+        raise ValueError("problems must not be empty")
+    was_training = bool(getattr(model, "training", False))
+    t0 = time.perf_counter()
+    model.eval()
+    try:
+        comps = generate_completions(model, tokenizer, [task.prompt(p) for p in problems], num_samples=1,
+                                     temperature=0.0, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    finally:
+        if was_training:
+            model.train()
+    correct = [int(task.reward(c[0], p) > 0.5) for c, p in zip(comps, problems)]
+    return HeldoutResult(sum(correct) / len(correct), correct, [p.id for p in problems], time.perf_counter() - t0)

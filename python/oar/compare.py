@@ -1,0 +1,417 @@
+"""``oar compare``: a grid of methods x seeds on one config and budget, side by side, with intervals.
+
+Every run is an ``oar train`` run (the same TRL path, in a child process: a crash or a kill loses at most
+the run in progress), with ``oar.method`` and ``run.seed`` / ``oar.seed`` set from the grid, evaluated on
+the same held-out problems before and after training (the before-training evaluation is computed once and
+shared: greedy decoding of the same initial model is deterministic).
+
+Layout of ``--out`` (default ``runs/compare``):
+
+- ``grid.json``: config, overrides, methods, seeds (a resumed sweep must use the same config and overrides);
+- ``runs/<method>-s<seed>/``: the run folder (metrics.jsonl, summary.json, log.txt);
+- ``results/<method>-s<seed>.json``: written atomically when the run finished; a sweep started again
+  skips these and redoes only runs without one (a half-done run's folder is cleared first);
+- ``compare.md``, ``compare.csv``, ``compare.png``: the report (:func:`build_report`), rebuilt after
+  every finished run, from finished runs only.
+
+Statistics (docs/compare.md): held-out accuracy after training with a two-level bootstrap 95% interval over
+seeds and problems; the paired difference to the baseline method (same seed, same problems); reward curves
+with a band of one standard deviation over seeds; steps to reach a reward level; time per step split into
+generation / attribution / update; ESS ratio and top-10% mass.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from oar.stats import bootstrap_grid_mean
+from oar.train import write_json_atomic
+
+__all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name"]
+
+#: Methods compared by default: plain GRPO, OAR-G, OAR-P, and the random-importance control (OAR's
+#: reshaping with U(0,1) scores: shows whether the reshaping alone, not the attribution, is what helps).
+DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "random")
+_KEEP_KEYS = ("reward", "time/generation", "time/attribution", "time/update", "step_time", "oar/ess_ratio",
+              "oar/top10_mass", "completions/mean_length")
+
+
+def run_name(method: str, seed: int) -> str:
+    """Folder / result name of one run of the grid."""
+    return f"{method}-s{seed}"
+
+
+def _check_grid(methods: Sequence[str], seeds: Sequence[int]) -> None:
+    import oar
+
+    if not methods:
+        raise ValueError("methods must name at least one method")
+    bad = [m for m in methods if m not in oar.METHODS]
+    if bad:
+        raise ValueError(f"methods must be among {list(oar.METHODS)}, got {bad}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods must not repeat, got {list(methods)}")
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ValueError(f"seeds must be a non-empty list of non-negative ints, got {list(seeds)}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must not repeat, got {list(seeds)}")
+
+
+def _grid_file(out_dir: str, config: str | None, overrides: list[str], methods, seeds) -> None:
+    """Writes ``grid.json``, or checks that a resumed sweep uses the same config and overrides."""
+    from oar.config import resolve_config
+
+    path = os.path.join(out_dir, "grid.json")
+    cfg_path = os.path.abspath(resolve_config(config))
+    with open(cfg_path) as f:
+        text = f.read()
+    grid = {"config": cfg_path, "config_text": text, "overrides": list(overrides), "methods": list(methods),
+            "seeds": list(seeds)}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        for key in ("config_text", "overrides"):
+            if old.get(key) != grid[key]:
+                raise ValueError(f"{out_dir!r} holds a sweep with another {key.replace('_text', '')} "
+                                 f"({old.get(key)!r:.200}); resume it with the same one, or pass another --out")
+        grid["methods"] = list(dict.fromkeys(old["methods"] + list(methods)))
+        grid["seeds"] = list(dict.fromkeys(old["seeds"] + list(seeds)))
+    write_json_atomic(path, grid)
+
+
+def _count_steps(metrics_path: str) -> int:
+    try:
+        with open(metrics_path) as f:
+            return sum(1 for line in f if '"reward"' in line)
+    except OSError:
+        return 0
+
+
+def _run_one(cmd: list[str], run_dir: str, max_steps: int, on_step) -> int:
+    """Runs one ``oar train`` child, logging to ``run_dir/log.txt``; calls ``on_step(k)`` as steps finish."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            while proc.poll() is None:
+                time.sleep(2.0)
+                on_step(_count_steps(os.path.join(run_dir, "metrics.jsonl")))
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    on_step(_count_steps(os.path.join(run_dir, "metrics.jsonl")))
+    return proc.returncode
+
+
+def _result_from_run(run_dir: str, method: str, seed: int) -> dict:
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train = [{k: r[k] for k in ("step",) + _KEEP_KEYS if k in r} for r in rows if "reward" in r]
+    held = summary.get("heldout/accuracy") or {}
+    if held.get("correct_after") is None:
+        raise ValueError(f"run {run_dir!r} has no held-out evaluation before and after (eval.problems=0?)")
+    return {"method": method, "seed": seed, "steps": summary["steps"], "train": train,
+            "heldout": {k: held[k] for k in ("before", "after", "correct_before", "correct_after", "problem_ids")},
+            "wall_seconds": summary["wall_seconds"], "peak_rss_mb": summary["peak_rss_mb"]}
+
+
+def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[str] = DEFAULT_METHODS,
+                seeds: Sequence[int] = (0, 1, 2, 3, 4), out_dir: str = "runs/compare", *, max_runs: int | None = None,
+                save_models: bool = False, reward_level: float | None = None, progress: bool = True,
+                python: str = sys.executable) -> dict:
+    """Runs (or resumes) the grid and writes the report; returns ``{"done", "failed", "pending", "report"}``.
+
+    Runs go seed-major (every method at seed 0, then at seed 1, ...), so a sweep stopped early still
+    compares the methods on the same seeds.
+
+    Args:
+        config, overrides: as for ``oar train`` (``oar.method`` / ``run.seed`` / ``oar.seed`` are set per run).
+        methods: names of ``oar.METHODS``; the first is the baseline of the paired differences unless
+            ``grpo`` is among them.
+        seeds: run seeds (training problems, sampling, OAR-G noise and random scores all follow it).
+        out_dir: sweep folder (layout in the module docstring).
+        max_runs: stop after this many runs have been started in this call (None: all pending).
+        save_models: keep each run's trained policy (``model/``, ~0.5 GB for SmolLM2-135M).
+        reward_level: the reward level of "steps to reach" (None: see :func:`build_report`).
+        progress: show a rich progress display over the grid.
+        python: interpreter of the child runs.
+
+    Raises:
+        ValueError: unknown or repeated methods or seeds, a bad config, or ``out_dir`` holding a sweep of
+            another config or other overrides.
+    """
+    from oar.config import load_config, resolve_config
+    from oar.train import eval_settings
+
+    _check_grid(methods, seeds)
+    overrides = list(overrides)
+    for o in overrides:
+        if o.split("=", 1)[0] in ("oar.method", "run.seed", "oar.seed", "eval.before_cache", "run.output_dir"):
+            raise ValueError(f"override {o!r} is set per run by oar compare; remove it")
+    cfg = load_config(config, overrides)
+    ev = eval_settings(cfg)
+    if ev["problems"] < 1:
+        raise ValueError("oar compare needs a held-out evaluation: eval.problems must be >= 1")
+    max_steps = int(cfg.grpo.get("max_steps", 0))
+    os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+    _grid_file(out_dir, config, overrides, methods, seeds)
+    grid = [(m, s) for s in seeds for m in methods]
+    todo = [(m, s) for m, s in grid if not os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json"))]
+    if max_runs is not None:
+        todo = todo[:max_runs]
+    failed: list[str] = []
+    cfg_arg = os.path.abspath(resolve_config(config))
+    before_cache = os.path.abspath(os.path.join(out_dir, "heldout_before.json"))
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not progress) as bar:
+        finished = sum(os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json")) for m, s in grid)
+        t_grid = bar.add_task("sweep (runs)", total=len(grid), completed=finished)
+        for method, seed in todo:
+            name = run_name(method, seed)
+            run_dir = os.path.join(out_dir, "runs", name)
+            if os.path.exists(run_dir):  # a run that did not finish: never reported, redone from scratch
+                shutil.rmtree(run_dir)
+            cmd = [python, "-m", "oar.cli", "train", "--config", cfg_arg, "--output-dir", run_dir]
+            for o in overrides + [f"oar.method={method}", f"run.seed={seed}", f"oar.seed={seed}",
+                                  f"eval.before_cache={before_cache}", "run.plot=false",
+                                  f"run.save_model={'true' if save_models else 'false'}"]:
+                cmd += ["--set", o]
+            t_run = bar.add_task(f"  {name} (steps)", total=max_steps or None)
+            rc = _run_one(cmd, run_dir, max_steps, lambda k, t=t_run: bar.update(t, completed=k))
+            bar.remove_task(t_run)
+            if rc != 0:
+                failed.append(name)
+                console.print(f"[red]run {name} failed (exit {rc}); its log: {os.path.join(run_dir, 'log.txt')}[/red]")
+                continue
+            result = _result_from_run(run_dir, method, seed)
+            write_json_atomic(os.path.join(out_dir, "results", name + ".json"), result)
+            bar.update(t_grid, advance=1)
+            h = result["heldout"]
+            console.print(f"run {name}: heldout/accuracy {h['before']:.3f} -> {h['after']:.3f} "
+                          f"({result['wall_seconds'] / 60:.1f} min)")
+            build_report(out_dir, baseline=_baseline(methods), reward_level=reward_level)
+    report = build_report(out_dir, baseline=_baseline(methods), reward_level=reward_level)
+    pending = [run_name(m, s) for m, s in grid
+               if not os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json"))]
+    return {"done": len(grid) - len(pending), "failed": failed, "pending": pending, "report": report}
+
+
+def _baseline(methods: Sequence[str]) -> str:
+    return "grpo" if "grpo" in methods else methods[0]
+
+
+def load_results(out_dir: str) -> list[dict]:
+    """The finished runs of a sweep folder (``results/*.json``), sorted by method then seed."""
+    folder = os.path.join(out_dir, "results")
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda r: (r["method"], r["seed"]))
+
+
+def _moving_average(x: np.ndarray, k: int = 5) -> np.ndarray:
+    out = np.empty_like(x, dtype=np.float64)
+    for i in range(len(x)):
+        out[i] = x[max(0, i - k + 1): i + 1].mean()
+    return out
+
+
+def _steps_to_reach(rewards: list[float], level: float) -> int | None:
+    """First optimizer step (1-based) whose 5-step moving average of the reward is >= level, or None."""
+    ma = _moving_average(np.asarray(rewards, dtype=np.float64))
+    hit = np.nonzero(ma >= level)[0]
+    return int(hit[0]) + 1 if hit.size else None
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.mean(xs)) if xs else None
+
+
+def build_report(out_dir: str, *, baseline: str = "grpo", reward_level: float | None = None,
+                 resamples: int = 4000) -> dict:
+    """Writes ``compare.md``, ``compare.csv`` and ``compare.png`` from the finished runs of ``out_dir`` and
+    returns the per-method table as a dict.
+
+    ``reward_level`` (None): halfway between the mean reward of all runs' first 5 steps and the best
+    method's mean reward over its last 5 steps.
+
+    Raises:
+        ValueError: the finished runs were evaluated on different held-out problems or from different
+            before-training results (runs of different sweeps mixed in one folder).
+    """
+    results = load_results(out_dir)
+    if not results:
+        return {}
+    ids = results[0]["heldout"]["problem_ids"]
+    before = np.asarray(results[0]["heldout"]["correct_before"], dtype=np.float64)
+    for r in results:
+        if r["heldout"]["problem_ids"] != ids or r["heldout"]["correct_before"] != list(before.astype(int)):
+            raise ValueError(f"run {run_name(r['method'], r['seed'])} was evaluated on other held-out problems or "
+                             "from another initial model than the rest of this sweep folder")
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    if baseline not in methods:
+        baseline = methods[0]
+    by_m = {m: {r["seed"]: r for r in results if r["method"] == m} for m in methods}
+    first5 = _mean([np.mean([t["reward"] for t in r["train"][:5]]) for r in results if r["train"]])
+    last5 = {m: _mean([np.mean([t["reward"] for t in r["train"][-5:]]) for r in rs.values() if r["train"]])
+             for m, rs in by_m.items()}
+    if reward_level is None:
+        best = max(v for v in last5.values() if v is not None) if any(v is not None for v in last5.values()) else 1.0
+        reward_level = round(float(first5 + (best - first5) / 2), 3) if first5 is not None else 0.5
+    table: dict[str, dict[str, Any]] = {}
+    for i, m in enumerate(methods):
+        rs = by_m[m]
+        seeds = sorted(rs)
+        after = np.asarray([rs[s]["heldout"]["correct_after"] for s in seeds], dtype=np.float64)
+        row: dict[str, Any] = {"method": m, "seeds": seeds, "n_problems": len(ids),
+                               "heldout_before": float(before.mean())}
+        row["heldout_after"] = bootstrap_grid_mean(after, resamples=resamples, seed=i).as_dict()
+        row["gain_vs_before"] = bootstrap_grid_mean(after - before[None, :], resamples=resamples, seed=i).as_dict()
+        row["heldout_after_per_seed"] = [float(a.mean()) for a in after]
+        common = [s for s in seeds if s in by_m[baseline]]
+        if m != baseline and common:
+            d = np.asarray([np.asarray(rs[s]["heldout"]["correct_after"]) -
+                            np.asarray(by_m[baseline][s]["heldout"]["correct_after"]) for s in common], dtype=np.float64)
+            row[f"diff_vs_{baseline}"] = bootstrap_grid_mean(d, resamples=resamples, seed=100 + i).as_dict()
+            row[f"diff_vs_{baseline}"]["seeds"] = common
+        reach = [_steps_to_reach([t["reward"] for t in rs[s]["train"]], reward_level) for s in seeds]
+        row["steps_to_reward_level"] = {"level": reward_level, "mean_of_reached": _mean(reach),
+                                        "reached": sum(x is not None for x in reach), "runs": len(reach)}
+        row["reward_first5"] = _mean([np.mean([t["reward"] for t in rs[s]["train"][:5]]) for s in seeds])
+        row["reward_last5"] = last5[m]
+        for key in ("time/generation", "time/attribution", "time/update", "step_time", "oar/ess_ratio",
+                    "oar/top10_mass", "completions/mean_length"):
+            row[key] = _mean([t.get(key) for s in seeds for t in rs[s]["train"]])
+        row["wall_minutes_per_run"] = _mean([rs[s]["wall_seconds"] / 60 for s in seeds])
+        table[m] = row
+    report = {"baseline": baseline, "reward_level": reward_level, "methods": table}
+    write_json_atomic(os.path.join(out_dir, "compare.json"), report)
+    _write_csv(os.path.join(out_dir, "compare.csv"), table, baseline)
+    _write_md(os.path.join(out_dir, "compare.md"), report, out_dir)
+    _plot(os.path.join(out_dir, "compare.png"), by_m, table, before.mean(), reward_level)
+    return report
+
+
+def _iv(d: dict | None, pct: bool = True) -> str:
+    if not d:
+        return "-"
+    f = 100.0 if pct else 1.0
+    return f"{d['mean'] * f:+.1f} [{d['lo'] * f:+.1f}, {d['hi'] * f:+.1f}]"
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _write_csv(path: str, table: dict, baseline: str) -> None:
+    cols = ["method", "n_seeds", "n_problems", "heldout_before", "heldout_after", "heldout_after_lo",
+            "heldout_after_hi", f"diff_vs_{baseline}", f"diff_vs_{baseline}_lo", f"diff_vs_{baseline}_hi",
+            "reward_first5", "reward_last5", "steps_to_reward_level", "reward_level", "runs_reaching_level",
+            "time_generation_s", "time_attribution_s", "time_update_s", "ess_ratio", "top10_mass"]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for m, r in table.items():
+            d = r.get(f"diff_vs_{baseline}") or {}
+            st = r["steps_to_reward_level"]
+            w.writerow([m, len(r["seeds"]), r["n_problems"], r["heldout_before"], r["heldout_after"]["mean"],
+                        r["heldout_after"]["lo"], r["heldout_after"]["hi"], d.get("mean"), d.get("lo"), d.get("hi"),
+                        r["reward_first5"], r["reward_last5"], st["mean_of_reached"], st["level"], st["reached"],
+                        r["time/generation"], r["time/attribution"], r["time/update"], r["oar/ess_ratio"],
+                        r["oar/top10_mass"]])
+    os.replace(tmp, path)
+
+
+def _write_md(path: str, report: dict, out_dir: str) -> None:
+    base = report["baseline"]
+    table = report["methods"]
+    lines = [f"# oar compare: {', '.join(table)}", "",
+             f"Held-out accuracy (greedy, {next(iter(table.values()))['n_problems']} problems never trained on), "
+             "in points; intervals are two-level bootstrap 95% intervals over seeds and problems. "
+             f"`vs {base}` is the paired difference (same seed, same problems).", "",
+             f"| method | seeds | before | after | after - before | vs {base} | reward first 5 / last 5 | "
+             f"steps to reward {report['reward_level']:.2f} | gen / attr / update s per step | ESS ratio | top-10% mass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, r in table.items():
+        a = r["heldout_after"]
+        st = r["steps_to_reward_level"]
+        reach = f"{_fmt(st['mean_of_reached'], '.1f')} ({st['reached']}/{st['runs']})"
+        times = " / ".join(_fmt(r[k], ".1f") for k in ("time/generation", "time/attribution", "time/update"))
+        lines.append(f"| {m} | {len(r['seeds'])} | {r['heldout_before'] * 100:.1f} | {a['mean'] * 100:.1f} "
+                     f"[{a['lo'] * 100:.1f}, {a['hi'] * 100:.1f}] | {_iv(r['gain_vs_before'])} | "
+                     f"{_iv(r.get(f'diff_vs_{base}')) if m != base else '(baseline)'} | {_fmt(r['reward_first5'], '.2f')} / "
+                     f"{_fmt(r['reward_last5'], '.2f')} | {reach} | {times} | {_fmt(r['oar/ess_ratio'], '.3f')} | "
+                     f"{_fmt(r['oar/top10_mass'], '.3f')} |")
+    lines += ["", "Per seed (held-out accuracy after training): " + "; ".join(
+        f"{m}: " + ", ".join(f"s{s} {v:.3f}" for s, v in zip(r["seeds"], r["heldout_after_per_seed"]))
+        for m, r in table.items()), "", f"Plot: `{os.path.join(out_dir, 'compare.png')}`", ""]
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
+
+def _plot(path: str, by_m: dict, table: dict, before: float, level: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), dpi=120, gridspec_kw={"width_ratios": [3, 2]})
+    for m, rs in by_m.items():
+        n = min(len(r["train"]) for r in rs.values())
+        if n == 0:
+            continue
+        curves = np.asarray([_moving_average(np.asarray([t["reward"] for t in r["train"][:n]])) for r in rs.values()])
+        steps = np.arange(1, n + 1)
+        mu, sd = curves.mean(0), curves.std(0)
+        (line,) = ax.plot(steps, mu, lw=2, label=f"{m} ({len(rs)} seeds)")
+        ax.fill_between(steps, mu - sd, mu + sd, color=line.get_color(), alpha=0.15)
+    ax.axhline(level, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training reward (5-step average)")
+    ax.set_title("reward: mean over seeds, band = 1 std", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    names = list(table)
+    means = [table[m]["heldout_after"]["mean"] for m in names]
+    err = np.asarray([[table[m]["heldout_after"]["mean"] - table[m]["heldout_after"]["lo"] for m in names],
+                      [table[m]["heldout_after"]["hi"] - table[m]["heldout_after"]["mean"] for m in names]])
+    bx.bar(names, means, yerr=err, capsize=4, color="#4c72b0", alpha=0.8, label="after training (95% CI)")
+    bx.axhline(before, color="black", ls="--", lw=1, label=f"before training ({before:.3f})")
+    for i, m in enumerate(names):
+        vals = table[m]["heldout_after_per_seed"]
+        bx.scatter([i] * len(vals), vals, color="black", s=10, zorder=3)
+    bx.set_ylabel("held-out accuracy (greedy)")
+    bx.set_ylim(0, 1)
+    bx.set_title("held-out accuracy, dots = seeds", fontsize=9)
+    bx.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png")
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
