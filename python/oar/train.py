@@ -77,6 +77,33 @@ def peak_rss_mb() -> float:
     return 0.0
 
 
+def release_memory() -> None:
+    """Frees unreachable tensors (``gc.collect``) and returns the C heap's free pages to the OS (glibc
+    ``malloc_trim``; skipped elsewhere).
+
+    Generation, attribution and the update each allocate and free hundreds of MB; glibc keeps freed blocks
+    in its heap, so without this the resident size grows to the sum of the phases' peaks instead of their
+    maximum (docs/compare.md, memory of the main job).
+    """
+    global _LIBC
+    import gc
+
+    gc.collect()  # autograd graphs caught in reference cycles hold their tensors until the cyclic collector runs
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 def _console(msg: str) -> None:
     """One line on the console that does not break a tqdm progress bar."""
     try:
@@ -116,6 +143,12 @@ class MetricsWriter:
                 if logs is not None:
                     writer.add_update_time(logs)  # before the progress callback prints the same dict
                     writer.write_train(state.global_step, logs)
+
+            def on_step_end(self, args, state, control, **kw):
+                release_memory()
+
+            def on_substep_end(self, args, state, control, **kw):
+                release_memory()  # between gradient-accumulation micro-batches
 
         self.callback = _CB()
 
@@ -241,7 +274,6 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, prob
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from oar.integrations.trl import OARGRPOTrainer
     from oar.models import load_by_name
 
     seed = int(cfg.run.get("seed", 0))
@@ -263,10 +295,25 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, prob
     grpo.setdefault("seed", seed)
     grpo.setdefault("disable_tqdm", False)
     args = GRPOConfig(output_dir=output_dir, **grpo)
-    trainer = OARGRPOTrainer(model=model, reward_funcs=[make_reward_func(task, {p.id: p for p in problems})],
+    trainer = _main_job_trainer_class()(model=model, reward_funcs=[make_reward_func(task, {p.id: p for p in problems})],
                              args=args, train_dataset=ds, processing_class=tokenizer, oar_config=cfg.oar,
                              callbacks=list(callbacks))
     return trainer, task
+
+
+def _main_job_trainer_class():
+    from oar.integrations.trl import OARGRPOTrainer
+
+    class MainJobTrainer(OARGRPOTrainer):
+        """OARGRPOTrainer that hands the generation and attribution buffers back to the OS before the update
+        (:func:`release_memory`), so that the update's gradients and activations do not stack on them."""
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            release_memory()
+            return out
+
+    return MainJobTrainer
 
 
 def _before_cache_key(cfg: RunConfig, ev: dict, problems) -> dict:
@@ -378,6 +425,7 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
                                    batch_size=ev["batch_size"])
             _record_eval(out, evals, step, res)
             writer.write_eval(step, res)
+            release_memory()
             _console(f"[oar] step {step}: heldout/accuracy {res.accuracy:.3f} ({sum(res.correct)}/{len(held)}, "
                      f"greedy, {res.seconds:.0f} s)")
 
@@ -395,6 +443,11 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
                      f"held-out problems, greedy)")
         trainer.train(resume_from_checkpoint=ckpts[-1] if resume else None)
         final_step = int(trainer.state.global_step)
+        # Training is over (checkpoints, if any, are written): the optimizer's moments (2x the parameters) are
+        # dead weight for the final evaluation and the save, whose own buffers would stack on them.
+        if getattr(trainer, "optimizer", None) is not None:
+            trainer.optimizer.state.clear()
+        release_memory()
         if held:
             evaluate(trainer.model, final_step)
         model_dir = None

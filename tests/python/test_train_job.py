@@ -12,12 +12,44 @@ from oar.tasks.arithmetic import ArithmeticTask
 from oar.config import config_dir, load_config, parse_overrides
 
 
-@pytest.mark.parametrize("name", ["default", "gsm8k", "gpu_qwen_math"])
+@pytest.mark.parametrize("name", ["default", "gsm8k", "gpu_qwen_math", "compare_cpu", "gpu_compare_math"])
 def test_shipped_configs_parse(name):
+    from oar.train import eval_settings
+
     cfg = load_config(name)
     assert cfg.oar.method in ("oar_g", "oar_p")
     assert cfg.grpo["num_generations"] >= 2
     assert os.path.exists(os.path.join(config_dir(), name + ".yaml"))
+    ev = eval_settings(cfg)
+    assert ev["problems"] >= 1 and ev["max_new_tokens"] >= 1
+
+
+def test_compare_cpu_config_is_the_harder_arithmetic_mix_with_disjoint_heldout():
+    from oar.train import build_task, eval_settings, heldout_problems
+
+    cfg = load_config("compare_cpu")
+    task, train = build_task(cfg)
+    held = heldout_problems(task, eval_settings(cfg), train)
+    assert task.levels == (2, 3) and len(held) == 96
+    assert {p.metadata["level"] for p in held} == {2, 3}
+
+
+def test_math500_holdout_partition(tmp_path):
+    from oar.tasks import get_task
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"... \\boxed{{{2 * i}}}"} for i in range(200)]
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = get_task("math500", path=str(path), holdout=5)
+    train, test = t.problems("train"), t.problems("test")
+    assert len(train) + len(test) == 200 and not {p.question for p in train} & {p.question for p in test}
+    assert 20 <= len(test) <= 60  # about 1/5 of 200 (CRC32 mod 5)
+    assert [p.id for p in t.problems("test", n=10, seed=3)] == [p.id for p in t.problems("test", n=10, seed=3)]
+    assert len(get_task("math500", path=str(path)).problems("test")) == 200
+    with pytest.raises(ValueError, match="split"):
+        get_task("math500", path=str(path)).problems("train")
+    with pytest.raises(ValueError, match="holdout must be 0"):
+        get_task("math500", path=str(path), holdout=1)
 
 
 def test_default_config_is_oar_g_answer_mean():

@@ -12,6 +12,8 @@ The file is found from an explicit path, else ``data_dir/math500/test.jsonl``, e
 
 from __future__ import annotations
 
+import zlib
+
 from oar.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
 from oar.tasks.verify import last_boxed
 
@@ -64,11 +66,15 @@ def load_math500(path: str, *, n: int | None = None, seed: int = 0) -> list[Prob
 
 @register_task("math500")
 class Math500Task(Task):
-    """MATH500 as a task (``test`` split only).
+    """MATH500 as a task (``test`` split only, unless ``holdout`` partitions it).
 
     Args:
         data_dir: folder holding ``math500/test.jsonl`` (default ``$OAR_DATA_DIR``).
         path: explicit file, overriding ``data_dir``.
+        holdout: 0 (default): one ``test`` split of all 500 problems. k >= 2: the file is partitioned into a
+            ``test`` split (problems whose CRC32 of the question is 0 mod k, about 500 / k) and a disjoint
+            ``train`` split (the rest), fixed for every run and seed, so that ``oar train`` / ``oar compare``
+            can train on MATH-style problems and evaluate on held-out ones.
         **kwargs: :class:`oar.tasks.base.Task` options. The last-number fallback is off by default
             here (``allow_last_number=False``): MATH answers are expressions, and the last number of
             a derivation is rarely the answer.
@@ -77,11 +83,16 @@ class Math500Task(Task):
     name = "math500"
     splits = ("test",)
 
-    def __init__(self, data_dir: str | None = None, *, path: str | None = None, **kwargs) -> None:
+    def __init__(self, data_dir: str | None = None, *, path: str | None = None, holdout: int = 0, **kwargs) -> None:
         kwargs.setdefault("allow_last_number", False)
+        if isinstance(holdout, bool) or not isinstance(holdout, int) or holdout == 1 or holdout < 0:
+            raise ValueError(f"holdout must be 0 (no train split) or an int >= 2, got {holdout!r}")
         super().__init__(**kwargs)
         self.data_dir = data_dir
         self._path = path
+        self.holdout = holdout
+        if holdout:
+            self.splits = ("train", "test")
 
     def path(self, split: str = "test") -> str:
         """The file ``split`` is read from (ValueError / FileNotFoundError as in ``resolve_data_path``)."""
@@ -89,5 +100,10 @@ class Math500Task(Task):
         return resolve_data_path(self._path, self.data_dir, "math500/test.jsonl")
 
     def problems(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Problem]:
-        """Problems of ``split`` (only ``"test"``)."""
-        return load_math500(self.path(split), n=n, seed=seed)
+        """Problems of ``split`` (``"test"``; also ``"train"`` when ``holdout``), ``n`` of them (seeded) or all."""
+        if not self.holdout:
+            return load_math500(self.path(split), n=n, seed=seed)
+        want_test = split == "test"
+        every = [p for p in load_math500(self.path(split))
+                 if (zlib.crc32(p.question.encode("utf-8")) % self.holdout == 0) == want_test]
+        return take(every, n, seed)
