@@ -68,22 +68,24 @@ def _check_grid(methods: Sequence[str], seeds: Sequence[int]) -> None:
 
 
 def _grid_file(out_dir: str, config: str | None, overrides: list[str], methods, seeds) -> None:
-    """Writes ``grid.json``, or checks that a resumed sweep uses the same config and overrides."""
-    from oar.config import resolve_config
+    """Writes ``grid.json``, or checks that a resumed sweep has the same resolved configuration (the config
+    file's values after the overrides; comments and formatting may change)."""
+    from oar.config import load_config, resolve_config
 
     path = os.path.join(out_dir, "grid.json")
-    cfg_path = os.path.abspath(resolve_config(config))
-    with open(cfg_path) as f:
-        text = f.read()
-    grid = {"config": cfg_path, "config_text": text, "overrides": list(overrides), "methods": list(methods),
-            "seeds": list(seeds)}
+    cfg = load_config(config, overrides)
+    resolved = json.loads(json.dumps({"run": cfg.run, "model": cfg.model, "task": cfg.task, "grpo": cfg.grpo,
+                                      "eval": cfg.eval, "oar": cfg.oar_dict()}))
+    grid = {"config": os.path.abspath(resolve_config(config)), "overrides": list(overrides), "resolved": resolved,
+            "methods": list(methods), "seeds": list(seeds)}
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        for key in ("config_text", "overrides"):
-            if old.get(key) != grid[key]:
-                raise ValueError(f"{out_dir!r} holds a sweep with another {key.replace('_text', '')} "
-                                 f"({old.get(key)!r:.200}); resume it with the same one, or pass another --out")
+        if old.get("resolved") != resolved:
+            diff = sorted(f"{sec}.{k}" for sec in resolved for k in set(resolved[sec]) | set(old.get("resolved", {}).get(sec, {}))
+                          if resolved[sec].get(k) != old.get("resolved", {}).get(sec, {}).get(k))
+            raise ValueError(f"{out_dir!r} holds a sweep of another configuration (differs in {diff[:6]}); resume it with "
+                             "the same config and overrides, or pass another --out")
         grid["methods"] = list(dict.fromkeys(old["methods"] + list(methods)))
         grid["seeds"] = list(dict.fromkeys(old["seeds"] + list(seeds)))
     write_json_atomic(path, grid)
@@ -332,7 +334,7 @@ def _write_csv(path: str, table: dict, baseline: str) -> None:
     cols = ["method", "n_seeds", "n_problems", "heldout_before", "heldout_after", "heldout_after_lo",
             "heldout_after_hi", f"diff_vs_{baseline}", f"diff_vs_{baseline}_lo", f"diff_vs_{baseline}_hi",
             "reward_first5", "reward_last5", "steps_to_reward_level", "reward_level", "runs_reaching_level",
-            "time_generation_s", "time_attribution_s", "time_update_s", "ess_ratio", "top10_mass"]
+            "time/generation", "time/attribution", "time/update", "oar/ess_ratio", "oar/top10_mass"]
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)

@@ -250,6 +250,8 @@ def test_parse_overrides_errors(items, match):
 @pytest.mark.parametrize("item, match", [
     ("oar.q=2", r"oar\.q must be in \(0, 1\), got 2"),
     ("grpo.max_steps=abc", r"grpo\.max_steps must be an integer"),
+    ("eval.problems=-1", r"eval\.problems must be an integer >= 0, got -1"),
+    ("eval.before_cache=3", r"eval\.before_cache must be a file path or null, got 3"),
 ])
 def test_cli_train_bad_set_is_a_usage_error(tmp_path, capsys, item, match):
     from oar.cli import main

@@ -122,7 +122,7 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
     r = json.load(open(os.path.join(out, "results", "random-s1.json")))
     assert r["seed"] == 1 and r["method"] == "random" and all(t["reward"] <= 1.0 for t in r["train"])
     # Another config in the same folder is refused.
-    with pytest.raises(ValueError, match="another overrides"):
+    with pytest.raises(ValueError, match=r"another configuration \(differs in \['oar.q'\]\)"):
         run_compare(None, TINY + ["oar.q=0.5"], ["grpo"], [0], out, progress=False)
     with pytest.raises(ValueError, match="set per run"):
         run_compare(None, TINY + ["oar.method=oar_p"], ["grpo"], [0], str(tmp_path / "other"), progress=False)

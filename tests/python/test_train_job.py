@@ -100,12 +100,12 @@ def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
     from oar.train import run_training
 
     out = tmp_path / "run"
-    summary = run_training(None, TINY, str(out))
+    summary = run_training(None, TINY + ["eval.every_steps=1"], str(out))
     rows = _rows(out / "metrics.jsonl")
     train = [r for r in rows if "reward" in r]
     evals = [r for r in rows if "heldout/accuracy" in r]
     assert [r["step"] for r in train] == [1, 2]
-    assert [r["step"] for r in evals] == [0, 2] and all(r["heldout/n"] == 6 for r in evals)
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["heldout/n"] == 6 for r in evals)
     # One name per metric: TRL's names in the file, the same names in the summary.
     for key in ("reward", "frac_reward_zero_std", "oar/ess_ratio", "oar/top10_mass", "time/generation",
                 "time/attribution", "time/update", "step_time"):
@@ -118,7 +118,8 @@ def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
     assert saved["steps"] == 2 and saved == json.loads(json.dumps(summary))
     assert saved["reward"]["per_step"] == [r["reward"] for r in train]
     held = saved["heldout/accuracy"]
-    assert held["before"] == evals[0]["heldout/accuracy"] and held["after"] == evals[1]["heldout/accuracy"]
+    assert held["before"] == evals[0]["heldout/accuracy"] and held["after"] == evals[-1]["heldout/accuracy"]
+    assert [h[0] for h in held["history"]] == [0, 1, 2]
     assert held["before"] == sum(held["correct_before"]) / 6 and held["after"] == sum(held["correct_after"]) / 6
     assert held["gain"]["lo"] <= held["gain"]["mean"] <= held["gain"]["hi"]
     assert held["gain"]["mean"] == pytest.approx(held["after"] - held["before"])
@@ -196,7 +197,9 @@ def test_eval_section_errors_name_the_key():
         eval_settings(load_config(None, ["eval.problems=-1"]))
     with pytest.raises(ValueError, match=r"eval section has unknown keys \['problem'\]"):
         eval_settings(load_config(None, ["eval.problem=3"]))
-    assert eval_settings(load_config(None))["max_new_tokens"] == load_config(None).grpo["max_completion_length"]
+    # max_new_tokens left unset: the training completion length.
+    cfg = load_config(None, ["eval.max_new_tokens=null", "grpo.max_completion_length=40"])
+    assert eval_settings(cfg)["max_new_tokens"] == 40
 
 
 def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):
