@@ -9,20 +9,20 @@ import sys
 
 def _train(a) -> int:
     from oar.config import load_config
-    from oar.train import eval_settings, format_summary, run_training
+    from oar.train import RunFolderError, build_task, eval_settings, format_summary, heldout_problems, run_training
 
     # Configuration errors are user errors: report them as such (exit 2, no traceback) before any work.
     try:
         cfg = load_config(a.config, a.set)
-        eval_settings(cfg)
+        ev = eval_settings(cfg)
         _task_problems(dict(cfg.task), "train")  # missing data fails here, before the model is loaded
+        task, train = build_task(cfg)
+        heldout_problems(task, ev, train)
     except (ValueError, FileNotFoundError) as e:
         a.parser.error(str(e))
     try:
         summary = run_training(a.config, a.set, a.output_dir, resume=a.resume)
-    except ValueError as e:
-        if "checkpoint" not in str(e):
-            raise
+    except RunFolderError as e:
         a.parser.error(str(e))
     print(format_summary(summary))
     return 0
@@ -91,24 +91,36 @@ def _compare(a) -> int:
 
     from oar.compare import build_report, run_compare
 
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        a.parser.error(f"--out must be a folder, got the file {a.out!r}")
     if a.report_only:
         if not os.path.isdir(os.path.join(a.out, "results")):
             a.parser.error(f"--report-only: {a.out!r} holds no results/ folder (run the sweep first)")
-        report = build_report(a.out, reward_level=a.reward_level, baseline="grpo")
+        try:
+            report = build_report(a.out, reward_level=a.reward_level)
+        except ValueError as e:
+            print(f"oar compare: {e}", file=sys.stderr)
+            return 1
         print(open(os.path.join(a.out, "compare.md")).read() if report else f"no finished runs in {a.out}")
         return 0
     try:
         from oar.config import load_config
-        from oar.train import eval_settings
+        from oar.train import build_task, eval_settings, heldout_problems
 
-        eval_settings(load_config(a.config, a.set))
-        _task_problems(dict(load_config(a.config, a.set).task), "train")
+        cfg = load_config(a.config, a.set)
+        ev = eval_settings(cfg)
+        _task_problems(dict(cfg.task), "train")
+        task, train = build_task(cfg)
+        heldout_problems(task, ev, train)
         if a.max_runs is not None and a.max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {a.max_runs}")
-        res = run_compare(a.config, a.set, a.methods, a.seeds, a.out, max_runs=a.max_runs,
-                          save_models=a.save_models, reward_level=a.reward_level, progress=not a.no_progress)
+        from oar.compare import check_grid
+
+        check_grid(a.methods, a.seeds, a.set)
     except (ValueError, FileNotFoundError) as e:
         a.parser.error(str(e))
+    res = run_compare(a.config, a.set, a.methods, a.seeds, a.out, max_runs=a.max_runs,
+                      save_models=a.save_models, reward_level=a.reward_level, progress=not a.no_progress)
     md = os.path.join(a.out, "compare.md")
     if os.path.exists(md):
         print(open(md).read())

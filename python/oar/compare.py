@@ -51,8 +51,22 @@ def run_name(method: str, seed: int) -> str:
     return f"{method}-s{seed}"
 
 
-def _check_grid(methods: Sequence[str], seeds: Sequence[int]) -> None:
+#: Overrides ``oar compare`` sets per run; a sweep-wide override of one of them is refused.
+PER_RUN_KEYS = ("oar.method", "run.seed", "oar.seed", "eval.before_cache", "run.output_dir")
+
+
+def check_grid(methods: Sequence[str], seeds: Sequence[int], overrides: Sequence[str] = ()) -> None:
+    """Validates a grid before anything runs.
+
+    Raises:
+        ValueError: a method not in ``oar.METHODS``, repeated methods or seeds, a negative or non-int seed, or an
+            override of a key set per run (:data:`PER_RUN_KEYS`).
+    """
     import oar
+
+    for o in overrides:
+        if o.split("=", 1)[0] in PER_RUN_KEYS:
+            raise ValueError(f"override {o!r} is set per run by oar compare; remove it")
 
     if not methods:
         raise ValueError("methods must name at least one method")
@@ -155,24 +169,42 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
         python: interpreter of the child runs.
 
     Raises:
-        ValueError: unknown or repeated methods or seeds, a bad config, or ``out_dir`` holding a sweep of
-            another config or other overrides.
+        ValueError: unknown or repeated methods or seeds, a bad config, ``out_dir`` holding a sweep of
+            another configuration, or another ``oar compare`` running on ``out_dir`` (a lock file).
     """
-    from oar.config import load_config, resolve_config
+    from oar.config import load_config
     from oar.train import eval_settings
 
-    _check_grid(methods, seeds)
     overrides = list(overrides)
-    for o in overrides:
-        if o.split("=", 1)[0] in ("oar.method", "run.seed", "oar.seed", "eval.before_cache", "run.output_dir"):
-            raise ValueError(f"override {o!r} is set per run by oar compare; remove it")
+    check_grid(methods, seeds, overrides)
     cfg = load_config(config, overrides)
     ev = eval_settings(cfg)
     if ev["problems"] < 1:
         raise ValueError("oar compare needs a held-out evaluation: eval.problems must be >= 1")
-    max_steps = int(cfg.grpo.get("max_steps", 0))
     os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+    lock = open(os.path.join(out_dir, ".lock"), "w")
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ValueError(f"another oar compare is running on {out_dir!r} (its lock file .lock is held)") from None
+    except ImportError:  # pragma: no cover - not POSIX
+        pass
+    try:
+        return _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, reward_level,
+                         progress, python)
+    finally:
+        lock.close()
+
+
+def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, reward_level, progress,
+              python) -> dict:
+    from oar.config import resolve_config
+
+    max_steps = int(cfg.grpo.get("max_steps", 0))
     _grid_file(out_dir, config, overrides, methods, seeds)
     grid = [(m, s) for s in seeds for m in methods]
     todo = [(m, s) for m, s in grid if not os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json"))]
@@ -203,25 +235,24 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
             t_run = bar.add_task(f"  {name} (steps)", total=max_steps or None)
             rc = _run_one(cmd, run_dir, max_steps, lambda k, t=t_run: bar.update(t, completed=k))
             bar.remove_task(t_run)
-            if rc != 0:
+            try:
+                if rc != 0:
+                    raise RuntimeError(f"exit {rc}")
+                result = _result_from_run(run_dir, method, seed)
+            except (RuntimeError, OSError, ValueError, KeyError) as e:
                 failed.append(name)
-                console.print(f"[red]run {name} failed (exit {rc}); its log: {os.path.join(run_dir, 'log.txt')}[/red]")
+                console.print(f"[red]run {name} failed ({e}); its log: {os.path.join(run_dir, 'log.txt')}[/red]")
                 continue
-            result = _result_from_run(run_dir, method, seed)
             write_json_atomic(os.path.join(out_dir, "results", name + ".json"), result)
             bar.update(t_grid, advance=1)
             h = result["heldout"]
             console.print(f"run {name}: heldout/accuracy {h['before']:.3f} -> {h['after']:.3f} "
                           f"({result['wall_seconds'] / 60:.1f} min)")
-            build_report(out_dir, baseline=_baseline(methods), reward_level=reward_level)
-    report = build_report(out_dir, baseline=_baseline(methods), reward_level=reward_level)
+            build_report(out_dir, reward_level=reward_level)
+    report = build_report(out_dir, reward_level=reward_level)
     pending = [run_name(m, s) for m, s in grid
                if not os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json"))]
     return {"done": len(grid) - len(pending), "failed": failed, "pending": pending, "report": report}
-
-
-def _baseline(methods: Sequence[str]) -> str:
-    return "grpo" if "grpo" in methods else methods[0]
 
 
 def load_results(out_dir: str) -> list[dict]:
@@ -242,11 +273,14 @@ def _moving_average(x: np.ndarray, k: int = 5) -> np.ndarray:
     return out
 
 
-def _steps_to_reach(rewards: list[float], level: float) -> int | None:
-    """First optimizer step (1-based) whose 5-step moving average of the reward is >= level, or None."""
-    ma = _moving_average(np.asarray(rewards, dtype=np.float64))
-    hit = np.nonzero(ma >= level)[0]
-    return int(hit[0]) + 1 if hit.size else None
+def _steps_to_reach(train: list[dict], level: float, window: int = 5) -> int | None:
+    """The ``step`` of the first row where the mean reward of the last ``window`` logged rows (a full window:
+    never from fewer rows, so one lucky early step does not count) is >= level, or None."""
+    rewards = np.asarray([t["reward"] for t in train], dtype=np.float64)
+    for i in range(window - 1, len(rewards)):
+        if rewards[i - window + 1: i + 1].mean() >= level:
+            return int(train[i]["step"])
+    return None
 
 
 def _mean(xs) -> float | None:
@@ -254,30 +288,41 @@ def _mean(xs) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def build_report(out_dir: str, *, baseline: str = "grpo", reward_level: float | None = None,
+def build_report(out_dir: str, *, baseline: str | None = None, reward_level: float | None = None,
                  resamples: int = 4000) -> dict:
     """Writes ``compare.md``, ``compare.csv`` and ``compare.png`` from the finished runs of ``out_dir`` and
     returns the per-method table as a dict.
 
+    ``baseline`` (None): ``grpo`` if the sweep's methods (``grid.json``) include it, else the first of them.
     ``reward_level`` (None): halfway between the mean reward of all runs' first 5 steps and the best
     method's mean reward over its last 5 steps.
 
     Raises:
-        ValueError: the finished runs were evaluated on different held-out problems or from different
-            before-training results (runs of different sweeps mixed in one folder).
+        ValueError: the finished runs were evaluated on different held-out problems (runs of different sweeps
+            mixed in one folder).
     """
     results = load_results(out_dir)
     if not results:
         return {}
     ids = results[0]["heldout"]["problem_ids"]
-    before = np.asarray(results[0]["heldout"]["correct_before"], dtype=np.float64)
     for r in results:
-        if r["heldout"]["problem_ids"] != ids or r["heldout"]["correct_before"] != list(before.astype(int)):
-            raise ValueError(f"run {run_name(r['method'], r['seed'])} was evaluated on other held-out problems or "
-                             "from another initial model than the rest of this sweep folder")
+        if r["heldout"]["problem_ids"] != ids:
+            raise ValueError(f"run {run_name(r['method'], r['seed'])} was evaluated on other held-out problems than "
+                             "the rest of this sweep folder")
     methods = list(dict.fromkeys(r["method"] for r in results))
+    if baseline is None:
+        try:
+            with open(os.path.join(out_dir, "grid.json")) as f:
+                grid_methods = json.load(f)["methods"]
+        except (OSError, ValueError, KeyError):
+            grid_methods = methods
+        baseline = "grpo" if "grpo" in grid_methods else grid_methods[0]
     if baseline not in methods:
         baseline = methods[0]
+    # Before-training results per run (the same for every run of a pretrained model; seed-dependent only for a
+    # randomly initialised one).
+    before_by = {(r["method"], r["seed"]): np.asarray(r["heldout"]["correct_before"], dtype=np.float64) for r in results}
+    before = np.mean([b.mean() for b in before_by.values()])
     by_m = {m: {r["seed"]: r for r in results if r["method"] == m} for m in methods}
     first5 = _mean([np.mean([t["reward"] for t in r["train"][:5]]) for r in results if r["train"]])
     last5 = {m: _mean([np.mean([t["reward"] for t in r["train"][-5:]]) for r in rs.values() if r["train"]])
@@ -290,10 +335,10 @@ def build_report(out_dir: str, *, baseline: str = "grpo", reward_level: float | 
         rs = by_m[m]
         seeds = sorted(rs)
         after = np.asarray([rs[s]["heldout"]["correct_after"] for s in seeds], dtype=np.float64)
-        row: dict[str, Any] = {"method": m, "seeds": seeds, "n_problems": len(ids),
-                               "heldout_before": float(before.mean())}
+        bef = np.stack([before_by[(m, s)] for s in seeds])
+        row: dict[str, Any] = {"method": m, "seeds": seeds, "n_problems": len(ids), "heldout_before": float(bef.mean())}
         row["heldout_after"] = bootstrap_grid_mean(after, resamples=resamples, seed=i).as_dict()
-        row["gain_vs_before"] = bootstrap_grid_mean(after - before[None, :], resamples=resamples, seed=i).as_dict()
+        row["gain_vs_before"] = bootstrap_grid_mean(after - bef, resamples=resamples, seed=i).as_dict()
         row["heldout_after_per_seed"] = [float(a.mean()) for a in after]
         common = [s for s in seeds if s in by_m[baseline]]
         if m != baseline and common:
@@ -301,7 +346,7 @@ def build_report(out_dir: str, *, baseline: str = "grpo", reward_level: float | 
                             np.asarray(by_m[baseline][s]["heldout"]["correct_after"]) for s in common], dtype=np.float64)
             row[f"diff_vs_{baseline}"] = bootstrap_grid_mean(d, resamples=resamples, seed=100 + i).as_dict()
             row[f"diff_vs_{baseline}"]["seeds"] = common
-        reach = [_steps_to_reach([t["reward"] for t in rs[s]["train"]], reward_level) for s in seeds]
+        reach = [_steps_to_reach(rs[s]["train"], reward_level) for s in seeds]
         row["steps_to_reward_level"] = {"level": reward_level, "mean_of_reached": _mean(reach),
                                         "reached": sum(x is not None for x in reach), "runs": len(reach)}
         row["reward_first5"] = _mean([np.mean([t["reward"] for t in rs[s]["train"][:5]]) for s in seeds])
@@ -315,7 +360,7 @@ def build_report(out_dir: str, *, baseline: str = "grpo", reward_level: float | 
     write_json_atomic(os.path.join(out_dir, "compare.json"), report)
     _write_csv(os.path.join(out_dir, "compare.csv"), table, baseline)
     _write_md(os.path.join(out_dir, "compare.md"), report, out_dir)
-    _plot(os.path.join(out_dir, "compare.png"), by_m, table, before.mean(), reward_level)
+    _plot(os.path.join(out_dir, "compare.png"), by_m, table, float(before), reward_level)
     return report
 
 

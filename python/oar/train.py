@@ -255,11 +255,18 @@ def heldout_problems(task, ev: dict, train_problems) -> list:
     seed: every run of a comparison is evaluated on the same problems).
 
     Raises:
-        ValueError: a held-out question also occurs among the training problems.
+        ValueError: ``eval.problems`` exceeds the test split, or a held-out question also occurs among the
+            training problems.
     """
     if ev["problems"] == 0:
         return []
-    problems = task.problems("test", n=ev["problems"], seed=ev["seed"])
+    try:
+        problems = task.problems("test", n=ev["problems"], seed=ev["seed"])
+    except ValueError as e:
+        raise ValueError(f"eval.problems={ev['problems']}: {e}") from None
+    if len(problems) < ev["problems"]:
+        raise ValueError(f"eval.problems={ev['problems']} exceeds the {len(problems)} problems of the {task.name} "
+                         "test split; lower eval.problems")
     seen = {p.question for p in train_problems}
     leaked = [p.id for p in problems if p.question in seen]
     if leaked:
@@ -317,8 +324,14 @@ def _main_job_trainer_class():
 
 
 def _before_cache_key(cfg: RunConfig, ev: dict, problems) -> dict:
-    return {"model": cfg.model, "task": {k: v for k, v in cfg.task.items() if k != "train_size"},
-            "max_new_tokens": ev["max_new_tokens"], "problem_ids": [p.id for p in problems]}
+    from oar.models import TINY_RANDOM_NAME
+
+    # The initial weights depend on run.seed only for the random test model; left-padded batched greedy decoding
+    # can depend on the batch size.
+    init_seed = int(cfg.run.get("seed", 0)) if cfg.model.get("name") == TINY_RANDOM_NAME else None
+    return {"model": cfg.model, "init_seed": init_seed, "task": {k: v for k, v in cfg.task.items() if k != "train_size"},
+            "max_new_tokens": ev["max_new_tokens"], "batch_size": ev["batch_size"],
+            "problem_ids": [p.id for p in problems]}
 
 
 def _evaluate_before(cfg, ev, task, problems, model, tokenizer):
@@ -369,6 +382,34 @@ def _record_eval(out: str, evals: dict, step: int, res) -> None:
     write_json_atomic(os.path.join(out, "heldout.json"), {str(s): evals[s].as_dict() for s in sorted(evals)})
 
 
+class RunFolderError(ValueError):
+    """The output folder cannot hold this run as asked (a file; checkpoints of another run; ``resume`` without a
+    checkpoint or with other settings). ``oar train`` reports it as a usage error."""
+
+
+#: Settings a resumed run may change: the budget and what is written, not what is trained.
+RESUME_MAY_CHANGE = {("grpo", "max_steps"), ("grpo", "save_steps"), ("grpo", "save_strategy"), ("eval", "every_steps"),
+                     ("run", "plot"), ("run", "save_model"), ("grpo", "disable_tqdm")}
+
+
+def _check_resume_config(out: str, resolved: dict) -> None:
+    """Refuses to resume a run under other settings than it was started with (its ``config.json``)."""
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        raise RunFolderError(f"--resume: {out!r} has no readable config.json of the run to continue") from None
+    diff = []
+    for sec, vals in resolved.items():
+        before = old.get(sec) or {}
+        for k in sorted(set(vals) | set(before)):
+            if (sec, k) not in RESUME_MAY_CHANGE and vals.get(k) != before.get(k):
+                diff.append(f"{sec}.{k}: {before.get(k)!r} -> {vals.get(k)!r}")
+    if diff:
+        raise RunFolderError(f"--resume: the run in {out!r} was started with other settings ({'; '.join(diff[:5])}); "
+                             "resume it with the same config and overrides (only the budget and outputs may change)")
+
+
 def checkpoints(output_dir: str) -> list[str]:
     """TRL/transformers checkpoint folders (``checkpoint-N``) in ``output_dir``, oldest first."""
     found = [d for d in glob.glob(os.path.join(output_dir, "checkpoint-*")) if d.rsplit("-", 1)[-1].isdigit()]
@@ -393,31 +434,45 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
     cfg = load_config(config, overrides)
     out = output_dir or cfg.run.get("output_dir", "runs/default")
     ev = eval_settings(cfg)
-    os.makedirs(out, exist_ok=True)
-    ckpts = checkpoints(out)
+    # Everything that can be refused is checked before the output folder is touched.
+    task, train_problems = build_task(cfg)
+    held = heldout_problems(task, ev, train_problems)
+    resolved = json.loads(json.dumps({"run": cfg.run, "model": cfg.model, "task": cfg.task, "grpo": cfg.grpo,
+                                      "eval": ev, "oar": cfg.oar_dict()}))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunFolderError(f"output folder {out!r} is a file, not a folder")
+    ckpts = checkpoints(out) if os.path.isdir(out) else []
     keep_until = None
     if resume:
         if not ckpts:
-            raise ValueError(f"--resume: no checkpoint-N folder in {out!r} (checkpoints are written when "
-                             "grpo.save_strategy=steps and grpo.save_steps=N)")
-        with open(os.path.join(ckpts[-1], "trainer_state.json")) as f:
-            keep_until = int(json.load(f)["global_step"])
+            raise RunFolderError(f"--resume: no checkpoint-N folder in {out!r} (checkpoints are written when "
+                                 "grpo.save_strategy=steps and grpo.save_steps=N)")
+        _check_resume_config(out, resolved)
+        try:
+            with open(os.path.join(ckpts[-1], "trainer_state.json")) as f:
+                keep_until = int(json.load(f)["global_step"])
+        except (OSError, ValueError, KeyError) as e:
+            raise RunFolderError(f"--resume: {ckpts[-1]!r} has no readable trainer_state.json ({e})") from None
     elif ckpts:
-        raise ValueError(f"output folder {out!r} holds checkpoints of an earlier run ({os.path.basename(ckpts[-1])}): "
-                         "pass --resume to continue it, or choose another --output-dir")
+        raise RunFolderError(f"output folder {out!r} holds checkpoints of an earlier run "
+                             f"({os.path.basename(ckpts[-1])}): pass --resume to continue it, or choose another "
+                             "--output-dir")
+    elif any(os.path.exists(os.path.join(out, f)) for f in ("metrics.jsonl", "summary.json", "model")):
+        # An earlier run's results are never overwritten: they move to OUT.1 (OUT.2, ...).
+        n = 1
+        while os.path.exists(f"{out.rstrip(os.sep)}.{n}"):
+            n += 1
+        os.replace(out, f"{out.rstrip(os.sep)}.{n}")
+        _console(f"[oar] {out} held an earlier run: moved it to {out.rstrip(os.sep)}.{n}")
+    os.makedirs(out, exist_ok=True)
     if os.path.exists(os.path.join(out, "summary.json")):
-        os.remove(os.path.join(out, "summary.json"))
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({"source": cfg.source, "run": cfg.run, "model": cfg.model, "task": cfg.task, "grpo": cfg.grpo,
-                   "eval": ev, "oar": cfg.oar_dict()}, f, indent=2)
+        os.remove(os.path.join(out, "summary.json"))  # resume: the run is not finished until it is rewritten
+    write_json_atomic(os.path.join(out, "config.json"), {"source": cfg.source, **resolved})
     writer = MetricsWriter(os.path.join(out, "metrics.jsonl"), keep_until)
     t0 = time.perf_counter()
     # Per-problem results of every held-out evaluation, by step (heldout.json; a resumed run reloads them).
     evals = _load_evals(os.path.join(out, "heldout.json"), keep_until)
     try:
-        task, train_problems = build_task(cfg)
-        held = heldout_problems(task, ev, train_problems)
-
         def evaluate(model, step):
             from oar.tasks.evaluate import heldout_accuracy
 

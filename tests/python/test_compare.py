@@ -92,6 +92,7 @@ def test_report_paired_difference_and_steps_to_reach(tmp_path):
     assert "| oar_g | 3 |" in md and "(baseline)" in md
     # Runs evaluated on other problems cannot be mixed into one report.
     bad = _fake_result("random", 0, [1] * 8, [1] * 8, [0.5] * 10)
+    bad["heldout"]["problem_ids"] = [f"q{i}" for i in range(8)]
     write_json_atomic(str(tmp_path / "results" / "random-s0.json"), bad)
     with pytest.raises(ValueError, match="other held-out problems"):
         build_report(str(tmp_path))
@@ -113,12 +114,15 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
     rep = json.load(open(os.path.join(out, "compare.json")))
     assert rep["methods"]["grpo"]["seeds"] == [0, 1] and rep["methods"]["random"]["seeds"] == [0]
     # A run that was stopped half-way leaves a folder but no result: it is redone, the finished ones are kept.
-    os.makedirs(os.path.join(out, "runs", "random-s1"), exist_ok=True)
+    os.makedirs(os.path.join(out, "runs", "random-s1", "checkpoint-1"), exist_ok=True)
     open(os.path.join(out, "runs", "random-s1", "metrics.jsonl"), "w").write('{"step": 1, "reward": 9.0}\n')
+    open(os.path.join(out, "runs", "random-s1", "stale-sentinel"), "w").write("from the stopped run")
     kept = os.path.getmtime(os.path.join(out, "results", "grpo-s0.json"))
     res = run_compare(None, TINY, ["grpo", "random"], [0, 1], out, progress=False)
     assert res["done"] == 4 and res["pending"] == []
     assert os.path.getmtime(os.path.join(out, "results", "grpo-s0.json")) == kept
+    assert not os.path.exists(os.path.join(out, "runs", "random-s1", "stale-sentinel"))
+    assert not os.path.exists(os.path.join(out, "runs", "random-s1", "checkpoint-1"))
     r = json.load(open(os.path.join(out, "results", "random-s1.json")))
     assert r["seed"] == 1 and r["method"] == "random" and all(t["reward"] <= 1.0 for t in r["train"])
     # Another config in the same folder is refused.
@@ -126,6 +130,13 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
         run_compare(None, TINY + ["oar.q=0.5"], ["grpo"], [0], out, progress=False)
     with pytest.raises(ValueError, match="set per run"):
         run_compare(None, TINY + ["oar.method=oar_p"], ["grpo"], [0], str(tmp_path / "other"), progress=False)
+    # A second sweep on the same folder while one runs is refused (it would delete the other's live run folder).
+    import fcntl
+
+    with open(os.path.join(out, ".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="another oar compare is running"):
+            run_compare(None, TINY, ["grpo", "random"], [0, 1], out, progress=False)
 
 
 def test_compare_cli_report_only_and_usage_errors(tmp_path):
@@ -135,3 +146,8 @@ def test_compare_cli_report_only_and_usage_errors(tmp_path):
     assert p.returncode == 2 and "methods must be among" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run(cmd + ["--report-only", "--out", str(tmp_path / "none")], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "no results/ folder" in p.stderr
+    (tmp_path / "afile").write_text("x")
+    p = subprocess.run(cmd + ["--out", str(tmp_path / "afile")], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "--out must be a folder, got the file" in p.stderr
+    p = subprocess.run(cmd + ["--set", "eval.problems=100000"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "eval.problems=100000" in p.stderr and "Traceback" not in p.stderr

@@ -44,7 +44,8 @@ def test_math500_holdout_partition(tmp_path):
     train, test = t.problems("train"), t.problems("test")
     assert len(train) + len(test) == 200 and not {p.question for p in train} & {p.question for p in test}
     assert 20 <= len(test) <= 60  # about 1/5 of 200 (CRC32 mod 5)
-    assert [p.id for p in t.problems("test", n=10, seed=3)] == [p.id for p in t.problems("test", n=10, seed=3)]
+    draw3, draw4 = ([p.id for p in t.problems("test", n=10, seed=sd)] for sd in (3, 4))
+    assert set(draw3) <= {p.id for p in test} and len(set(draw3)) == 10 and draw3 != draw4
     assert len(get_task("math500", path=str(path)).problems("test")) == 200
     with pytest.raises(ValueError, match="split"):
         get_task("math500", path=str(path)).problems("train")
@@ -187,6 +188,32 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
     assert s["heldout/accuracy"]["history"][0][0] == 0 and s["heldout/accuracy"]["history"][-1][0] == 3
     with pytest.raises(ValueError, match="no checkpoint"):
         run_training(None, TINY, str(tmp_path / "empty"), resume=True)
+
+
+def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
+    from oar.train import run_training
+
+    out = tmp_path / "run"
+    args = TINY + ["grpo.max_steps=1", "run.save_model=false"]
+    run_training(None, args, str(out))
+    first = (out / "metrics.jsonl").read_text()
+    run_training(None, args + ["run.seed=1"], str(out))
+    assert (tmp_path / "run.1" / "metrics.jsonl").read_text() == first  # moved aside, intact
+    assert json.load(open(out / "config.json"))["run"]["seed"] == 1
+    # A refused config leaves the folders as they were.
+    with pytest.raises(ValueError, match="eval.problems=100000"):
+        run_training(None, args + ["eval.problems=100000"], str(out))
+    assert not (tmp_path / "run.2").exists() and (out / "summary.json").exists()
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    from oar.train import RunFolderError, run_training
+
+    out = tmp_path / "run"
+    ck = TINY + ["grpo.max_steps=1", "grpo.save_strategy=steps", "grpo.save_steps=1", "run.save_model=false"]
+    run_training(None, ck, str(out))
+    with pytest.raises(RunFolderError, match=r"oar.method: 'oar_g' -> 'grpo'"):
+        run_training(None, ck + ["oar.method=grpo", "grpo.max_steps=2"], str(out), resume=True)
 
 
 def test_eval_section_errors_name_the_key():
