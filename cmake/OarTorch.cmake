@@ -10,7 +10,8 @@
 # Inputs:  OAR_PYTHON_EXECUTABLE (or Python_EXECUTABLE) -- the interpreter whose torch to use;
 #          OAR_TORCH_OPTIONAL -- when true, a missing torch is reported and OAR_TORCH_FOUND left FALSE
 #          instead of stopping (used by the installed oarConfig.cmake so oar::core works without torch).
-# Outputs: OAR_TORCH_FOUND, OAR_TORCH_VERSION, OAR_TORCH_HAS_CUDA, OAR_TORCH_LIB_DIR, OAR_TORCH_CUDA_VERSION.
+# Outputs: OAR_TORCH_FOUND, OAR_TORCH_VERSION (2.14.1), OAR_TORCH_VERSION_FULL (torch.__version__, e.g.
+#          2.14.1+cu130), OAR_TORCH_HAS_CUDA, OAR_TORCH_LIB_DIR, OAR_TORCH_CUDA_VERSION, OAR_TORCH_CXX11_ABI (0/1).
 include_guard(GLOBAL)
 
 set(OAR_TORCH_FOUND FALSE)
@@ -24,14 +25,14 @@ endif()
 
 execute_process(
   COMMAND "${OAR_PYTHON_EXECUTABLE}" -c
-    "import torch, torch.utils, os; p = torch.utils.cmake_prefix_path; r = os.path.dirname(os.path.dirname(p)); print(';'.join([torch.__version__.split('+')[0], r, str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), str(torch.version.cuda or '')]))"
+    "import torch, torch.utils, os; p = torch.utils.cmake_prefix_path; r = os.path.dirname(os.path.dirname(p)); print(';'.join([torch.__version__.split('+')[0], r, str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), str(torch.version.cuda or ''), str(torch.__version__)]))"
   OUTPUT_VARIABLE _oar_torch_info
   RESULT_VARIABLE _oar_torch_rc
   ERROR_VARIABLE _oar_torch_err
   OUTPUT_STRIP_TRAILING_WHITESPACE)
 if(NOT _oar_torch_rc EQUAL 0)
   set(_oar_msg "oar: could not import torch with '${OAR_PYTHON_EXECUTABLE}': ${_oar_torch_err}\n"
-               "Install the pinned wheel (pip install torch==2.14.1), activate the environment that has it, "
+               "Install torch (a supported version, README 'Install'), activate the environment that has it, "
                "or pass -DOAR_PYTHON_EXECUTABLE=/path/to/python")
   if(OAR_TORCH_OPTIONAL)
     message(STATUS "${_oar_msg}\noar: oar::torch is not available; oar::core is.")
@@ -43,6 +44,8 @@ list(GET _oar_torch_info 0 OAR_TORCH_VERSION)
 list(GET _oar_torch_info 1 _oar_torch_root)
 list(GET _oar_torch_info 2 _oar_torch_abi)
 list(GET _oar_torch_info 3 OAR_TORCH_CUDA_VERSION)
+list(GET _oar_torch_info 4 OAR_TORCH_VERSION_FULL)
+set(OAR_TORCH_CXX11_ABI "${_oar_torch_abi}")
 set(OAR_TORCH_LIB_DIR "${_oar_torch_root}/lib")
 if(OAR_TORCH_CUDA_VERSION)
   set(OAR_TORCH_HAS_CUDA ON)

@@ -1,8 +1,23 @@
 """Locating and loading oar's compiled parts: the LibTorch op library and the pybind11 module.
 
-Installed layout (wheel): ``oar/lib/liboar_torch.so`` and ``oar/_C*.so``. Development layout: set
-``OAR_BUILD_DIR`` to a CMake build tree (``cmake -B build -DOAR_BUILD_PYTHON=ON``) and put ``python/``
-on ``PYTHONPATH``; both parts are then loaded from that tree.
+Installed layout (wheel): ``oar/lib/liboar_torch.so``, ``oar/_C*.so`` and ``oar/torch_build.json``.
+Development layout: set ``OAR_BUILD_DIR`` to a CMake build tree (``cmake -B build -DOAR_BUILD_PYTHON=ON``) and
+put ``python/`` on ``PYTHONPATH``; all three are then read from that tree.
+
+Before anything compiled is loaded, :func:`check_torch` compares the torch this build compiled against
+(``torch_build.json``, written by CMake) with the installed one. LibTorch has no C++ ABI stability across
+minor releases: a library built against torch 2.14 loaded under 2.13 or 2.15 fails with an undefined symbol,
+or worse, misbehaves. The rule (:func:`torch_mismatch`):
+
+* torch ``major.minor`` must be equal; the patch release and the local suffix (``+cu130``, ``+cpu``) may
+  differ (patch releases keep the C++ ABI; extension wheels such as flash-attention's are built per
+  ``major.minor`` for this reason);
+* the C++11 string ABI flag (``torch._C._GLIBCXX_USE_CXX11_ABI``) must be equal;
+* a build with CUDA ops (linked against ``libtorch_cuda``) needs a CUDA build of torch with the same CUDA
+  major version; a CPU-only build loads under CPU and CUDA builds of torch alike.
+
+``OAR_SKIP_TORCH_CHECK=1`` turns the ImportError into a warning (for experiments with nightlies; expect
+undefined-symbol errors when the ABI really differs).
 """
 
 from __future__ import annotations
@@ -10,13 +25,24 @@ from __future__ import annotations
 import glob
 import importlib.machinery
 import importlib.util
+import json
 import os
+import re
 import sys
+import warnings
 from types import ModuleType
 
 import torch
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+#: Written by CMake (cmake/torch_build.json.in) next to ``_C``: what this build compiled against.
+BUILD_FILE = "torch_build.json"
+
+_REBUILD_HINT = (
+    "Rebuild oar against the installed torch: `pip install --no-build-isolation --no-deps --no-cache-dir "
+    "--force-reinstall <oar source folder>` (./setup.sh in a checkout), or install the torch it was built against"
+)
 
 
 def _search_dirs() -> list[str]:
@@ -36,11 +62,105 @@ def _find(pattern: str) -> str | None:
     return None
 
 
+def build_config() -> dict:
+    """What this build compiled against, from ``torch_build.json`` (read as text: nothing compiled is loaded).
+
+    Returns a dict: ``oar_version`` (str), ``torch_version`` (``torch.__version__`` at build time, e.g.
+    ``"2.14.1+cu130"``; ``""`` for a build without the torch ops), ``torch_cuda_version`` (``"13.0"``, ``""``
+    for a CPU torch), ``cxx11_abi`` (0, 1 or None), ``cuda_ops`` (bool: CUDA implementations compiled in).
+    Raises ImportError naming the folders searched when the file is missing or unreadable.
+    """
+    path = _find(BUILD_FILE)
+    if path is None:
+        raise ImportError(
+            f"oar: {BUILD_FILE} not found in " + ", ".join(_search_dirs())
+            + ": the build is incomplete or predates this file. Build and install the package (./setup.sh) or "
+            "set OAR_BUILD_DIR to a CMake build tree configured with -DOAR_BUILD_PYTHON=ON."
+        )
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ImportError(f"oar: cannot read {path}: {e}") from None
+    cfg["path"] = path
+    return cfg
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def torch_mismatch(built: dict, runtime_version: str, runtime_cuda: str | None, runtime_abi: int | None) -> str | None:
+    """Why a build cannot load under a torch, or None when it can (the rule in this module's docstring).
+
+    Args:
+        built: :func:`build_config`'s dict (``torch_version``, ``torch_cuda_version``, ``cxx11_abi``, ``cuda_ops``).
+        runtime_version: the installed ``torch.__version__`` (e.g. ``"2.14.1+cu130"``).
+        runtime_cuda: ``torch.version.cuda`` (``"13.0"``), None for a CPU build of torch.
+        runtime_abi: ``int(torch._C._GLIBCXX_USE_CXX11_ABI)``, None when unknown (not compared).
+
+    Returns:
+        One sentence naming the built-against and the installed versions, or None.
+    """
+    built_version = str(built.get("torch_version") or "")
+    if not built_version:
+        return None  # built without the torch ops: nothing links libtorch
+    b, r = _major_minor(built_version), _major_minor(str(runtime_version))
+    if b is None or b != r:
+        return (f"oar was built against torch {built_version} but torch {runtime_version} is installed; oar's "
+                f"compiled ops need torch {b[0]}.{b[1]}.x (LibTorch's C++ ABI changes between minor releases)"
+                if b is not None else
+                f"oar was built against an unrecognized torch version {built_version!r}; torch {runtime_version} "
+                "is installed")
+    built_abi = built.get("cxx11_abi")
+    if built_abi is not None and runtime_abi is not None and int(built_abi) != int(runtime_abi):
+        return (f"oar was built against torch {built_version} with _GLIBCXX_USE_CXX11_ABI={int(built_abi)} but the "
+                f"installed torch {runtime_version} uses _GLIBCXX_USE_CXX11_ABI={int(runtime_abi)}")
+    if built.get("cuda_ops"):
+        built_cuda = str(built.get("torch_cuda_version") or "")
+        if not runtime_cuda:
+            return (f"oar was built with CUDA ops against torch {built_version} (CUDA {built_cuda}) but the installed "
+                    f"torch {runtime_version} has no CUDA (its liboar_torch.so links libtorch_cuda)")
+        if built_cuda.split(".")[0] != str(runtime_cuda).split(".")[0]:
+            return (f"oar was built with CUDA ops against torch {built_version} (CUDA {built_cuda}) but the installed "
+                    f"torch {runtime_version} uses CUDA {runtime_cuda} (another CUDA major version)")
+    return None
+
+
+_CHECKED: dict | None = None
+
+
+def check_torch() -> dict:
+    """Raises ImportError when the installed torch cannot load this build (see :func:`torch_mismatch`).
+
+    Runs before any compiled part of oar is loaded (called by :func:`load_extension` and
+    :func:`load_ops_library`); the message names both torch versions and how to rebuild. With
+    ``OAR_SKIP_TORCH_CHECK=1`` a mismatch is a RuntimeWarning instead. Returns :func:`build_config`'s dict.
+    """
+    global _CHECKED
+    if _CHECKED is not None:
+        return _CHECKED
+    built = build_config()
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
+    why = torch_mismatch(built, torch.__version__, torch.version.cuda, None if abi is None else int(abi))
+    if why is not None:
+        msg = f"{why}. {_REBUILD_HINT} ({built['path']})."
+        if os.environ.get("OAR_SKIP_TORCH_CHECK") != "1":
+            raise ImportError(msg)
+        warnings.warn(msg + " Loading anyway (OAR_SKIP_TORCH_CHECK=1).", RuntimeWarning, stacklevel=2)
+    _CHECKED = built
+    return built
+
+
 def load_ops_library() -> str:
     """Loads liboar_torch.so into the torch dispatcher (registers ``torch.ops.oar.*``).
 
-    Returns the path loaded. Raises ImportError naming the folders searched when it is missing.
+    Returns the path loaded. Raises ImportError naming the folders searched when it is missing, and
+    ImportError naming both versions when the installed torch is not the one it was built against
+    (:func:`check_torch`).
     """
+    check_torch()
     path = _find("liboar_torch.so")
     if path is None:
         raise ImportError(
@@ -63,9 +183,14 @@ def loaded_ops_library() -> str | None:
 
 
 def load_extension() -> ModuleType:
-    """Imports the pybind11 module ``oar._C`` (from the package, or from OAR_BUILD_DIR)."""
+    """Imports the pybind11 module ``oar._C`` (from the package, or from OAR_BUILD_DIR).
+
+    Raises ImportError naming both versions when the installed torch is not the one this build compiled
+    against (:func:`check_torch`, run first).
+    """
     if "oar._C" in sys.modules:
         return sys.modules["oar._C"]
+    check_torch()
     build = os.environ.get("OAR_BUILD_DIR")
     if build:
         suffixes = importlib.machinery.EXTENSION_SUFFIXES

@@ -10,6 +10,7 @@
 #include "oar/core/config.h"
 #include "oar/core/log.h"
 #include "oar/core/masked_batch.h"
+#include "config_kwargs.h"
 
 namespace py = pybind11;
 using namespace oar::core;
@@ -103,11 +104,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("threshold", &KtaeOptions::threshold);
 
   py::class_<OARConfig>(m, "OARConfig",
-                        "Everything that decides per-token advantages; parsed from the `oar:` section of a config "
-                        "(configs/*.yaml) by the C++ schema (nlohmann_json). Unknown keys and out-of-range values "
-                        "raise ValueError naming the key.")
-      .def(py::init<>())
-      .def_static("from_json", &parse_oar_config, py::arg("json_text"))
+                        "Everything that decides per-token advantages: oar.OARConfig(method=\"oar_g\", "
+                        "probe=\"answer_mean\", q=0.25, ...) with the flat keys of to_json(), or "
+                        "OARConfig.from_json(text) / the `oar:` section of a config (configs/*.yaml); one C++ schema "
+                        "(nlohmann_json) validates all three. Unknown keys and out-of-range values raise ValueError "
+                        "naming the key.")
+      .def(py::init(&oar::python::config_from_kwargs), oar::python::config_init_doc())
+      .def_static("from_json", &parse_oar_config, py::arg("json_text"),
+                  "OARConfig from a JSON object with the keys of to_json() (all optional); same validation and "
+                  "messages as the keyword constructor.")
       .def("to_json", [](const OARConfig& c) { return to_json(c); })
       .def_property("method", [](const OARConfig& c) { return std::string(to_string(c.method)); },
                     [](OARConfig& c, const std::string& s) { c.method = parse_method(s); })
