@@ -42,7 +42,8 @@ from typing import Sequence
 
 import torch
 
-from oar import ops
+from oar import _args, ops
+from oar.groups import resolve_groups
 
 __all__ = [
     "entropy_shaping_advantages",
@@ -142,8 +143,8 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
     if adv.shape[0] != ent.shape[0]:
         raise ValueError(f"advantages must be (B,) = ({ent.shape[0]},) like entropy's rows, got {tuple(adv.shape)}")
     m = _mask("mask", mask, ent.shape).to(ent.device)
-    alpha = ops._float_arg("alpha", alpha)
-    kappa = ops._float_arg("kappa", kappa)
+    alpha = _args.float_arg("alpha", alpha)
+    kappa = _args.float_arg("kappa", kappa)
     if not (alpha >= 0 and math.isfinite(alpha)):
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
     if not (kappa > 0 and math.isfinite(kappa)):
@@ -193,7 +194,7 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
     cids = cids.detach().cpu().long()
     if len(prompt_ids) != B:
         raise ValueError(f"prompt_ids must have B = {B} entries, got {len(prompt_ids)}")
-    budget = ops._int_arg("memory_budget_mb", memory_budget_mb)
+    budget = _args.int_arg("memory_budget_mb", memory_budget_mb)
     if budget < 1:
         raise ValueError(f"memory_budget_mb must be >= 1, got {budget}")
     out = torch.zeros((B, C), dtype=torch.float32)
@@ -394,12 +395,14 @@ def _ktae_group(ids: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, *,
     return out
 
 
-def _offsets(n: int, offsets=None, group_ids=None, group_size=None) -> list[int]:
-    dummy = torch.zeros(n)
-    off = ops._resolve_offsets(dummy, offsets, group_ids, group_size).cpu().tolist()
+def _group_rows(n: int, offsets=None, group_ids=None, group_size=None) -> list[torch.Tensor]:
+    """The row indices of each group (as in :func:`oar.ops.group_advantages`: group ids in any row order)."""
+    groups = resolve_groups(torch.zeros(n), offsets, group_ids, group_size)
+    off = groups.offsets.cpu().tolist()
     if not off or off[0] != 0 or off[-1] != n or any(x > y for x, y in zip(off, off[1:])):
         raise ValueError(f"offsets must be non-decreasing CSR row starts from 0 to N = {n}, got {off}")
-    return off
+    order = torch.arange(n) if groups.order is None else groups.order.cpu()
+    return [order[s:e] for s, e in zip(off, off[1:])]
 
 
 def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor, offsets=None, *,
@@ -439,11 +442,11 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
     if r.shape[0] != B:
         raise ValueError(f"rewards must be (B,) = ({B},), got {tuple(r.shape)}")
     _finite("rewards", r)
-    alpha = ops._float_arg("alpha", alpha)
-    beta = ops._float_arg("beta", beta)
-    scale = ops._float_arg("scale", scale)
-    threshold = ops._float_arg("threshold", threshold)
-    tf = ops._bool_arg("tf", tf)
+    alpha = _args.float_arg("alpha", alpha)
+    beta = _args.float_arg("beta", beta)
+    scale = _args.float_arg("scale", scale)
+    threshold = _args.float_arg("threshold", threshold)
+    tf = _args.bool_arg("tf", tf)
     if not (alpha >= 0 and math.isfinite(alpha)):
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
     if not (beta >= 0 and math.isfinite(beta)):
@@ -459,15 +462,14 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         ignore_ids = ignore_ids.tolist()
     if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
         raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
-    ignore = torch.tensor([ops._int_arg("ignore_ids[i]", x) for x in ignore_ids], dtype=torch.long)
-    off = _offsets(B, offsets, group_ids, group_size)
+    ignore = torch.tensor([_args.int_arg("ignore_ids[i]", x) for x in ignore_ids], dtype=torch.long)
+    rows = _group_rows(B, offsets, group_ids, group_size)
     idc = ids.detach().cpu().long()
     correct = r > threshold
     out = torch.zeros((B, T), dtype=torch.float64)
-    for s, e in zip(off, off[1:]):
-        if e > s:
-            out[s:e] = _ktae_group(idc[s:e], m[s:e], correct[s:e], alpha=alpha, beta=beta, tf=tf, scale=scale,
-                                   ignore=ignore)
+    for g in rows:
+        if g.numel():
+            out[g] = _ktae_group(idc[g], m[g], correct[g], alpha=alpha, beta=beta, tf=tf, scale=scale, ignore=ignore)
     return out.float().to(ids.device)
 
 
@@ -529,7 +531,7 @@ def irpo_rewards(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, *,
     sr = _real("rejected_scores", _tensor("rejected_scores", rejected_scores, 1)).detach()
     if sc.numel() == 0 or sr.numel() == 0:
         raise ValueError(f"chosen_scores and rejected_scores must be non-empty, got {sc.numel()} and {sr.numel()}")
-    chunk = ops._int_arg("chunk", chunk)
+    chunk = _args.int_arg("chunk", chunk)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     dev = sc.device

@@ -1,17 +1,25 @@
 """Documented wrappers of the ``torch.ops.oar.*`` operators, with fake kernels for torch.compile.
 
 Every op is implemented in C++ (``src/torch``, torch-free core in ``src/core``) and registered with the
-PyTorch dispatcher; these wrappers add docstrings, preset handling and autograd where it is defined.
-Plain-PyTorch references of every op live in :mod:`oar.reference`.
+PyTorch dispatcher; these wrappers add docstrings, argument coercion, preset handling and autograd where it
+is defined, and nothing else: the groups and trainer presets of :func:`group_advantages` live in
+:mod:`oar.groups`, the CUDA check switch in :mod:`oar.cuda_checks` (re-exported here: :func:`set_cuda_checks`,
+:func:`cuda_checks`, :func:`check_cuda_errors`). Plain-PyTorch references of every op live in
+:mod:`oar.reference`. Every wrapper traces into one graph under ``torch.compile(fullgraph=True)``.
 Errors: bad shapes/dtypes/values raise ``ValueError`` whose message names the argument, the expected and
 the actual value; device mismatches raise ``ValueError`` too.
 """
 
 from __future__ import annotations
 
+import warnings as _warnings
+from collections.abc import Sequence as _Sequence
+
 import torch
 
-from oar import _lib
+from oar import _args, _lib
+from oar.cuda_checks import check_cuda_errors, cuda_checks, set_cuda_checks
+from oar.groups import ADVANTAGE_PRESETS, resolve_groups
 
 _lib.load_ops_library()
 
@@ -23,52 +31,23 @@ __all__ = [
     "grad_x_input",
     "build_masked_batch",
     "ADVANTAGE_PRESETS",
+    # Re-exported from oar.cuda_checks (documented here first; the switch is process state, not an op).
+    "set_cuda_checks",
+    "cuda_checks",
+    "check_cuda_errors",
 ]
 
-# ==== section: advantages (group advantages, normalization, reshaping) ================================
-# These ops have no autograd: advantages and weights are constants of the policy-gradient loss. The C++
-# side registers a fallthrough on the Autograd key, so outputs never require grad (src/torch/cpu_advantages.cpp).
-
-import warnings as _warnings
-from collections.abc import Sequence as _Sequence
-
-
-# Plain-Python argument checks, so that a wrong type gets a ValueError naming the argument instead of a
-# dispatcher RuntimeError ("Expected a value of type 'str' ...") or a silent coercion (bool("no") is True).
-def _str_arg(name: str, value) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a str, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _float_arg(name: str, value) -> float:
-    if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
-
-
-def _bool_arg(name: str, value) -> bool:
-    ok = isinstance(value, bool)
-    if not ok and not isinstance(value, (str, bytes, float, torch.Tensor)):
-        try:
-            ok = value in (True, False)  # numpy bools, 0/1
-        except (TypeError, ValueError):
-            ok = False
-    if not ok:
-        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _int_arg(name: str, value) -> int:
-    if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    v = int(value.__index__())
-    if not -(2**63) <= v < 2**63:
-        raise ValueError(f"{name} must fit in int64, got {v}")
-    return v
+# Private helpers that moved out of this module (arguments: oar._args; groups: oar.groups), still reached as
+# ops._* by files of the pipeline refactor in progress:
+# compat: used by integrations/verl.py, removed when the pipeline refactor lands
+from oar._args import float_arg as _float_arg  # noqa: E402,F401
+# compat: used by pipeline.py, integrations/verl.py, removed when the pipeline refactor lands
+from oar._args import int_arg as _int_arg  # noqa: E402,F401
+# compat: used by api.py / hook.py / integrations/* while they are rewritten (no call in today's tree), removed
+# when the pipeline refactor lands
+from oar._args import bool_arg as _bool_arg  # noqa: E402,F401
+# compat: used by api.py, hook.py, pipeline.py, removed when the pipeline refactor lands
+from oar.groups import _resolve_offsets  # noqa: E402,F401
 
 
 def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
@@ -78,98 +57,13 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
         if t is not None and t.device != ref.device:
             raise ValueError(f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}")
 
-#: Trainer presets for :func:`group_advantages`, mirroring ``oar::core::preset_options``
-#: (include/oar/core/group_advantages.h). Each maps to the keyword arguments ``std``, ``eps`` and
-#: ``singleton``; the estimator is chosen separately.
-#:
-#: - ``"trl"``: TRL ``GRPOTrainer._generate_and_score_completions``: unbiased std, eps 1e-4
-#:   (``scale_rewards="group"`` is ``estimator="grpo"``, ``"batch"`` is ``"batch"``, ``"none"`` is
-#:   ``"dr_grpo"``).
-#: - ``"verl"``: verl ``core_algos.compute_grpo_outcome_advantage``: unbiased std, eps 1e-6, a group of one
-#:   response gets mean 0 and std 1, so A = r / (1 + eps) (``norm_adv_by_std_in_grpo=False`` is
-#:   ``estimator="dr_grpo"``, where A = r).
-#: - ``"openrlhf"``: OpenRLHF ``experience_maker`` ``group_norm``: unbiased std, eps 1e-9 (also ``rloo`` and
-#:   ``dr_grpo``). OpenRLHF itself returns NaN (std of one value) or divides by zero (rloo) for a group of
-#:   one; this preset gives such a group A = 0 instead.
-#: - ``"default"``: unbiased std, eps 1e-6, a group of one gets A = 0.
-#:
-#: One deliberate difference from all three trainers: they compute ``r - mean`` in float32, so a group of
-#: equal but non-representable rewards (e.g. 0.1) can get rounding residue divided by (0 + eps); oar detects
-#: all-equal groups by comparing values and returns exactly 0. With 0/1 rewards the results coincide.
-def _presets_from_core() -> dict[str, dict]:
-    # One source of truth: the C++ table (oar::core::preset_options), read through the pybind11 module.
-    core = _lib.load_extension()
-    out = {}
-    for name in core.ADVANTAGE_PRESET_NAMES:
-        o = core.preset_options(name, "grpo")
-        out[name] = {"std": o.std, "eps": o.eps, "singleton": o.singleton}
-    return out
 
-
-ADVANTAGE_PRESETS: dict[str, dict] = _presets_from_core()
+# ==== section: advantages (group advantages, normalization, reshaping) ================================
+# These ops have no autograd: advantages and weights are constants of the policy-gradient loss. The C++
+# side registers a fallthrough on the Autograd key, so outputs never require grad (src/torch/cpu_advantages.cpp).
 
 ESTIMATORS = ("grpo", "dr_grpo", "batch", "rloo")
 TIERS = ("both", "boost", "suppress")
-
-
-def _offsets_from_ids(group_ids, n: int) -> list[int]:
-    """CSR offsets of the runs of equal consecutive ids; raises when an id appears in two separate runs."""
-    if isinstance(group_ids, (str, bytes)):
-        raise ValueError(f"group_ids must be a sequence with one id per reward, got {type(group_ids).__name__}")
-    if isinstance(group_ids, torch.Tensor):
-        if group_ids.dim() != 1:
-            raise ValueError(f"group_ids must be 1-D (N,), got shape {tuple(group_ids.shape)}")
-        if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex:
-            raise ValueError(f"group_ids must hold integer ids, got dtype {group_ids.dtype}")
-        ids = group_ids.detach().cpu().tolist()
-    else:
-        ids = list(group_ids)
-    if len(ids) != n:
-        raise ValueError(f"group_ids must have one id per reward, N = {n}, got {len(ids)}")
-    starts = [i for i in range(n) if i == 0 or ids[i] != ids[i - 1]]
-    seen: dict = {}
-    for s in starts:
-        try:
-            hash(ids[s])
-        except TypeError:
-            raise ValueError(f"group_ids must hold hashable ids (ints, strings), got {ids[s]!r} at row {s}") from None
-        if ids[s] in seen:
-            raise ValueError(
-                f"group_ids must keep each group's rows contiguous (the rows of one prompt adjacent, as trainers "
-                f"lay them out): id {ids[s]!r} starts runs at rows {seen[ids[s]]} and {s}"
-            )
-        seen[ids[s]] = s
-    return starts + [n]
-
-
-def _resolve_offsets(rewards: torch.Tensor, offsets, group_ids, group_size) -> torch.Tensor:
-    given = [name for name, v in (("offsets", offsets), ("group_ids", group_ids), ("group_size", group_size))
-             if v is not None]
-    if len(given) != 1:
-        raise ValueError(f"pass exactly one of offsets, group_ids, group_size; got {given or 'none'}")
-    n = rewards.shape[0]
-    if offsets is not None:
-        if isinstance(offsets, torch.Tensor):
-            off = offsets
-        else:
-            try:
-                # An empty list would default to float32; it is an empty (invalid) offsets array, not a dtype error.
-                off = torch.as_tensor(offsets, dtype=torch.int64 if len(offsets) == 0 else None)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise ValueError(f"offsets must be a sequence of int64 CSR row starts (G + 1,), got {offsets!r} "
-                                 f"({e})") from None
-        if off.dtype.is_floating_point or off.dtype.is_complex or off.dtype == torch.bool:
-            raise ValueError(f"offsets must be an int64 tensor (G + 1,), got dtype {off.dtype}")
-        if off.device.type == "meta" and rewards.device.type != "meta":
-            raise ValueError(f"offsets must hold data (rewards are on {rewards.device}), got a meta tensor")
-        return off.to(device=rewards.device, dtype=torch.int64)
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if n % group_size != 0:
-            raise ValueError(f"group_size must divide the number of rewards N = {n}, got group_size = {group_size}")
-        return torch.arange(0, n + 1, group_size, dtype=torch.int64, device=rewards.device)
-    return torch.tensor(_offsets_from_ids(group_ids, n), dtype=torch.int64, device=rewards.device)
 
 
 def group_advantages(
@@ -199,14 +93,20 @@ def group_advantages(
     group of one response gets 0, except with ``singleton="verl"`` (mean 0, std 1: A = r / (1 + eps) for
     grpo, r / (std_batch + eps) for batch, r for dr_grpo and rloo). When every group has a single response
     a ``UserWarning`` says that the baseline is meaningless (the C++ op also warns once on stderr, since
-    torch 2.14 does not route C++ warnings of custom ops to Python).
+    torch 2.14 does not route C++ warnings of custom ops to Python). The warning reads the rewards (a host
+    sync), so it is not emitted inside ``torch.compile`` (``torch.compiler.is_compiling()``); the stderr
+    warning of the op still is.
 
     Groups are given by exactly one of:
 
     - ``offsets``: CSR row starts (G + 1,) int64, offsets[0] = 0, non-decreasing, offsets[-1] = N; empty
       groups are allowed;
-    - ``group_ids``: one id per reward (tensor of integers, or any sequence of hashables such as verl's
-      ``uid`` strings); the rows of one group must be contiguous;
+    - ``group_ids``: one id per reward (tensor of integers on any device, or any sequence of hashables such
+      as verl's ``uid`` strings), in any row order (interleaved groups, or rows reordered by verl's
+      ``balance_batch``): rows are grouped by id with a stable permutation, and the advantages come back in
+      the caller's row order. Error messages name the caller's rows (``rewards[k]``); groups are numbered in
+      the order of their first row. Not traceable by ``torch.compile`` (the groups depend on the ids' values):
+      compiled code passes ``offsets`` or ``group_size``;
     - ``group_size``: G equal groups of ``group_size`` consecutive rows (N divisible by it).
 
     Args:
@@ -242,13 +142,22 @@ def group_advantages(
     for key, value in (("std", std), ("eps", eps), ("singleton", singleton)):
         if value is not None:
             cfg[key] = value
-    off = _resolve_offsets(rewards, offsets, group_ids, group_size)
-    out = torch.ops.oar.group_advantages(
-        rewards, off, _str_arg("estimator", estimator), _str_arg("std", cfg["std"]), _float_arg("eps", cfg["eps"]),
-        _str_arg("singleton", cfg["singleton"]), _bool_arg("skip_nan", skip_nan)
-    )
-    # The single-response warning reads the data: skip it for meta (shape-only) tensors.
-    if cfg["singleton"] != "verl" and off.numel() > 1 and rewards.numel() > 0 and rewards.device.type != "meta":
+    groups = resolve_groups(rewards, offsets, group_ids, group_size)
+    off = groups.offsets
+    args = (_args.str_arg("estimator", estimator), _args.str_arg("std", cfg["std"]), _args.float_arg("eps", cfg["eps"]),
+            _args.str_arg("singleton", cfg["singleton"]), _args.bool_arg("skip_nan", skip_nan))
+    if groups.order is None:
+        out = torch.ops.oar.group_advantages(rewards, off, *args)
+    else:
+        rewards = groups.gather(rewards)
+        try:
+            out = groups.scatter(torch.ops.oar.group_advantages(rewards, off, *args))
+        except ValueError as e:
+            raise groups.caller_rows(e) from None
+    # The single-response warning reads the data: skip it for meta (shape-only) tensors, and under torch.compile
+    # (a host sync would break the graph).
+    if (cfg["singleton"] != "verl" and off.numel() > 1 and rewards.numel() > 0 and rewards.device.type != "meta"
+            and not torch.compiler.is_compiling()):
         valid = ~torch.isnan(rewards) if rewards.is_floating_point() else torch.ones_like(rewards, dtype=torch.bool)
         csum = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
         counts = csum[off[1:]] - csum[off[:-1]]
@@ -333,8 +242,8 @@ def reshape_advantages(
             (weight x advantage) that overflow float32.
     """
     return torch.ops.oar.reshape_advantages(
-        advantages, scores, reasoning_mask, response_mask, _float_arg("q", q), _float_arg("beta", beta),
-        _float_arg("floor", floor), _str_arg("tiers", tiers), _bool_arg("scores_are_normalized", scores_are_normalized),
+        advantages, scores, reasoning_mask, response_mask, _args.float_arg("q", q), _args.float_arg("beta", beta),
+        _args.float_arg("floor", floor), _args.str_arg("tiers", tiers), _args.bool_arg("scores_are_normalized", scores_are_normalized),
     )
 
 
@@ -422,7 +331,7 @@ def probe_divergence(
             (NaN/+inf logits, or a probed position without any finite logit). Messages name the
             argument, the expected and the actual value.
     """
-    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths, _str_arg("probe", probe))
+    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths, _args.str_arg("probe", probe))
 
 
 def grad_x_input(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (torch naming)
@@ -471,7 +380,7 @@ def build_masked_batch(
             out of range (the message names the offending entry), device mismatch, ``pad_id`` not an int
             or outside int64.
     """
-    return torch.ops.oar.build_masked_batch(input_ids, row_index, positions, _int_arg("pad_id", pad_id))
+    return torch.ops.oar.build_masked_batch(input_ids, row_index, positions, _args.int_arg("pad_id", pad_id))
 
 
 def _probe_setup_context(ctx, inputs, output):
@@ -553,118 +462,3 @@ def _build_masked_batch_fake(input_ids, row_index, positions, pad_id):
 
 
 # ==== end section: probe ================================================================================
-
-# ==== section: CUDA validation (data checks of the CUDA kernels; src/torch/cuda_checks.h) ===============
-# The CUDA kernels validate data (NaN rewards, out-of-range ids, ...) on the device and record errors in a
-# per-device record instead of synchronizing. Step-level ops (group_advantages, normalize_importance,
-# reshape_advantages) always read it back; the hot-path ops (probe_divergence + backward, grad_x_input,
-# build_masked_batch) only in "eager" mode; in "lazy" mode (the default) their errors surface at the next
-# check on that device (docs/design.md, "CUDA kernels").
-
-import ctypes as _ctypes
-
-_CUDA_CHECK_MODES = ("lazy", "eager")
-
-
-_CUDA_LIB: dict = {}
-
-
-def _cuda_checks_lib():
-    """The loaded op library as a ctypes handle with the C entry points, or None (built without CUDA)."""
-    path = _lib.loaded_ops_library()
-    if path is None:
-        return None
-    if path not in _CUDA_LIB:
-        _CUDA_LIB[path] = _load_cuda_checks(path)
-    return _CUDA_LIB[path]
-
-
-def _load_cuda_checks(path: str):
-    try:
-        lib = _ctypes.CDLL(path)
-        lib.oar_cuda_set_checks.argtypes = [_ctypes.c_int]
-        lib.oar_cuda_get_checks.argtypes = [_ctypes.c_char_p, _ctypes.c_int]
-        lib.oar_cuda_take_error.argtypes = [_ctypes.c_int, _ctypes.c_char_p, _ctypes.c_int]
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-def set_cuda_checks(mode: str) -> str:
-    """Sets when the hot-path CUDA ops read their device error record back (process-wide).
-
-    Args:
-        mode: ``"lazy"`` (default; no host synchronization: a bad row gets NaN, or an all-PAD variant, and
-            the error is raised by the next step-level op or :func:`check_cuda_errors` on that device) or
-            ``"eager"`` (every call waits for its kernels and raises the CPU's exact ``ValueError``). The
-            environment variable ``OAR_CUDA_CHECKS`` sets the initial mode.
-
-    Returns:
-        The previous mode. In a build without CUDA kernels the call only validates ``mode`` and returns
-        ``"lazy"``.
-
-    Raises:
-        ValueError: ``mode`` is not ``"lazy"`` or ``"eager"``.
-    """
-    if not isinstance(mode, str) or mode not in _CUDA_CHECK_MODES:
-        raise ValueError(f"mode must be one of {_CUDA_CHECK_MODES}, got {mode!r}")
-    lib = _cuda_checks_lib()
-    if lib is None:
-        return "lazy"
-    prev = lib.oar_cuda_set_checks(_CUDA_CHECK_MODES.index(mode))
-    return _CUDA_CHECK_MODES[prev] if prev in (0, 1) else "lazy"
-
-
-def cuda_checks() -> str:
-    """The current CUDA check mode, ``"lazy"`` or ``"eager"`` (see :func:`set_cuda_checks`).
-
-    Raises:
-        ValueError: ``OAR_CUDA_CHECKS`` holds another value (and no mode was set explicitly).
-    """
-    lib = _cuda_checks_lib()
-    if lib is None:
-        return "lazy"
-    buf = _ctypes.create_string_buffer(1024)
-    m = lib.oar_cuda_get_checks(buf, len(buf))
-    if m < 0:
-        raise ValueError(buf.value.decode(errors="replace"))
-    return _CUDA_CHECK_MODES[m]
-
-
-def check_cuda_errors(device=None) -> None:
-    """Raises the data error that an oar CUDA op recorded on ``device`` and nobody raised yet.
-
-    Waits for the work queued on the device's current stream (one 64-byte copy). Call it where a lazily
-    checked op's result is consumed, e.g. once per attribution batch.
-
-    Args:
-        device: a CUDA device (``torch.device``, ``"cuda:1"`` or an index); default: the current device.
-            A no-op when CUDA was never initialized in this process or the build has no CUDA kernels.
-
-    Raises:
-        ValueError: the recorded error (op, what was wrong, first index and value); or ``device`` is not a
-            CUDA device.
-    """
-    if device is None:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return
-        index = torch.cuda.current_device()
-    else:
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if dev.type != "cuda":
-            raise ValueError(f"device must be a CUDA device, got {device!r}")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not torch.cuda.is_initialized():
-        return
-    lib = _cuda_checks_lib()
-    if lib is None:
-        return
-    buf = _ctypes.create_string_buffer(4096)
-    status = lib.oar_cuda_take_error(int(index), buf, len(buf))
-    if status != 0:
-        raise ValueError(buf.value.decode(errors="replace"))
-
-
-__all__ += ["set_cuda_checks", "cuda_checks", "check_cuda_errors"]
-
-# ==== end section: CUDA validation ======================================================================

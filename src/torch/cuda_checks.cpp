@@ -1,17 +1,18 @@
-// Read-back policy of the CUDA data checks (cuda_checks.h, docs/design.md "CUDA input validation") and its C
-// entry points for Python (oar.ops.set_cuda_checks / check_cuda_errors, loaded through ctypes: a mode switch
-// and a check are process state, not tensor operators, so they have no schema).
+// Read-back policy of the CUDA data checks (cuda_checks.h, docs/design.md "CUDA input validation") and the
+// three ops that reach it from Python (oar.cuda_checks: set_cuda_checks / cuda_checks / check_cuda_errors).
+// They are ops rather than pybind11 functions because the state lives in this library, which oar._C does not
+// link (docs/design.md, "The CUDA check switch is reached through torch.ops").
 #include "cuda_checks.h"
 
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <sstream>
 #include <string_view>
 
@@ -116,57 +117,38 @@ std::string take_pending(int device) {
 
 }  // namespace oar::torch_ops::cuda_checks
 
-// ---- C entry points (python/oar/ops.py, section "CUDA validation") -------------------------------------------
-// They never throw across the C boundary: failures come back as a negative status and a message in `buf`.
+// ---- ops (schemas in schemas.cpp; python/oar/cuda_checks.py) ----------------------------------------------------
 namespace {
 
-void copy_message(const std::string& msg, char* buf, int buflen) {
-  if (buf == nullptr || buflen <= 0) return;
-  const size_t n = std::min(msg.size(), static_cast<size_t>(buflen - 1));
-  std::memcpy(buf, msg.data(), n);
-  buf[n] = '\0';
+using oar::torch_ops::cuda_checks::Mode;
+
+const char* mode_name(Mode m) { return m == Mode::kEager ? "eager" : "lazy"; }
+
+std::string set_cuda_checks_op(c10::string_view mode) {
+  const std::string_view v(mode.data(), mode.size());
+  TORCH_CHECK_VALUE(v == "lazy" || v == "eager", "mode must be one of ('lazy', 'eager'), got '", v, "'");
+  Mode prev = Mode::kLazy;
+  try {
+    prev = oar::torch_ops::cuda_checks::mode();
+  } catch (const c10::ValueError&) {
+    // An invalid OAR_CUDA_CHECKS is overridden by the explicit setting; the previous mode reads as the default.
+  }
+  oar::torch_ops::cuda_checks::set_mode(v == "eager" ? Mode::kEager : Mode::kLazy);
+  return mode_name(prev);
+}
+
+std::string get_cuda_checks_op() { return mode_name(oar::torch_ops::cuda_checks::mode()); }
+
+std::string take_cuda_error_op(int64_t device) {
+  TORCH_CHECK_VALUE(device >= 0 && device < c10::cuda::device_count(), "device must be a CUDA device index in [0, ",
+                    static_cast<int>(c10::cuda::device_count()), "), got ", device);
+  return oar::torch_ops::cuda_checks::take_pending(static_cast<int>(device));
 }
 
 }  // namespace
 
-extern "C" {
-
-/// Sets the mode (0 lazy, 1 eager); returns the previous one, or -1 for an invalid argument.
-__attribute__((visibility("default"))) int oar_cuda_set_checks(int mode) {
-  using oar::torch_ops::cuda_checks::Mode;
-  if (mode != 0 && mode != 1) return -1;
-  int prev = 0;
-  try {
-    prev = static_cast<int>(oar::torch_ops::cuda_checks::mode());
-  } catch (...) {
-    prev = 0;  // an invalid OAR_CUDA_CHECKS is overridden by the explicit setting
-  }
-  oar::torch_ops::cuda_checks::set_mode(static_cast<Mode>(mode));
-  return prev;
+TORCH_LIBRARY_IMPL(oar, CompositeExplicitAutograd, m) {
+  m.impl("_set_cuda_checks", &set_cuda_checks_op);
+  m.impl("_get_cuda_checks", &get_cuda_checks_op);
+  m.impl("_take_cuda_error", &take_cuda_error_op);
 }
-
-/// The current mode (0 lazy, 1 eager), or -1 when OAR_CUDA_CHECKS holds an invalid value (message in buf).
-__attribute__((visibility("default"))) int oar_cuda_get_checks(char* buf, int buflen) {
-  try {
-    return static_cast<int>(oar::torch_ops::cuda_checks::mode());
-  } catch (const std::exception& e) {
-    copy_message(e.what(), buf, buflen);
-    return -1;
-  }
-}
-
-/// Waits for the current stream of `device` and reads its error record: 1 and the message in buf when an error
-/// was recorded and not raised yet (it is then marked raised), 0 when none, -1 on failure (message in buf).
-__attribute__((visibility("default"))) int oar_cuda_take_error(int device, char* buf, int buflen) {
-  try {
-    const std::string msg = oar::torch_ops::cuda_checks::take_pending(device);
-    if (msg.empty()) return 0;
-    copy_message(msg, buf, buflen);
-    return 1;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), buf, buflen);
-    return -1;
-  }
-}
-
-}  // extern "C"

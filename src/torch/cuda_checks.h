@@ -13,7 +13,8 @@
 //     step-level op, or oar.ops.check_cuda_errors()).
 //   - After a failure is read back, the op raises exactly the CPU's ValueError: it re-runs the CPU check on
 //     host copies of the (small) offending inputs; the generic record text is the fallback.
-// Mode: environment variable OAR_CUDA_CHECKS=lazy|eager (read at the first call), or oar.ops.set_cuda_checks().
+// Mode: environment variable OAR_CUDA_CHECKS=lazy|eager (read at the first call), or oar.ops.set_cuda_checks()
+// (python/oar/cuda_checks.py, through the ops oar::_set_cuda_checks / _get_cuda_checks / _take_cuda_error).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -22,4 +22,12 @@ TORCH_LIBRARY(oar, m) {
   m.def("grad_x_input(Tensor grad, Tensor input) -> Tensor");
   // method.md section 3. input_ids (B,T) int64, row_index (M,), positions (M,) -> (M,T) int64.
   m.def("build_masked_batch(Tensor input_ids, Tensor row_index, Tensor positions, int pad_id) -> Tensor");
+  // Process state of the CUDA data checks, not tensor operators (cuda_checks.h; python/oar/cuda_checks.py).
+  // No tensor arguments: CompositeExplicitAutograd kernels in cuda_checks.cpp, registered by CUDA builds only.
+  // mode "lazy" | "eager" -> the previous mode.
+  m.def("_set_cuda_checks(str mode) -> str");
+  // -> the current mode; ValueError when OAR_CUDA_CHECKS holds another value and no mode was set.
+  m.def("_get_cuda_checks() -> str");
+  // -> the error recorded on `device` and not raised yet ("" when none), after the device's current stream.
+  m.def("_take_cuda_error(int device) -> str");
 }

@@ -18,60 +18,9 @@ from oar.models import tiny_random_llama
 
 from _completions import completion_batch
 
-R = torch.tensor([1.0, 0.0, 1.0, 0.0])
 S = torch.rand(2, 5, generator=torch.Generator().manual_seed(0))
 M = torch.ones(2, 5, dtype=torch.bool)
 A = torch.tensor([1.0, -1.0])
-
-
-# ---- group_advantages ----------------------------------------------------------------------------------------
-
-def test_group_advantages_float64_statistics_overflow_raises():
-    # Finite float64 rewards whose squared deviations overflow double used to give A = 0 silently.
-    r = torch.tensor([1.7e308, -1.7e308, 1.0, 0.0], dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"statistics of group 0 overflow double .*rescale the rewards"):
-        ops.group_advantages(r, group_size=2)
-    with pytest.raises(ValueError, match=r"statistics of the batch overflow double"):
-        ops.group_advantages(r, group_size=2, estimator="batch")
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(estimator=None), r"estimator must be a str, got NoneType None"),
-    (dict(estimator=3), r"estimator must be a str, got int 3"),
-    (dict(std=1), r"std must be a str, got int 1"),
-    (dict(singleton=0), r"singleton must be a str, got int 0"),
-    (dict(preset=["trl"]), r"preset must be one of .* or None, got \['trl'\]"),
-    (dict(eps="1e-4"), r"eps must be a real number, got str '1e-4'"),
-    (dict(eps=None, preset="nope"), r"preset must be one of"),
-    (dict(skip_nan="no"), r"skip_nan must be True or False, got str 'no'"),
-    (dict(skip_nan=torch.tensor(True)), r"skip_nan must be True or False, got Tensor"),
-])
-def test_group_advantages_argument_types(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ops.group_advantages(R, group_size=2, **kwargs)
-
-
-@pytest.mark.parametrize("grouping, match", [
-    (dict(offsets=[]), r"offsets must have G \+ 1 >= 1 entries .*got shape \(0,\)"),
-    (dict(offsets=[0, 2**64, 4]), r"offsets must be a sequence of int64 CSR row starts"),
-    (dict(offsets=torch.tensor([0, 2, 4], device="meta")), r"offsets must hold data .*got a meta tensor"),
-    (dict(group_ids=[[0], [0], [1], [1]]), r"group_ids must hold hashable ids .*got \[0\] at row 0"),
-    (dict(group_ids="aabb"), r"group_ids must be a sequence with one id per reward, got str"),
-])
-def test_group_advantages_bad_grouping(grouping, match):
-    with pytest.raises(ValueError, match=match):
-        ops.group_advantages(R, **grouping)
-
-
-def test_group_advantages_meta_tensor_gives_shape_only():
-    # The single-response warning used to call .item() on meta data (RuntimeError).
-    out = ops.group_advantages(torch.empty(4, device="meta"), group_size=2)
-    assert out.device.type == "meta" and out.shape == (4,) and out.dtype == torch.float32
-
-
-def test_group_advantages_fake_kernel_refuses_mixed_devices():
-    with pytest.raises(ValueError, match=r"offsets must be on the same device as rewards \(meta\), got cpu"):
-        torch.ops.oar.group_advantages(torch.empty(4, device="meta"), torch.tensor([0, 2, 4]))
 
 
 # ---- normalize_importance / reshape_advantages ----------------------------------------------------------------
@@ -90,7 +39,6 @@ def test_normalize_importance_subnormal_float64_range_is_finite():
 @pytest.mark.parametrize("call, match", [
     (lambda: ops.normalize_importance(S, None), r"mask must be a tensor, got None"),
     (lambda: torch.ops.oar.normalize_importance(None, M), r"scores must be a tensor, got None"),
-    (lambda: torch.ops.oar.group_advantages(R, None), r"offsets must be a tensor, got None"),
     (lambda: torch.ops.oar.reshape_advantages(None, S, M, M), r"advantages must be a tensor, got None"),
     (lambda: torch.ops.oar.reshape_advantages(A, S, M, None), r"response_mask must be a tensor, got None"),
     (lambda: ops.probe_divergence(None, torch.zeros(1, 1, 2)), r"clean_logits must be a tensor, got None"),

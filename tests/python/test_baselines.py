@@ -144,6 +144,18 @@ def test_ktae_matches_loop_reference(seed, kw):
     torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ktae_group_ids_in_any_row_order(seed):
+    # Rows of the two prompts interleaved / shuffled (verl's balance_batch): each row gets the scores of its own
+    # group, as when the rows are contiguous.
+    ids, mask, rewards = _ktae_batch(seed)
+    want = ktae_reference(ids, mask, rewards, (6, 5))
+    g = torch.tensor([0] * 6 + [1] * 5)
+    p = torch.randperm(11, generator=torch.Generator().manual_seed(seed))
+    got = baselines.ktae_token_scores(ids[p], mask[p], rewards[p], group_ids=[f"uid-{v}" for v in g[p].tolist()])
+    torch.testing.assert_close(got, want[p], rtol=1e-5, atol=1e-6)
+
+
 def test_ktae_invariants():
     ids, mask, rewards = _ktae_batch(5, sizes=(8,), T=12)
     rewards[:3], rewards[3:] = 1.0, 0.0

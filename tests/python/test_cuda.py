@@ -90,76 +90,6 @@ def test_skip_reason_is_explicit():
         assert "CUDA" in _skip_reason
 
 
-# ==== group advantages ========================================================================================
-
-ESTIMATORS = ["grpo", "dr_grpo", "batch", "rloo"]
-
-
-def ragged_case(seed, dtype):
-    """Rewards over ragged groups: empty groups, singletons, all-equal groups, regular groups."""
-    g = gen(seed)
-    sizes = [4, 0, 1, 7, 3, 16, 2, 0, 33, 5, 1, 64]
-    n = sum(sizes)
-    r = torch.randn(n, generator=g, dtype=torch.float64)
-    off = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0).tolist()), dtype=torch.int64)
-    r[off[4]:off[5]] = 0.75  # an all-equal group (exactly 0 whatever the estimator)
-    r[off[8]:off[8] + 10] = torch.randint(0, 2, (10,), generator=g).double()  # ties
-    return r.to(dtype), off
-
-
-@device_test
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-@pytest.mark.parametrize("preset", ["default", "trl", "verl", "openrlhf"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64, torch.bool], ids=str)
-def test_group_advantages_parity_ragged(estimator, preset, dtype):
-    r, off = ragged_case(3, torch.float64)
-    r = (r > 0) if dtype == torch.bool else (r * 4).round().to(dtype) if dtype == torch.int64 else r.to(dtype)
-    cpu = ops.group_advantages(r, off, estimator=estimator, preset=preset)
-    dev = ops.group_advantages(on(r), on(off), estimator=estimator, preset=preset)
-    assert dev.device.type == DEV.split(":")[0] and dev.dtype == torch.float32 and dev.shape == cpu.shape
-    torch.testing.assert_close(dev.cpu(), cpu, rtol=2e-6, atol=2e-6)
-    # All-equal groups and singletons (except verl's) are exactly 0 on both.
-    assert torch.equal(dev.cpu()[off[4]:off[5]], torch.zeros(int(off[5] - off[4])))
-
-
-@device_test
-@pytest.mark.filterwarnings("ignore:oar.group_advantages. every group has a single response")
-@pytest.mark.parametrize("n, G", [(4096, 512), (4096, 4), (100_000, 10), (1, 1), (0, 0), (0, 3), (257, 1)])
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_group_advantages_parity_sizes(n, G, estimator):
-    # (4096, 4) and (100000, 10) take the block-per-group path (>= 256 rewards per group), the others the
-    # warp-per-group path; (0, 0) is offsets == [0].
-    g = gen(n + G)
-    r = torch.rand(n, generator=g) * 10
-    if G == 0:
-        off = torch.zeros(1, dtype=torch.int64)
-    else:
-        cuts = torch.sort(torch.randint(0, n + 1, (G - 1,), generator=g)).values
-        off = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([n])])
-    cpu = ops.group_advantages(r, off, estimator=estimator, preset="trl")
-    dev = ops.group_advantages(on(r), on(off), estimator=estimator, preset="trl")
-    torch.testing.assert_close(dev.cpu(), cpu, rtol=2e-6, atol=2e-6)
-
-
-@device_test
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_group_advantages_skip_nan_parity(estimator):
-    r, off = ragged_case(5, torch.float32)
-    r[[0, 9, 40, 41]] = float("nan")
-    cpu = ops.group_advantages(r, off, estimator=estimator, skip_nan=True)
-    dev = ops.group_advantages(on(r), on(off), estimator=estimator, skip_nan=True)
-    torch.testing.assert_close(dev.cpu(), cpu, rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(dev.cpu(), ref.group_advantages(r, off, estimator=estimator, skip_nan=True),
-                               rtol=1e-5, atol=1e-5)
-
-
-@device_test
-def test_group_advantages_large_magnitude_all_equal_is_exactly_zero():
-    r = torch.full((64,), 1e30, dtype=torch.float64)
-    out = ops.group_advantages(on(r), group_size=8)
-    assert torch.equal(out.cpu(), torch.zeros(64))
-
-
 # ==== normalize_importance / reshape_advantages ===============================================================
 
 def reshape_case(B, T, dtype, seed, ties=False, empty_rows=(), equal_rows=()):
@@ -432,8 +362,6 @@ def _opcheck_cases():
     grad, x = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
     tok = torch.randint(0, 100, (4, 6), generator=g)
     return {
-        "group_advantages": (torch.ops.oar.group_advantages.default, (r, off), {}),
-        "group_advantages_batch": (torch.ops.oar.group_advantages.default, (r, off), {"estimator": "batch"}),
         "normalize_importance": (torch.ops.oar.normalize_importance.default, (s, m), {}),
         "reshape_advantages": (torch.ops.oar.reshape_advantages.default, (torch.randn(3, generator=g), s, m, resp), {}),
         "probe_divergence_mean": (torch.ops.oar.probe_divergence.default, (clean, pert, None, lengths, "answer_mean"), {}),
@@ -556,9 +484,6 @@ def _bad_input_cases():
     bad_ids[1, 0] = 50  # == V
     return {
         # argument checks (host side, before any launch)
-        "offsets_dtype": (lambda: ops.group_advantages(on(r), on(off.float())), r"offsets must be an int64 tensor"),
-        "offsets_device": (lambda: torch.ops.oar.group_advantages(on(r), off), r"offsets must be on the same device as rewards")
-        if ON_CUDA else (lambda: ops.group_advantages(on(r), on(torch.tensor([0, 3]))), r"offsets"),
         "scores_dim": (lambda: ops.normalize_importance(on(r), on(m)), r"scores must be 2-D \(B, T\)"),
         "q_range": (lambda: ops.reshape_advantages(on(torch.ones(2)), on(s), on(m), on(m), q=1.5), r"q must be in \(0, 1\)"),
         "probe_name": (lambda: ops.probe_divergence(on(clean), on(pert), probe="first"), r"probe must be one of"),
@@ -568,12 +493,6 @@ def _bad_input_cases():
         "row_index_dtype": (lambda: ops.build_masked_batch(on(tok), on(torch.tensor([0.0])), on(torch.tensor([0])), 0),
                             r"row_index must have dtype"),
         # data checks (found on the device, re-raised with the CPU's message)
-        "nan_reward": (lambda: ops.group_advantages(on(nan_r), on(off)), r"rewards must not contain NaN, got rewards\[4\]"),
-        "inf_reward": (lambda: ops.group_advantages(on(torch.tensor([1.0, float("inf")])), group_size=2),
-                       r"rewards must be finite, got rewards\[1\] = inf"),
-        "bad_offsets": (lambda: ops.group_advantages(on(r), on(torch.tensor([0, 4, 3, 6]))),
-                        r"offsets must be non-decreasing"),
-        "offsets_end": (lambda: ops.group_advantages(on(r), on(torch.tensor([0, 3, 5]))), r"offsets\[-1\]"),
         "negative_score": (lambda: ops.normalize_importance(on(neg_s), on(m)), r"scores must be finite and >= 0.*\[1, 2\]"),
         "not_subset": (lambda: ops.reshape_advantages(on(torch.ones(2)), on(s), on(m), on(sub)),
                        r"reasoning_mask must be a subset of response_mask"),

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from oar import ops
+from oar import _args, ops
 from oar._lib import load_extension
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeModel, gather_probe_logits
@@ -225,7 +225,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
     if not isinstance(engine, str) or engine not in OAR_P_ENGINES:
         raise ValueError(f"engine must be one of {OAR_P_ENGINES}, got {engine!r}")
-    max_prefix_waste = ops._float_arg("max_prefix_waste", max_prefix_waste)
+    max_prefix_waste = _args.float_arg("max_prefix_waste", max_prefix_waste)
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
     positions = _positions(batch, rows, positions)

@@ -1,0 +1,54 @@
+"""Coercion of plain-Python arguments (strings, numbers, flags) with errors that name the argument.
+
+A wrong type gets a ``ValueError`` such as ``"eps must be a real number, got str '1e-4'"`` instead of a
+dispatcher ``RuntimeError`` ("Expected a value of type 'str' ...") or a silent coercion (``bool("no")`` is
+True). Used by the op wrappers (:mod:`oar.ops`), the baselines, the attribution engines and the trainer
+adapters. Private: the names and messages may change with the callers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def str_arg(name: str, value) -> str:
+    """``value`` itself when it is a ``str``; ValueError naming ``name`` otherwise."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def float_arg(name: str, value) -> float:
+    """``float(value)`` for real numbers (int, float, numpy scalars, 0-d tensors); ValueError for bool, str, bytes
+    and anything ``float()`` refuses."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
+
+
+def bool_arg(name: str, value) -> bool:
+    """``bool(value)`` for True/False, numpy bools and the ints 0/1; ValueError for strings, floats, tensors and
+    other values (``bool("no")`` would be True)."""
+    ok = isinstance(value, bool)
+    if not ok and not isinstance(value, (str, bytes, float, torch.Tensor)):
+        try:
+            ok = value in (True, False)  # numpy bools, 0/1
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def int_arg(name: str, value) -> int:
+    """``int(value)`` for objects with ``__index__`` (int, numpy integers) that fit in int64; ValueError for
+    bool, tensors, floats and out-of-range values."""
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value.__index__())
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {v}")
+    return v

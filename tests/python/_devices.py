@@ -1,0 +1,69 @@
+"""The device parameter of the per-op test files: every op test that runs on CUDA too takes ``device`` from
+:data:`DEVICES` ("cpu", and "cuda" skipped with its reason where no GPU is present or oar was built without CUDA
+kernels; ``pytest -rs`` prints it). CUDA cases carry the ``cuda`` marker: ``pytest -m cuda`` runs every CUDA test
+of the suite (benchmarks/gpu/run_gpu_checks.sh).
+
+Import the fixtures into a test module to use them: ``no_pending_device_errors`` (autouse there: every test
+starts and ends with no unraised device error, so a lazily checked error cannot leak into the next test) and
+``eager_checks`` (every CUDA op checks its data before returning, with the CPU's exact messages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oar
+from oar import cuda_checks
+
+if not torch.cuda.is_available():
+    CUDA_SKIP_REASON = "no CUDA device on this machine (torch.cuda.is_available() is False)"
+elif not oar.has_cuda_kernels():
+    CUDA_SKIP_REASON = "oar was built without CUDA kernels (no nvcc at build time, or a CPU-only torch)"
+else:
+    CUDA_SKIP_REASON = None
+
+#: Marks of a CUDA-only test (or parameter).
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=CUDA_SKIP_REASON or "")]
+
+#: ``@pytest.mark.parametrize("device", DEVICES)``: the CPU and the first CUDA device.
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS, id="cuda")]
+
+#: For tests that compare a device against the CPU (parity): the non-CPU devices only.
+OTHER_DEVICES = [pytest.param("cuda", marks=CUDA_MARKS, id="cuda")]
+
+
+def cuda_test(fn):
+    """Marks a test that needs a CUDA device (stream, device guard, lazy checks)."""
+    for mark in CUDA_MARKS:
+        fn = mark(fn)
+    return fn
+
+
+def gen(seed: int) -> torch.Generator:
+    """A CPU generator: inputs are drawn on the host, then moved, so every device sees the same values."""
+    return torch.Generator().manual_seed(seed)
+
+
+def on(t, device):
+    """Host tensor -> ``device`` (None stays None)."""
+    return None if t is None else t.to(device)
+
+
+@pytest.fixture(autouse=True)
+def no_pending_device_errors():
+    """Every test starts and ends with no unraised device error (a lazy error would leak into the next test)."""
+    if CUDA_SKIP_REASON is None:
+        cuda_checks.check_cuda_errors()
+    yield
+    if CUDA_SKIP_REASON is None:
+        torch.cuda.synchronize()
+        cuda_checks.check_cuda_errors()
+
+
+@pytest.fixture
+def eager_checks():
+    """Every CUDA op checks its data before returning (the CPU's exact messages)."""
+    prev = cuda_checks.set_cuda_checks("eager")
+    yield
+    cuda_checks.set_cuda_checks(prev)
