@@ -30,7 +30,11 @@ from typing import Any
 
 import torch
 
-from oar.config import RunConfig, load_config
+from oar._extras import require
+
+require("train", "oar.train")  # transformers, trl, datasets, ... (pip install "oar[train]")
+
+from oar.config import RunConfig, load_config  # noqa: E402
 
 #: Defaults of the ``eval`` config section (docs/config.md).
 EVAL_DEFAULTS = {"problems": 96, "every_steps": 0, "max_new_tokens": None, "batch_size": 32, "seed": 0,
