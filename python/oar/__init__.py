@@ -23,6 +23,8 @@ from oar import _lib
 __version__ = "0.1.0"
 
 _C = _lib.load_extension()
+# An OAR_CPU_ISA that this machine cannot run is refused here, at import, rather than by the first op.
+_C.cpu_isa()
 from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.oar.*)
 
 OARConfig = _C.OARConfig
@@ -41,7 +43,10 @@ def build_info() -> dict:
 
     Returns a dict: ``version``, ``cuda_kernels`` (CUDA kernels compiled in), ``cuda_ops_registered``
     (CUDA implementations registered with the dispatcher), ``torch_built_against``, ``torch_runtime``,
-    ``torch_cuda_built_against``, ``cuda_architectures``, ``ops_library`` (path loaded).
+    ``torch_cuda_built_against``, ``cuda_architectures``, ``ops_library`` (path loaded), ``cpu_isa`` (ISA
+    level the CPU loops run at: ``"avx512f"``, ``"avx2"`` or ``"baseline"``; the best one the CPU supports unless
+    the environment variable ``OAR_CPU_ISA`` forces one) and ``cpu_isas_supported`` (the levels this machine can
+    run, best first).
     """
     info = dict(_C.build_info())
     import torch

@@ -1,259 +1,263 @@
-// See vec_math.h. Every exported loop is a GCC/Clang `target_clones` function on x86-64 ELF platforms:
-// the compiler emits an AVX-512, an AVX2 and a baseline body and an ifunc resolver that picks one when the
-// library is loaded. Elsewhere (other architectures, other compilers) the baseline body is all there is.
+// See vec_math.h and oar/core/cpu_isa.h. The loop bodies live in vec_math_kernels.inc and are compiled here
+// once per ISA level, each copy in its own namespace under its own __attribute__((target(...))): on x86-64
+// with GCC/Clang an AVX-512F, an AVX2 and a baseline copy; elsewhere (or with OAR_NO_MULTI_ISA) the
+// baseline copy only. A table of function pointers per level is picked when the library is loaded (the best
+// level the CPU supports, or OAR_CPU_ISA) and can be switched with set_cpu_isa(), so tests run every copy
+// on one machine. (GCC's target_clones, used before, resolves once through an ifunc that nothing can
+// override, so only the machine's best path was ever tested.)
 #include "vec_math.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "oar/core/common.h"
+#include "oar/core/cpu_isa.h"
+#include "oar/core/log.h"
 #include "widen.h"
 
-#include <algorithm>
-#include <cstring>
-
-#if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(OAR_NO_TARGET_CLONES)
-#define OAR_MULTI_ISA __attribute__((target_clones("avx512f", "avx2", "default")))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(OAR_NO_MULTI_ISA)
 #define OAR_HAS_MULTI_ISA 1
 #else
-#define OAR_MULTI_ISA
 #define OAR_HAS_MULTI_ISA 0
 #endif
 
-namespace oar::core::detail {
+namespace oar::core {
+namespace detail {
 namespace {
 
-// exp(x) for one float, branch-free so that loops over it vectorize (Cephes expf: x = n ln2 + r,
-// |r| <= ln2 / 2, exp(r) by a degree-5 minimax polynomial, 2^n by building the exponent bits).
-inline float exp_poly(float x) {
-  constexpr float kLo = -87.3365447505f;  // 2^-126: the smallest normal scale
-  constexpr float kHi = 88.0f;            // n <= 127
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  x = x < kLo ? kLo : x;                 // NaN stays NaN (the comparison is false)
-  x = x > kHi ? kHi : x;
-  const float t = x * kLog2e + kRound;
-  const float n = t - kRound;
-  float r = x - n * kLn2Hi;
-  r = r - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t ni = static_cast<int32_t>(n);
-  const uint32_t bits = static_cast<uint32_t>(ni + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+// The baseline copy: compiled for the build's target (x86-64: SSE2), never with AVX.
+namespace isa_baseline {
+#define OAR_VEC_TARGET
+#include "vec_math_kernels.inc"
+#undef OAR_VEC_TARGET
+}  // namespace isa_baseline
+
+#if OAR_HAS_MULTI_ISA
+// The same target strings as the former target_clones("avx512f", "avx2", "default"): results unchanged.
+namespace isa_avx2 {
+#define OAR_VEC_TARGET __attribute__((target("avx2")))
+#include "vec_math_kernels.inc"
+#undef OAR_VEC_TARGET
+}  // namespace isa_avx2
+
+namespace isa_avx512f {
+#define OAR_VEC_TARGET __attribute__((target("avx512f")))
+#include "vec_math_kernels.inc"
+#undef OAR_VEC_TARGET
+}  // namespace isa_avx512f
+#endif
+
+// One entry per loop of vec_math.h (vload_f32 is a memcpy: no copies).
+struct Kernels {
+  CpuIsa isa;
+  float (*vmax)(const float*, int64_t);
+  float (*vexp_shifted_sum)(const float*, float, float*, int64_t);
+  void (*vexp_shifted_scaled)(const float*, float, float, float*, int64_t);
+  float (*vdot)(const float*, const float*, int64_t);
+  float (*vdot_diff)(const float*, const float*, const float*, int64_t);
+  void (*vlog1p)(const float*, float*, int64_t);
+  bool (*vmasked_minmax)(const float*, const bool*, int64_t, float*, float*);
+  void (*vdivide_clamp_masked)(float*, const bool*, float, int64_t);
+  void (*vshift_scale)(const float*, float, float, float*, int64_t);
+  double (*vtier_weights_masked)(const float*, const bool*, const bool*, int64_t, double, double, double, double,
+                                 double, float*);
+  bool (*vscale_advantages_masked)(float*, const bool*, double, float, float*, int64_t);
+  void (*vadd_f32)(const float*, float*, int64_t);
+  void (*vload_bf16)(const uint16_t*, float*, int64_t);
+  void (*vadd_bf16)(const uint16_t*, float*, int64_t);
+  void (*vload_f16)(const uint16_t*, float*, int64_t);
+  void (*vadd_f16)(const uint16_t*, float*, int64_t);
+};
+
+#define OAR_VEC_TABLE(NS, ISA)                                                                                  \
+  Kernels {                                                                                                     \
+    ISA, &NS::vmax, &NS::vexp_shifted_sum, &NS::vexp_shifted_scaled, &NS::vdot, &NS::vdot_diff, &NS::vlog1p,    \
+        &NS::vmasked_minmax, &NS::vdivide_clamp_masked, &NS::vshift_scale, &NS::vtier_weights_masked,           \
+        &NS::vscale_advantages_masked, &NS::vadd_f32, &NS::vload_bf16, &NS::vadd_bf16, &NS::vload_f16,          \
+        &NS::vadd_f16                                                                                           \
+  }
+
+constexpr Kernels kBaselineKernels = OAR_VEC_TABLE(isa_baseline, CpuIsa::kBaseline);
+#if OAR_HAS_MULTI_ISA
+constexpr Kernels kAvx2Kernels = OAR_VEC_TABLE(isa_avx2, CpuIsa::kAvx2);
+constexpr Kernels kAvx512fKernels = OAR_VEC_TABLE(isa_avx512f, CpuIsa::kAvx512f);
+#endif
+#undef OAR_VEC_TABLE
+
+const Kernels* kernels_of(CpuIsa isa) {
+  switch (isa) {
+#if OAR_HAS_MULTI_ISA
+    case CpuIsa::kAvx512f:
+      return &kAvx512fKernels;
+    case CpuIsa::kAvx2:
+      return &kAvx2Kernels;
+#endif
+    case CpuIsa::kBaseline:
+      return &kBaselineKernels;
+    default:
+      return nullptr;  // not compiled in
+  }
 }
 
-// log1p(x) for one float x >= 0, branch-free (Cephes logf of u = 1 + x, then the first-order correction
-// for the rounding of 1 + x).
-inline float log1p_poly(float x) {
-  const float u = 1.0f + x;
-  uint32_t bits;
-  std::memcpy(&bits, &u, sizeof bits);
-  int32_t e = static_cast<int32_t>((bits >> 23) & 0xffu) - 126;  // u = m * 2^e, m in [0.5, 1)
-  const uint32_t mbits = (bits & 0x007fffffu) | 0x3f000000u;
-  float m;
-  std::memcpy(&m, &mbits, sizeof m);
-  const bool small = m < 0.707106781186547524f;
-  e = small ? e - 1 : e;
-  m = small ? m + m - 1.0f : m - 1.0f;
-  const float z = m * m;
-  float y = 7.0376836292e-2f;
-  y = y * m - 1.1514610310e-1f;
-  y = y * m + 1.1676998740e-1f;
-  y = y * m - 1.2420140846e-1f;
-  y = y * m + 1.4249322787e-1f;
-  y = y * m - 1.6668057665e-1f;
-  y = y * m + 2.0000714765e-1f;
-  y = y * m - 2.4999993993e-1f;
-  y = y * m + 3.3333331174e-1f;
-  y = y * m * z;
-  const float fe = static_cast<float>(e);
-  y += -2.12194440e-4f * fe;
-  y += -0.5f * z;
-  float r = m + y;
-  r += 0.693359375f * fe;
-  return r + (x - (u - 1.0f)) / u;
+bool cpu_runs(CpuIsa isa) {
+#if OAR_HAS_MULTI_ISA
+  // libgcc's / compiler-rt's CPU model: CPUID bits and, for AVX levels, the OS's XCR0 state flags.
+  __builtin_cpu_init();
+  if (isa == CpuIsa::kAvx512f) return __builtin_cpu_supports("avx512f");
+  if (isa == CpuIsa::kAvx2) return __builtin_cpu_supports("avx2");
+#endif
+  return isa == CpuIsa::kBaseline;
+}
+
+std::string supported_list() {
+  std::string s;
+  for (CpuIsa isa : supported_cpu_isas()) s += std::string(s.empty() ? "" : ", ") + to_string(isa);
+  return s;
+}
+
+// The active table. Chosen once when the library is loaded (the static `g_loaded` below forces it), from
+// OAR_CPU_ISA or the CPU; an OAR_CPU_ISA that cannot be honoured leaves no table and keeps the reason, so the
+// first use of a loop (or cpu_isa()) raises it instead of silently running another path.
+struct State {
+  std::atomic<const Kernels*> active{nullptr};
+  std::mutex mu;        // serializes set_cpu_isa (the pointer itself is read lock-free)
+  std::string error;    // why OAR_CPU_ISA was refused (when `active` is null)
+  std::string source;   // "auto" | "OAR_CPU_ISA" | "set_cpu_isa"
+
+  State() {
+    const char* env = std::getenv("OAR_CPU_ISA");
+    const std::string want = env ? env : "";
+    if (want.empty() || want == "auto") {
+      const CpuIsa best = supported_cpu_isas().front();
+      active.store(kernels_of(best));
+      source = "auto";
+      log::info(std::string("CPU vector loops: ") + to_string(best) + " (best supported; OAR_CPU_ISA overrides)");
+      return;
+    }
+    try {
+      CpuIsa isa;
+      try {
+        isa = parse_cpu_isa(want, "OAR_CPU_ISA");
+      } catch (const InvalidArgument&) {
+        throw InvalidArgument("OAR_CPU_ISA must be one of {auto, avx512f, avx2, baseline}, got \"" + want + "\"");
+      }
+      if (!cpu_isa_supported(isa))
+        throw InvalidArgument("OAR_CPU_ISA=" + want + ": this CPU (or this build) cannot run the " + want +
+                              " loops; supported here: " + supported_list() + " (or auto)");
+      active.store(kernels_of(isa));
+      source = "OAR_CPU_ISA";
+      log::info("CPU vector loops: " + want + " (forced by OAR_CPU_ISA)");
+    } catch (const InvalidArgument& e) {
+      error = e.what();
+      log::warn(std::string("CPU vector loops: ") + error);
+    }
+  }
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+[[maybe_unused]] const bool g_loaded = (state(), true);
+
+const Kernels& active() {
+  const Kernels* k = state().active.load(std::memory_order_acquire);
+  if (k == nullptr) throw InvalidArgument(state().error);
+  return *k;
 }
 
 }  // namespace
 
-OAR_MULTI_ISA void vlog1p(const float* x, float* out, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) out[i] = log1p_poly(x[i]);
+float vmax(const float* z, int64_t len) { return active().vmax(z, len); }
+float vexp_shifted_sum(const float* z, float m, float* e, int64_t len) {
+  return active().vexp_shifted_sum(z, m, e, len);
 }
-
-OAR_MULTI_ISA float vmax(const float* z, int64_t len) {
-  float m = z[0];
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 1; i < len; ++i) m = z[i] > m ? z[i] : m;
-  return m;
+void vexp_shifted_scaled(const float* z, float shift, float scale, float* out, int64_t len) {
+  active().vexp_shifted_scaled(z, shift, scale, out, len);
 }
-
-OAR_MULTI_ISA float vexp_shifted_sum(const float* z, float m, float* e, int64_t len) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) {
-    const float v = exp_poly(z[i] - m);
-    e[i] = v;
-    s += v;
-  }
-  return s;
+float vdot(const float* a, const float* b, int64_t len) { return active().vdot(a, b, len); }
+float vdot_diff(const float* e, const float* zc, const float* zp, int64_t len) {
+  return active().vdot_diff(e, zc, zp, len);
 }
-
-OAR_MULTI_ISA void vexp_shifted_scaled(const float* z, float shift, float scale, float* out, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) out[i] = exp_poly(z[i] - shift) * scale;
+void vlog1p(const float* x, float* out, int64_t len) { active().vlog1p(x, out, len); }
+bool vmasked_minmax(const float* x, const bool* mask, int64_t len, float* lo, float* hi) {
+  return active().vmasked_minmax(x, mask, len, lo, hi);
 }
-
-OAR_MULTI_ISA float vdot(const float* a, const float* b, int64_t len) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
-  return s;
+void vdivide_clamp_masked(float* out, const bool* mask, float den, int64_t len) {
+  active().vdivide_clamp_masked(out, mask, den, len);
 }
-
-OAR_MULTI_ISA float vdot_diff(const float* e, const float* zc, const float* zp, int64_t len) {
-  constexpr uint32_t kNegInfBits = 0xff800000u;
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) {
-    // The -inf test is an integer compare of the bit pattern and the select a bitwise AND (vectorizable
-    // without relaxing floating-point semantics).
-    const float diff = zc[i] - zp[i];
-    uint32_t zbits, dbits;
-    std::memcpy(&zbits, &zc[i], sizeof zbits);
-    std::memcpy(&dbits, &diff, sizeof dbits);
-    dbits &= zbits == kNegInfBits ? 0u : ~0u;
-    float d;
-    std::memcpy(&d, &dbits, sizeof d);
-    s += e[i] * d;
-  }
-  return s;
+void vshift_scale(const float* x, float shift, float scale, float* out, int64_t len) {
+  active().vshift_scale(x, shift, scale, out, len);
 }
-
-// The masks are read as bytes (bool is one byte holding 0 or 1): GCC vectorizes byte compares and blends,
-// not loads of `bool`.
-OAR_MULTI_ISA bool vmasked_minmax(const float* x, const bool* mask, int64_t len, float* lo, float* hi) {
-  constexpr float kInf = __builtin_inff();
-  const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
-  float l = kInf, h = -kInf;
-  int bad = 0;
-#pragma omp simd reduction(min : l) reduction(max : h) reduction(| : bad)
-  for (int64_t i = 0; i < len; ++i) {
-    const float v = x[i];
-    const bool on = mk[i] != 0;
-    const bool ok = (v >= 0.0f) & (v < kInf);  // NaN fails both comparisons
-    bad |= (on & !ok) ? 1 : 0;
-    const float vl = on ? v : kInf;
-    const float vh = on ? v : -kInf;
-    l = vl < l ? vl : l;
-    h = vh > h ? vh : h;
-  }
-  *lo = l;
-  *hi = h;
-  return bad != 0;
+double vtier_weights_masked(const float* s, const bool* rm, const bool* pm, int64_t len, double tau, double lo_den,
+                            double hi_den, double beta, double floor, float* w) {
+  return active().vtier_weights_masked(s, rm, pm, len, tau, lo_den, hi_den, beta, floor, w);
 }
-
-OAR_MULTI_ISA void vdivide_clamp_masked(float* out, const bool* mask, float den, int64_t len) {
-  const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) {
-    float v = out[i] / den;
-    v = v < 0.0f ? 0.0f : v;
-    v = v > 1.0f ? 1.0f : v;
-    out[i] = mk[i] != 0 ? v : 0.0f;
-  }
+bool vscale_advantages_masked(float* w, const bool* rm, double scale, float a, float* ta, int64_t len) {
+  return active().vscale_advantages_masked(w, rm, scale, a, ta, len);
 }
-
-OAR_MULTI_ISA void vshift_scale(const float* x, float shift, float scale, float* out, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) out[i] = (x[i] - shift) * scale;
-}
-
-OAR_MULTI_ISA double vtier_weights_masked(const float* s, const bool* rm, const bool* pm, int64_t len, double tau,
-                                         double lo_den, double hi_den, double beta, double floor, float* w) {
-  const uint8_t* r = reinterpret_cast<const uint8_t*>(rm);
-  const uint8_t* p = reinterpret_cast<const uint8_t*>(pm);
-  // Masks enter as 0/1 float factors rather than selects, and the sum runs over the whole row (off the
-  // span it adds the integer count of response tokens, subtracted at the end): GCC vectorizes selects and
-  // float64 reductions mixed with uint8 loads only with AVX-512. The products are exact (x * 1 = x,
-  // x * 0 = 0 for finite x; an infinite x on the span makes the sum non-finite, which the caller reports).
-  double sum = 0.0, off = 0.0;
-#pragma omp simd reduction(+ : sum, off)
-  for (int64_t i = 0; i < len; ++i) {
-    const double v = static_cast<double>(s[i]);
-    const double q = v / lo_den;
-    const double sup = q > floor ? q : floor;
-    const double bst = 1.0 + beta * (v - tau) / hi_den;
-    const float x = static_cast<float>(v < tau ? sup : bst);
-    const float on = static_cast<float>(r[i]);
-    const float resp_off = (1.0f - on) * static_cast<float>(p[i]);
-    const float out = on * x + resp_off;
-    w[i] = out;
-    sum += static_cast<double>(out);
-    off += static_cast<double>(resp_off);
-  }
-  return sum - off;  // off is an integer count: exact
-}
-
-OAR_MULTI_ISA bool vscale_advantages_masked(float* w, const bool* rm, double scale, float a, float* ta, int64_t len) {
-  const uint8_t* r = reinterpret_cast<const uint8_t*>(rm);
-  float bad = 0.0f;
-#pragma omp simd reduction(+ : bad)
-  for (int64_t i = 0; i < len; ++i) {
-    const float on = static_cast<float>(r[i]);
-    const float scaled = static_cast<float>(static_cast<double>(w[i]) * scale);
-    const float wi = on * scaled + (1.0f - on) * w[i];
-    const float x = wi * a;
-    w[i] = wi;
-    ta[i] = x;
-    bad += x - x;  // 0 when x is finite, NaN otherwise (and NaN stays NaN)
-  }
-  return bad != 0.0f;
-}
-
 void vload_f32(const float* src, float* dst, int64_t len) {
   std::memcpy(dst, src, static_cast<size_t>(len) * sizeof(float));
 }
+void vadd_f32(const float* src, float* dst, int64_t len) { active().vadd_f32(src, dst, len); }
+void vload_bf16(const uint16_t* src, float* dst, int64_t len) { active().vload_bf16(src, dst, len); }
+void vadd_bf16(const uint16_t* src, float* dst, int64_t len) { active().vadd_bf16(src, dst, len); }
+void vload_f16(const uint16_t* src, float* dst, int64_t len) { active().vload_f16(src, dst, len); }
+void vadd_f16(const uint16_t* src, float* dst, int64_t len) { active().vadd_f16(src, dst, len); }
 
-OAR_MULTI_ISA void vadd_f32(const float* src, float* dst, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) dst[i] += src[i];
+const char* vec_math_isa() { return to_string(cpu_isa()); }
+
+}  // namespace detail
+
+const char* to_string(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kBaseline:
+      return "baseline";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512f:
+      return "avx512f";
+  }
+  return "?";
 }
 
-OAR_MULTI_ISA void vload_bf16(const uint16_t* src, float* dst, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) dst[i] = bf16_bits_to_float(src[i]);
+CpuIsa parse_cpu_isa(std::string_view name, std::string_view arg) {
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512f})
+    if (name == to_string(isa)) return isa;
+  throw InvalidArgument(std::string(arg) + " must be one of {avx512f, avx2, baseline}, got \"" + std::string(name) +
+                        "\"");
 }
 
-OAR_MULTI_ISA void vadd_bf16(const uint16_t* src, float* dst, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) dst[i] += bf16_bits_to_float(src[i]);
+bool cpu_isa_supported(CpuIsa isa) { return detail::kernels_of(isa) != nullptr && detail::cpu_runs(isa); }
+
+std::vector<CpuIsa> supported_cpu_isas() {
+  std::vector<CpuIsa> out;
+  for (CpuIsa isa : {CpuIsa::kAvx512f, CpuIsa::kAvx2, CpuIsa::kBaseline})
+    if (cpu_isa_supported(isa)) out.push_back(isa);
+  return out;
 }
 
-OAR_MULTI_ISA void vload_f16(const uint16_t* src, float* dst, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) dst[i] = half_bits_to_float(src[i]);
+CpuIsa cpu_isa() { return detail::active().isa; }
+
+void set_cpu_isa(CpuIsa isa) {
+  if (!cpu_isa_supported(isa))
+    throw InvalidArgument(std::string("isa: this CPU (or this build) cannot run the ") + to_string(isa) +
+                          " loops; supported here: " + detail::supported_list());
+  detail::State& st = detail::state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.active.store(detail::kernels_of(isa), std::memory_order_release);
+  st.source = "set_cpu_isa";
+  log::info(std::string("CPU vector loops: ") + to_string(isa) + " (set_cpu_isa)");
 }
 
-OAR_MULTI_ISA void vadd_f16(const uint16_t* src, float* dst, int64_t len) {
-#pragma omp simd
-  for (int64_t i = 0; i < len; ++i) dst[i] += half_bits_to_float(src[i]);
+std::string cpu_isa_source() {
+  detail::State& st = detail::state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  return st.source;
 }
 
-const char* vec_math_isa() {
-#if OAR_HAS_MULTI_ISA
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "avx512f";
-  if (__builtin_cpu_supports("avx2")) return "avx2";
-#endif
-  return "baseline";
-}
-
-}  // namespace oar::core::detail
+}  // namespace oar::core

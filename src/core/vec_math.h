@@ -1,6 +1,8 @@
 // Internal (not installed): the float32 loops on the hot path of the CPU probe divergence (and reshaping),
-// compiled once per ISA level (AVX-512, AVX2, baseline) and picked at load time, so that a build for the
-// generic x86-64 baseline still runs at the width of the machine it lands on.
+// compiled once per ISA level (AVX-512F, AVX2, baseline) and picked at load time, so that a build for the
+// generic x86-64 baseline still runs at the width of the machine it lands on. The level is public API
+// (oar/core/cpu_isa.h: cpu_isa(), set_cpu_isa(), the OAR_CPU_ISA environment variable); the bodies are in
+// vec_math_kernels.inc, the per-level copies and the dispatch in vec_math.cpp.
 //
 // Why not Eigen here: Eigen's packet math is chosen at compile time, and compiling Eigen code for several
 // ISAs in one library would instantiate the same inline templates with different instruction sets (an ODR
@@ -11,7 +13,10 @@
 // Accuracy: vexp_* use a Cephes-style exp (range reduction by ln 2, degree-5 polynomial): max relative
 // error ~2 ulp for arguments in [-87.3, 88]; arguments below -87.3 (including -inf) give ~1.2e-38 instead
 // of 0, which is negligible in a sum whose largest term is 1 (softmax shifted by its max). NaN propagates.
-// Sums are accumulated in float32 across SIMD lanes (pairwise across lanes, sequential within a lane).
+// Sums are accumulated in float32 across SIMD lanes (pairwise across lanes, sequential within a lane), so
+// they differ between levels by float32 rounding (the relative error of a sum of n terms of one sign is at
+// most ~n * 2^-24 on every level). Every loop throws InvalidArgument when OAR_CPU_ISA named a level this
+// machine cannot run (see cpu_isa.h).
 #pragma once
 
 #include <cstdint>
@@ -69,8 +74,8 @@ void vadd_bf16(const uint16_t* src, float* dst, int64_t len);
 void vload_f16(const uint16_t* src, float* dst, int64_t len);
 void vadd_f16(const uint16_t* src, float* dst, int64_t len);
 
-/// Name of the ISA variant the loader picked for these loops ("avx512f", "avx2" or "baseline"), for logs
-/// and benchmark headers.
+/// Name of the ISA level the loops run at now ("avx512f", "avx2" or "baseline"; oar::core::cpu_isa()), for
+/// logs and benchmark headers.
 const char* vec_math_isa();
 
 }  // namespace oar::core::detail

@@ -8,6 +8,7 @@
 
 #include "oar/core/common.h"
 #include "oar/core/config.h"
+#include "oar/core/cpu_isa.h"
 #include "oar/core/log.h"
 #include "oar/core/masked_batch.h"
 #include "config_kwargs.h"
@@ -41,8 +42,29 @@ PYBIND11_MODULE(_C, m) {
     d["torch_built_against"] = OAR_TORCH_VERSION;
     d["torch_cuda_built_against"] = OAR_TORCH_CUDA_VERSION;
     d["cuda_architectures"] = OAR_CUDA_ARCHS;
+    d["cpu_isa"] = to_string(cpu_isa());
+    py::list isas;
+    for (CpuIsa isa : supported_cpu_isas()) isas.append(to_string(isa));
+    d["cpu_isas_supported"] = isas;
     return d;
-  }, "Build information: version, whether CUDA kernels are compiled in, torch/CUDA versions built against.");
+  }, "Build information: version, whether CUDA kernels are compiled in, torch/CUDA versions built against, the "
+     "ISA level the CPU loops run at (cpu_isa) and the levels this machine supports (cpu_isas_supported).");
+
+  // ---- ISA level of the CPU loops (oar/core/cpu_isa.h) ----
+  m.def("cpu_isa", [] { return std::string(to_string(cpu_isa())); },
+        "ISA level the CPU loops run at: \"avx512f\" | \"avx2\" | \"baseline\". Raises ValueError when OAR_CPU_ISA "
+        "named a level this machine cannot run.");
+  m.def("set_cpu_isa", [](const std::string& isa) { set_cpu_isa(parse_cpu_isa(isa, "isa")); }, py::arg("isa"),
+        "Runs the CPU loops at `isa` (\"avx512f\" | \"avx2\" | \"baseline\") from the next call on. Raises "
+        "ValueError for an unknown name or a level this CPU (or build) cannot run.");
+  m.def("supported_cpu_isas", [] {
+          std::vector<std::string> out;
+          for (CpuIsa isa : supported_cpu_isas()) out.emplace_back(to_string(isa));
+          return out;
+        }, "ISA levels of the CPU loops this machine can run, best first (ends with \"baseline\").");
+  m.def("cpu_isa_source", &cpu_isa_source,
+        "How the ISA level was chosen: \"auto\", \"OAR_CPU_ISA\" or \"set_cpu_isa\".");
+  // ---- end ISA level ----
 
   m.def("set_log_level", [](const std::string& lvl) {
     static const std::pair<const char*, log::Level> table[] = {

@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 import oar
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
+from _tolerance import assert_close_to_reference
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -110,7 +112,11 @@ def _hook_worker(rank, world, port, out_dir, methods):
     @functools.wraps(orig)  # keeps the signature the engines inspect
     def counting(*a, **k):
         calls["n"] += 1
-        return orig(*a, **k)
+        out = orig(*a, **k)
+        if out.logits.dtype == torch.float64:
+            # The float64 reference run: exact logits, rounded once to the float32 the probe ops take.
+            out.logits = out.logits.float()
+        return out
 
     model.forward = counting
     # Rank 0 has three long active rows, rank 1 a single short one: different chunk plans.
@@ -139,7 +145,12 @@ def _hook_worker(rank, world, port, out_dir, methods):
         n_synced = calls["n"]
         dist.barrier()
         alone = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
-        res[method] = {"calls": n_synced, "synced": synced.advantages, "alone": alone.advantages,
+        model.double()  # the same computation with a float64 model: the reference of the error budget
+        ref64 = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        model.float()  # float32 -> float64 -> float32 is exact: the weights are unchanged
+        res[method] = {"calls": n_synced, **{f"{name}_{f}": getattr(out, f) for name, out in
+                                             (("synced", synced), ("alone", alone), ("ref64", ref64))
+                                             for f in ("advantages", "scores")},
                        "padding": synced.metrics["oar/padding_forwards"], "real": synced.metrics["oar/forward_passes"]}
     torch.save(res, os.path.join(out_dir, f"hook{rank}.pt"))
     dist.destroy_process_group()
@@ -156,4 +167,15 @@ def test_hook_runs_equal_forwards_on_every_rank(tmp_path):
         assert r[0]["calls"] == r[1]["calls"] > 0, method
         assert r[0]["padding"] + r[1]["padding"] > 0, method  # the work differed, so a rank padded
         for k in range(2):  # and the gate changed no value
-            torch.testing.assert_close(r[k]["synced"], r[k]["alone"])
+            # The gate only adds dummy model calls, so the synced scores are the same float32 computation as the
+            # ungated ones; kernels may still round them differently (MKL/oneDNN pick code paths by shape and
+            # alignment). Rule 1 of _tolerance.py: the synced scores are no further from the float64 model's
+            # than 2x the ungated scores are.
+            got, alone, ref64 = (r[k][f"{run}_scores"] for run in ("synced", "alone", "ref64"))
+            assert_close_to_reference(got, ref64, alone, what=f"{method} rank {k} scores")
+            # Advantages are normalize + reshape of the scores (deterministic ops): exact where the scores are.
+            # (Where the scores differ by rounding they are not compared: OAR-P/OAR-G weights of low-impact
+            # tokens are scores divided by the q-quantile score, which on this tiny random model sits at the
+            # float32 rounding level of the divergence, so they differ by O(1) between float32 and float64.)
+            same = (got == alone).all(dim=1)
+            torch.testing.assert_close(r[k]["synced_advantages"][same], r[k]["alone_advantages"][same], rtol=0, atol=0)

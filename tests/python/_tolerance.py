@@ -1,0 +1,122 @@
+"""Error budgets of the tests: one rule, written once (docs/design.md, "Test tolerances").
+
+A floating-point result is never compared under a tolerance tuned on the developer's CPU: AVX-512, AVX2 and
+baseline kernels (torch's, oneDNN's, MKL's, ours: ``OAR_CPU_ISA``), other thread counts and other batch shapes
+round differently. Each comparison takes its budget from the computation, in one of three ways:
+
+1. **Reference error** (the rule of flash-attention's tests): besides the result under test ``out``, run the
+   same computation in plain PyTorch in float64 (``ref64``, the truth) and in the test's dtype (``ref_lp``, what
+   this computation loses to rounding in that dtype, on this machine). Require
+   ``max|out - ref64| <= k * max|ref_lp - ref64| + atol`` (:func:`assert_close_to_reference`). A machine whose
+   kernels round more moves both sides together; a wrong result is off by far more than k times the rounding.
+2. **Operation bound**: a sum of n terms in precision u is off by at most ``gamma_{n-1} * sum|x_i|``
+   (:func:`sum_bound`; Higham, Accuracy and Stability of Numerical Algorithms, eq. 4.4), k chained roundings of
+   a value x by ``gamma_k * |x|`` (:func:`gamma`), a rounding to the output dtype by half an ulp
+   (:func:`ulp`). Compared with :func:`assert_within`.
+3. **Exact**: what involves no rounding (selections, copies, sums of small integers or dyadic values, the same
+   op on the same data) is compared with ``rtol=0, atol=0``.
+
+The constant ``k`` of rule 1 is 2 unless a comment says why it is larger (e.g. a float32 result compared with
+a float32 reference, whose two errors add up); never tuned to pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Unit roundoff (half an ulp of 1) per floating dtype.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff u of ``dtype`` (|fl(x) - x| <= u |x| for one rounding to nearest).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating dtype in :data:`UNIT_ROUNDOFF`.
+    """
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"dtype must be one of {sorted(map(str, UNIT_ROUNDOFF))}, got {dtype}")
+    return UNIT_ROUNDOFF[dtype]
+
+
+def gamma(k: int, dtype: torch.dtype = torch.float32) -> float:
+    """Higham's gamma_k = k u / (1 - k u): the relative error bound of k chained roundings in ``dtype``."""
+    u = unit_roundoff(dtype)
+    if k * u >= 1:
+        raise ValueError(f"k * u must be < 1 for the bound to hold, got k={k}, u={u}")
+    return k * u / (1 - k * u)
+
+
+def sum_bound(abs_sum, n: int, dtype: torch.dtype = torch.float32):
+    """Worst-case error of a sum of ``n`` terms accumulated in ``dtype`` in any order (sequential, SIMD lanes,
+    blocked, pairwise): ``gamma_{n-1} * abs_sum`` with ``abs_sum = sum_i |x_i|`` (a float or a tensor of per-sum
+    values). A dot product of n products adds one rounding per term: pass ``n + 1``."""
+    return gamma(max(n - 1, 0), dtype) * abs_sum
+
+
+def ulp(x, dtype: torch.dtype = torch.float32):
+    """One ulp of values of magnitude ``|x|`` in ``dtype`` (an upper bound: 2 u |x|, at least the smallest
+    subnormal); half of it bounds one rounding to ``dtype``."""
+    tiny = torch.finfo(dtype).smallest_normal * 2.0 * unit_roundoff(dtype)
+    if isinstance(x, torch.Tensor):
+        return torch.clamp(2.0 * unit_roundoff(dtype) * x.double().abs(), min=tiny)
+    return max(2.0 * unit_roundoff(dtype) * abs(float(x)), tiny)
+
+
+def assert_within(out: torch.Tensor, want: torch.Tensor, bound, what: str = "") -> None:
+    """Asserts ``|out - want| <= bound`` elementwise (in float64). ``bound`` is a float or a tensor that
+    broadcasts against ``want``; NaN must match NaN, infinities must be equal. The message names the worst
+    element, its values and its budget.
+
+    Raises:
+        AssertionError: some element is outside its budget, or the shapes differ.
+    """
+    out64, want64 = out.detach().double().cpu(), want.detach().double().cpu()
+    if out64.shape != want64.shape:
+        raise AssertionError(f"{what}: shape {tuple(out64.shape)} != expected {tuple(want64.shape)}")
+    b = torch.as_tensor(bound, dtype=torch.float64).cpu().expand_as(want64)
+    same = (out64 == want64) | (out64.isnan() & want64.isnan())  # exact matches, infinities and NaN included
+    err = torch.where(same, torch.zeros_like(out64), (out64 - want64).abs())
+    err = torch.where(err.isnan(), torch.full_like(err, float("inf")), err)
+    excess = err - b
+    if bool((excess > 0).any()):
+        i = int(excess.flatten().argmax())
+        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), want64.shape)) if want64.dim() else ()
+        raise AssertionError(f"{what}: {int((excess > 0).sum())} of {want64.numel()} elements outside the budget; "
+                             f"worst at {idx}: got {out64.flatten()[i].item()!r}, expected {want64.flatten()[i].item()!r}, "
+                             f"|diff| {err.flatten()[i].item():.3g} > budget {b.flatten()[i].item():.3g}")
+
+
+def assert_close_to_reference(out: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, *, k: float = 2.0,
+                              atol: float | None = None, what: str = "") -> None:
+    """Rule 1: ``max|out - ref64| <= k * max|ref_lp - ref64| + atol``.
+
+    Args:
+        out: the result under test (any floating dtype).
+        ref64: the same computation in float64 (the truth), same shape.
+        ref_lp: the same computation in plain PyTorch in ``out``'s dtype, same shape.
+        k: how many times the reference's own rounding error ``out`` may lose (2 by default).
+        atol: floor for computations the low-precision reference happens to get exact; default: one ulp of
+            ``out``'s dtype at the largest ``|ref64|`` (the final rounding of the output alone costs half of it).
+
+    Raises:
+        AssertionError: outside the budget (the message gives both errors); shapes differ; non-finite values
+            in different places.
+    """
+    r64 = ref64.detach().double().cpu()
+    o, r = out.detach().double().cpu(), ref_lp.detach().double().cpu()
+    for name, t in (("out", o), ("ref_lp", r)):
+        if t.shape != r64.shape:
+            raise AssertionError(f"{what}: {name} has shape {tuple(t.shape)}, ref64 {tuple(r64.shape)}")
+    fin = r64.isfinite()
+    if not torch.equal(o.isfinite(), fin) or not torch.equal(o[~fin].nan_to_num(), r64[~fin].nan_to_num()):
+        raise AssertionError(f"{what}: non-finite values differ from the float64 reference")
+    scale = float(r64[fin].abs().max()) if bool(fin.any()) else 0.0
+    if atol is None:
+        atol = float(ulp(scale, out.dtype)) if out.dtype in UNIT_ROUNDOFF else 0.0
+    err_out = float((o[fin] - r64[fin]).abs().max()) if bool(fin.any()) else 0.0
+    err_ref = float((r[fin] - r64[fin]).abs().max()) if bool(fin.any()) else 0.0
+    budget = k * err_ref + atol
+    if not err_out <= budget:
+        raise AssertionError(f"{what}: max|out - ref64| = {err_out:.3g} exceeds {k} x max|ref_lp - ref64| "
+                             f"({err_ref:.3g}) + atol {atol:.3g} = {budget:.3g} (largest |ref64| {scale:.3g})")
