@@ -182,9 +182,10 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
 
     Raises:
         ValueError: shapes/dtypes, an empty prompt (the first completion token has no predicting position),
-            memory_budget_mb < 1, non-finite logits.
+            memory_budget_mb < 1, NaN / +inf logits (-inf logits are zero-probability tokens: 0 log 0 = 0).
     """
     from oar.attribution import as_probe_model
+    from oar.attribution.engines import entropy_from_logits
 
     cids = _tensor("completion_ids", completion_ids, 2)
     if cids.dtype.is_floating_point or cids.dtype.is_complex or cids.dtype == torch.bool:
@@ -229,11 +230,8 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
             pos = (attn.cumsum(-1) - 1).clamp_min(0)
             k_keep = min(keep, width)
             logits = pm.tail_logits(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
-                                    keep=k_keep).float()
-            if not bool(torch.isfinite(logits).all()):
-                raise ValueError("policy_entropies: the model returned non-finite logits")
-            logp = torch.log_softmax(logits, dim=-1)
-            ent = (-(logp.exp() * logp).sum(-1)).clamp_min(0).cpu()  # (n, k_keep)
+                                    keep=k_keep)
+            ent = entropy_from_logits(logits, "policy_entropies: the model's logits").cpu()  # (n, k_keep)
             for k, i in enumerate(part):
                 L = lengths[i]
                 # window index of the position predicting completion token j: k_keep - L - 1 + j

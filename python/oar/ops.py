@@ -37,19 +37,6 @@ __all__ = [
     "check_cuda_errors",
 ]
 
-# Private helpers that moved out of this module (arguments: oar._args; groups: oar.groups), still reached as
-# ops._* by files of the pipeline refactor in progress:
-# compat: used by integrations/verl.py, removed when the pipeline refactor lands
-from oar._args import float_arg as _float_arg  # noqa: E402,F401
-# compat: used by pipeline.py, integrations/verl.py, removed when the pipeline refactor lands
-from oar._args import int_arg as _int_arg  # noqa: E402,F401
-# compat: used by api.py / hook.py / integrations/* while they are rewritten (no call in today's tree), removed
-# when the pipeline refactor lands
-from oar._args import bool_arg as _bool_arg  # noqa: E402,F401
-# compat: used by api.py, hook.py, pipeline.py, removed when the pipeline refactor lands
-from oar.groups import _resolve_offsets  # noqa: E402,F401
-
-
 def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
     # Fake (meta) kernels: the real kernels refuse mixed devices, and a fake kernel that allocated on the
     # first argument's device would hand back uninitialized real memory for e.g. (meta, cpu) inputs.
@@ -243,7 +230,8 @@ def reshape_advantages(
     """
     return torch.ops.oar.reshape_advantages(
         advantages, scores, reasoning_mask, response_mask, _args.float_arg("q", q), _args.float_arg("beta", beta),
-        _args.float_arg("floor", floor), _args.str_arg("tiers", tiers), _args.bool_arg("scores_are_normalized", scores_are_normalized),
+        _args.float_arg("floor", floor), _args.str_arg("tiers", tiers),
+        _args.bool_arg("scores_are_normalized", scores_are_normalized),
     )
 
 
@@ -331,7 +319,8 @@ def probe_divergence(
             (NaN/+inf logits, or a probed position without any finite logit). Messages name the
             argument, the expected and the actual value.
     """
-    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths, _args.str_arg("probe", probe))
+    return torch.ops.oar.probe_divergence(clean_logits, perturbed_logits, answer_ids, lengths,
+                                          _args.str_arg("probe", probe))
 
 
 def grad_x_input(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (torch naming)

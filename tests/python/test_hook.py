@@ -110,7 +110,7 @@ def test_skipped_groups_metric(tiny):
     # CSR offsets: groups [0, 1), [1, 3), [3, 4) -> only the first is all zero
     out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=torch.tensor([0, 1, 3, 4]))
     assert out.metrics["oar/skipped_groups_frac"] == pytest.approx(1 / 3)
-    # unknown or inconsistent groups: the metric is omitted, never guessed
+    # unknown groups: the metric is omitted, never guessed; inconsistent groups are refused
     assert "oar/skipped_groups_frac" not in hook.compute(model, prompts, ids, mask, adv, ["5"] * 4).metrics
-    assert "oar/skipped_groups_frac" not in hook.compute(model, prompts, ids, mask, adv, ["5"] * 4,
-                                                         group_offsets=3).metrics
+    with pytest.raises(ValueError, match=r"group_size must divide the number of rewards N = 4, got group_size = 3"):
+        hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=3)

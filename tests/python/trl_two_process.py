@@ -55,7 +55,7 @@ def run(method: str, out_dir: str) -> dict:
         return orig_forward(*a, **k)
 
     inner.forward = counting
-    orig_compute = trainer.oar_hook.compute
+    orig_compute = trainer.oar_pipeline.compute
 
     def compute(*a, **k):
         counter["on"] = True
@@ -64,7 +64,7 @@ def run(method: str, out_dir: str) -> dict:
         finally:
             counter["on"] = False
 
-    trainer.oar_hook.compute = compute
+    trainer.oar_pipeline.compute = compute
     base = trl.GRPOTrainer._generate_and_score_completions
 
     def spy(self, inputs):

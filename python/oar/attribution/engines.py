@@ -238,7 +238,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine=engine, seconds=0.0)
         return res
@@ -429,7 +429,8 @@ def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: i
 
 def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  sigma: float = 1e-3, noise_draws: int = 1, generator: torch.Generator | None = None,
-                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096) -> Attribution:
+                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096,
+                 positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
     """OAR-G importance (method.md section 4): I_t = |sum_h g[t,h] E[t,h]| with g = dJ/dE,
     J = KL(p_clean || p(E + delta)) (``answer_joint``: J = phi_clean - phi(E + delta)),
     delta ~ N(0, sigma^2) on reasoning positions only, averaged over ``noise_draws`` draws.
@@ -444,6 +445,8 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     Args:
         sigma: noise std (absolute, > 0). noise_draws: K >= 1.
         generator: torch.Generator for the noise (CPU); results are deterministic for a fixed seed.
+        positions: optional {row: reasoning indices}: noise falls on those tokens only and only they are scored
+            (the others keep score 0), e.g. to leave tool outputs unperturbed. Checked as in :func:`oar_p_scores`.
         Other args as in :func:`oar_p_scores`.
     Raises:
         ValueError: unknown probe, sigma not finite and > 0, noise_draws not an int >= 1, rows out of range,
@@ -458,10 +461,11 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
     rows = _rows(batch, rows)
     budget = _budget_bytes(memory_budget_mb)
+    positions = _positions(batch, rows, positions)
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
     if not rows:
         res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
         return res
@@ -493,7 +497,10 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         noise_mask = torch.zeros(ids.shape, dtype=torch.bool)
         for i, r in enumerate(chunk_rows):
             s = int(batch.reasoning_start[r]) - off
-            noise_mask[i, s: s + int(batch.reasoning_len[r])] = True
+            if positions is None:
+                noise_mask[i, s: s + int(batch.reasoning_len[r])] = True
+            else:
+                noise_mask[i, [s + j for j in positions[r]]] = True
         noise_mask = noise_mask.to(dev).unsqueeze(-1)
         with torch.no_grad():
             E = model.embed(ids).detach()
@@ -538,10 +545,42 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             s = int(batch.reasoning_start[r]) - off
             L = int(batch.reasoning_len[r])
             res.scores[r, :L] = acc[i, s: s + L]
+            if positions is not None:
+                keep = torch.zeros(L, dtype=torch.bool)
+                keep[positions[r]] = True
+                res.scores[r, :L] = torch.where(keep, res.scores[r, :L], torch.zeros(()))
     if not torch.isfinite(res.scores).all():
         raise FloatingPointError("oar_g_scores: non-finite importance scores (check the model's logits for NaN/Inf)")
     res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), seconds=time.perf_counter() - t0)
     return res
+
+
+def entropy_from_logits(logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
+    """Entropy H = -sum_v p_v log p_v (nats) of softmax(logits) over the last dimension, with 0 log 0 = 0, so
+    -inf logits (tokens of zero probability, e.g. masked vocabularies) are allowed.
+
+    Args:
+        logits: (..., V) float tensor (any float dtype; computed in float32).
+        name: how error messages name ``logits``.
+
+    Returns:
+        (...,) float32, >= 0.
+
+    Raises:
+        ValueError: a NaN or +inf logit, or a position whose logits are all -inf (no distribution).
+    """
+    x = logits.float()
+    bad = torch.isnan(x) | (x == float("inf"))
+    if bool(bad.any()):
+        idx = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(f"{name} must not hold NaN or +inf, got {float(x[tuple(idx)])} at {idx}")
+    empty = x.amax(-1) == float("-inf")
+    if bool(empty.any()):
+        idx = [int(i) for i in torch.nonzero(empty)[0]]
+        raise ValueError(f"{name} at {idx} are all -inf: no next-token distribution")
+    logp = torch.log_softmax(x, dim=-1)
+    plogp = torch.where(torch.isneginf(logp), torch.zeros((), device=x.device), logp.exp() * logp)
+    return (-plogp.sum(-1)).clamp_min(0)
 
 
 def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] | None = None) -> Attribution:
@@ -565,9 +604,8 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
             keep = slice(s - 1, s + L - 1)
             logits = model.full_logits(input_ids=batch.input_ids[r: r + 1].to(dev),
                                        attention_mask=batch.attention_mask[r: r + 1].to(dev),
-                                       position_ids=batch.position_ids[r: r + 1].to(dev))[0, keep].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            res.scores[r, :L] = (-(logp.exp() * logp).sum(-1)).clamp_min(0).cpu()
+                                       position_ids=batch.position_ids[r: r + 1].to(dev))[0, keep]
+            res.scores[r, :L] = entropy_from_logits(logits, f"entropy_scores: the model's logits of row {r}").cpu()
     res.stats.update(forward_passes=len(rows), seconds=time.perf_counter() - t0)
     return res
 

@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 
-from oar.integrations._common import CONFIG_ENV, config_from_env, per_token_advantages
+from oar.integrations._common import CONFIG_ENV, config_from_env
+from oar.pipeline import Pipeline, RolloutBatch, method_spec
 
 SUPPORTED_OPENRLHF = ("0.11.2",)
 #: OpenRLHF estimators whose advantages are one value per response (what OAR reshapes).
 SUPPORTED_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
-_NEEDS_MODEL = ("oar_p", "oar_g", "entropy", "entropy_shaping")
-
-_STATE: dict[str, Any] = {"config": None, "model": None, "original": None, "hooks": {}}
+_STATE: dict[str, Any] = {"config": None, "model": None, "original": None, "pipelines": {}}
 
 
 def _experience_maker_cls():
@@ -86,7 +85,7 @@ def install(config=None, *, model=None) -> None:
     current = cls.compute_advantages_and_returns
     original = getattr(current, "__oar_original__", current)
     _check_signature(original)
-    _STATE.update(config=config, model=model, original=original, hooks={})
+    _STATE.update(config=config, model=model, original=original, pipelines={})
     if not getattr(current, "__oar_original__", None):
         def compute_advantages_and_returns(self, experiences):
             return _compute(self, experiences)
@@ -110,13 +109,12 @@ def worker_setup_hook() -> None:
     install(config_from_env())
 
 
-def _hook(config, tokenizer):
-    from oar.hook import TokenAdvantageHook
-
+def _pipeline(config, tokenizer) -> Pipeline:
+    """This process's pipeline of (``config``, ``tokenizer``) (cached: random draws advance from step to step)."""
     key = (config.to_json(), id(tokenizer))
-    if key not in _STATE["hooks"]:
-        _STATE["hooks"][key] = TokenAdvantageHook(config, tokenizer)
-    return _STATE["hooks"][key]
+    if key not in _STATE["pipelines"]:
+        _STATE["pipelines"][key] = Pipeline(config, tokenizer)
+    return _STATE["pipelines"][key]
 
 
 def _compute(self, experiences):
@@ -138,10 +136,12 @@ def _compute(self, experiences):
     if estimator not in SUPPORTED_ESTIMATORS:
         raise ValueError(f"OAR reshapes one advantage per response: --algo.advantage.estimator must be one of "
                          f"{SUPPORTED_ESTIMATORS}, got {estimator!r}")
-    if method == "dr_grpo" and estimator != "dr_grpo":
-        raise ValueError(f"oar method 'dr_grpo' needs --algo.advantage.estimator dr_grpo, got {estimator!r}")
+    if cfg.advantages.estimator == "dr_grpo" and estimator != "dr_grpo":
+        raise ValueError(f"oar estimator 'dr_grpo' (method {method!r}) needs --algo.advantage.estimator dr_grpo, got "
+                         f"{estimator!r}")
     model = _STATE["model"]
-    if method in _NEEDS_MODEL and model is None:
+    spec = method_spec(method)
+    if spec.needs_model and model is None:
         raise ValueError(f"oar method {method!r} runs the policy: call oar.integrations.openrlhf.install(config, "
                          "model=...) in the process that makes the experience")
     experiences = _STATE["original"](self, experiences)
@@ -160,48 +160,31 @@ def _compute(self, experiences):
         attn = e.attention_mask.detach().bool().cpu()
         adv = e.advantages.detach().float().cpu()
         seq_adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
-        labels = list(e.labels) if e.labels else [""] * m.shape[0]
+        labels = list(e.labels) if e.labels else [None] * m.shape[0]
         for b in range(m.shape[0]):
             rows.append(dict(
                 prompt=seqs[b, : seqs.shape[1] - w][attn[b, : seqs.shape[1] - w]],
                 ids=torch.nn.functional.pad(seqs[b, seqs.shape[1] - w:], (0, A_max - w)),
                 mask=torch.nn.functional.pad(m[b], (0, A_max - w)),
-                adv=float(seq_adv[b]), reward=float(e.rewards[b]), label=str(labels[b])))
+                adv=float(seq_adv[b]), reward=float(e.rewards[b]), label=labels[b]))
     rows = [rows[i] for i in order.tolist()]
     B = len(rows)
     if B % n:
         raise ValueError(f"the batch has {B} responses, not a multiple of n_samples_per_prompt = {n}")
-    ids = torch.stack([r["ids"] for r in rows])
-    mask = torch.stack([r["mask"] for r in rows])
-    seq = torch.tensor([r["adv"] for r in rows])
-    offsets = torch.arange(0, B + 1, n)
     tokenizer = getattr(self, "tokenizer", None)
-    ignore = sorted({x for x in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None))
-                     if x is not None})
-    prompts = [r["prompt"] for r in rows]
-    entropy = None
-    if method == "entropy_shaping":
-        from oar import baselines
-        from oar.attribution import as_probe_model
-
-        pm = as_probe_model(model)
-        with (pm.eval_mode() if hasattr(pm, "eval_mode") else torch.no_grad()):
-            entropy = baselines.policy_entropies(pm, prompts, ids, mask & (seq != 0)[:, None],
-                                                 memory_budget_mb=int(cfg.memory_budget_mb))
-
-    def scorer():
-        if tokenizer is None:
-            raise ValueError(f"oar method {method!r} needs the experience maker's tokenizer (reasoning span)")
-        answers = [r["label"] for r in rows]
-        if method in ("oar_p", "oar_g") and any(not a for a in answers):
+    if spec.needs_tokenizer and tokenizer is None:
+        raise ValueError(f"oar method {method!r} needs the experience maker's tokenizer (reasoning span)")
+    answers = None
+    if spec.needs_answers:
+        if any(r["label"] in (None, "") for r in rows):
             raise ValueError(f"oar method {method!r} needs the reference answers: pass --data.label_key so that "
                              "experience.labels holds them")
-        answers = [a or "0" for a in answers]  # random / entropy never read the answer
-        res = _hook(cfg, tokenizer).compute(model, prompts, ids, mask, seq, answers)
-        return res.scores, res.reasoning_mask
-
-    tok = per_token_advantages(cfg, seq, mask, rewards=torch.tensor([r["reward"] for r in rows]), offsets=offsets,
-                               token_ids=ids, entropy=entropy, scorer=scorer, ignore_ids=ignore)
+        answers = [str(r["label"]) for r in rows]
+    batch = RolloutBatch(torch.stack([r["ids"] for r in rows]), torch.stack([r["mask"] for r in rows]),
+                         prompt_ids=[r["prompt"] for r in rows], rewards=torch.tensor([r["reward"] for r in rows]),
+                         group_ids=[i // n for i in range(B)], answers=answers,
+                         sequence_advantages=torch.tensor([r["adv"] for r in rows]))
+    tok = _pipeline(cfg, tokenizer).compute(batch, model).advantages
     back = torch.empty_like(order)
     back[order] = torch.arange(B)
     start = 0

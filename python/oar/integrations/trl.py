@@ -1,7 +1,8 @@
 """TRL integration: GRPO with OAR per-token advantages (docs/trainers.md, TRL section; docs/trainers/trl.md).
 
-Source hook point: ``trl.GRPOTrainer._generate_and_score_completions`` (trl 1.13.0,
-trl/trainer/grpo_trainer.py). It returns a dict whose ``advantages`` are (B,) sequence advantages after
+Source hook point: ``trl.GRPOTrainer._generate_and_score_completions`` (tested with trl 1.13.0,
+trl/trainer/grpo_trainer.py; other versions are accepted when they have the hook points, checked by feature
+detection: :data:`HOOK_POINTS`). It returns a dict whose ``advantages`` are (B,) sequence advantages after
 TRL's own group normalization (over rewards gathered from every process, then sliced to this process). We
 replace them by (B, C) per-token advantages; ``_compute_loss`` consumes a 2-D tensor per token (it unsqueezes
 only 1-D ones), and buffering/shuffling split dim 0 only, so the (B, C) tensor survives unchanged.
@@ -24,34 +25,66 @@ token tables are built on the gathered completions and sliced back.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
-from collections import defaultdict
 
 import torch
 
-from oar.hook import TokenAdvantageHook
+from oar.pipeline import Pipeline, RolloutBatch
 
-SUPPORTED_TRL = ("1.13.0",)
+#: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
+TESTED_TRL = ("1.13.0",)
 SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-# Methods that need the reference answer of each row (the outcome probe).
-_NEEDS_ANSWER = ("oar_p", "oar_g")
+#: GRPOTrainer methods we override, with the parameters we rely on.
+HOOK_POINTS = {
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+}
+#: Keys of the dict ``_generate_and_score_completions`` returns that we read.
+OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+
+
+def check_trl_features(trainer_cls) -> None:
+    """Checks that ``trainer_cls`` (``trl.GRPOTrainer`` or a subclass) has the hook points oar overrides, with
+    the parameters it relies on (:data:`HOOK_POINTS`).
+
+    Raises:
+        RuntimeError: one message naming the missing or changed hook point and the trl version found.
+    """
+    try:
+        import trl
+
+        version = trl.__version__
+    except ImportError:  # pragma: no cover - only without trl
+        version = "?"
+    for name, params in HOOK_POINTS.items():
+        fn = getattr(trainer_cls, name, None)
+        if fn is None:
+            raise RuntimeError(f"trl {version}: {trainer_cls.__name__} has no {name}, the hook point oar overrides; "
+                               f"oar.integrations.trl needs a trl whose GRPOTrainer has {name}{params} (tested: "
+                               f"{TESTED_TRL})")
+        got = tuple(inspect.signature(fn).parameters)
+        if got[: len(params)] != params:
+            raise RuntimeError(f"trl {version}: {trainer_cls.__name__}.{name}{got} is not {name}{params}, the hook "
+                               f"point oar overrides (tested: {TESTED_TRL})")
 
 
 def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
-    """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for oar_p /
-    oar_g, that a dataset with known columns has the answer column."""
+    """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for the methods
+    that read reference answers, that a dataset with known columns has the answer column."""
     from oar import OARConfig
+    from oar.pipeline import method_spec
 
     if oar_config is not None and not isinstance(oar_config, OARConfig):
         raise ValueError(f"oar_config must be an oar.OARConfig or None, got {type(oar_config).__name__} "
-                         "(build one with oar.OARConfig.from_json(...))")
+                         "(build one with oar.OARConfig(method=...))")
     if not isinstance(answer_column, str) or not answer_column:
         raise ValueError(f"answer_column must be a non-empty str (a dataset column), got {answer_column!r}")
-    method = oar_config.method if oar_config is not None else OARConfig().method
+    spec = method_spec(oar_config.method if oar_config is not None else OARConfig().method)
     columns = getattr(train_dataset, "column_names", None)
-    if method in _NEEDS_ANSWER and isinstance(columns, (list, tuple)) and answer_column not in columns:
-        raise KeyError(f"oar method {method!r} needs the reference answer in dataset column {answer_column!r}; "
+    if spec.needs_answers and isinstance(columns, (list, tuple)) and answer_column not in columns:
+        raise KeyError(f"oar method {spec.name!r} needs the reference answer in dataset column {answer_column!r}; "
                        f"train_dataset has columns {list(columns)} (set answer_column=... to the right column)")
 
 
@@ -75,6 +108,15 @@ def _check_args(args) -> None:
                       "sum preservation of the advantage mass", stacklevel=3)
 
 
+def combined_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(B,) weighted sum of TRL's per-function rewards (B, F), NaN (a function that returned None) left out as
+    TRL does, except that a row whose rewards are ALL NaN stays NaN: an unscorable rollout, a failure for KTAE,
+    never reward 0 (which TRL's ``nansum`` would make it, and which is "correct" under a negative threshold)."""
+    r = rewards_per_func.detach().float()
+    out = (r * weights.to(r.device).float().unsqueeze(0)).nansum(dim=1)
+    return torch.where(torch.isnan(r).all(dim=1), torch.full_like(out, float("nan")), out)
+
+
 class OARTrainerMixin:
     """Mixin for GRPOTrainer subclasses: put it first in the bases and call :meth:`_oar_setup` from
     ``__init__`` after ``GRPOTrainer.__init__``::
@@ -89,55 +131,78 @@ class OARTrainerMixin:
     """
 
     def _oar_setup(self, oar_config, answer_column: str = "answer") -> None:
-        if oar_config is None:
-            from oar import OARConfig
+        from oar import OARConfig
 
+        check_trl_features(type(self))
+        if oar_config is None:
             oar_config = OARConfig()
         _check_args(self.args)
         self.oar_config = oar_config
         self.oar_answer_column = answer_column
-        if oar_config.method == "dr_grpo" and getattr(self, "scale_rewards", "none") != "none":
-            warnings.warn(f"oar method 'dr_grpo' uses sequence advantages without std scaling: setting TRL's "
+        if oar_config.advantages.estimator == "dr_grpo" and getattr(self, "scale_rewards", "none") != "none":
+            warnings.warn(f"oar estimator 'dr_grpo' uses sequence advantages without std scaling: setting TRL's "
                           f"scale_rewards='none' (was {self.scale_rewards!r})", stacklevel=3)
             self.scale_rewards = "none"
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self.oar_hook = TokenAdvantageHook(oar_config, tokenizer)
-        self.oar_timings: dict[str, list[float]] = defaultdict(list)
+        self.oar_pipeline = Pipeline(oar_config, tokenizer)
         self._oar_rewards = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # TRL returns the rewards of every process (gathered); keep their weighted sum for KTAE's correctness.
+        # TRL returns the rewards of every process (gathered): keep their combination for KTAE's correctness.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        w = self.reward_weights.to(rewards_per_func.device)
-        self._oar_rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1).detach()
+        self._oar_rewards = combined_rewards(rewards_per_func, self.reward_weights)
         return rewards_per_func
 
-    def _oar_ktae(self, out, eligible):
-        """KTAE on the gathered batch (its groups may span processes), sliced back to this process."""
-        from oar.api import additive_baseline
+    def _oar_batch(self, inputs, out) -> RolloutBatch:
+        """This process's rows as a RolloutBatch, after checking what the adapter assumes of TRL's layout."""
+        missing = [k for k in OUTPUT_KEYS if k not in out]
+        if missing:
+            raise RuntimeError(f"GRPOTrainer._generate_and_score_completions returned no {missing} (keys: "
+                               f"{sorted(out)}): this trl version is not supported by oar (tested: {TESTED_TRL})")
+        cids, cmask = out["completion_ids"], out["completion_mask"]
+        B, C = cids.shape
+        eligible = cmask
+        if out.get("tool_mask") is not None:
+            tm = out["tool_mask"]
+            if not isinstance(tm, torch.Tensor) or tuple(tm.shape) != (B, C):
+                got = tuple(tm.shape) if isinstance(tm, torch.Tensor) else type(tm).__name__
+                raise ValueError(f"tool_mask must be (B, C) = {(B, C)} like completion_mask, got {got}")
+            eligible = cmask.bool() & tm.bool()
+        prompt_ids = [row[m.bool()] for row, m in zip(out["prompt_ids"], out["prompt_mask"])]
+        G = int(self.num_generations)
+        first = self.accelerator.process_index * B  # global row of local row 0 (TRL slices the gathered batch)
+        groups = [(first + i) // G for i in range(B)]
+        for i in range(1, B):
+            if groups[i] == groups[i - 1] and not torch.equal(prompt_ids[i].cpu(), prompt_ids[i - 1].cpu()):
+                rows = [k for k in range(B) if groups[k] == groups[i]]
+                raise ValueError(f"TRL batch layout: rows {rows} (group {groups[i]}, num_generations = {G}) must share "
+                                 f"one prompt, but row {i}'s prompt differs from row {i - 1}'s: oar reads each block "
+                                 "of num_generations rows as one prompt's group")
+        answers = None
+        if self.oar_pipeline.method.needs_answers:
+            bad = [i for i, x in enumerate(inputs) if x.get(self.oar_answer_column) is None]
+            if bad:
+                raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
+                               f"{bad[:5]} lack it or hold None (set answer_column=... to the right column)")
+            answers = [str(x[self.oar_answer_column]) for x in inputs]
+        return RolloutBatch(cids, cmask, prompt_ids=prompt_ids, eligible_mask=eligible, group_ids=groups,
+                            answers=answers, sequence_advantages=out["advantages"])
 
+    def _oar_gathered(self, batch: RolloutBatch) -> RolloutBatch:
+        """The whole batch of every process (KTAE's groups may span processes), padded to one width."""
         acc = self.accelerator
-        B = out["completion_ids"].shape[0]
-        pad = int(self.oar_hook.builder.pad_id)
-        ids = acc.gather(acc.pad_across_processes(out["completion_ids"], dim=1, pad_index=pad))
-        cmask = acc.gather(acc.pad_across_processes(out["completion_mask"].int(), dim=1, pad_index=0))
-        elig = acc.gather(acc.pad_across_processes(eligible.int(), dim=1, pad_index=0))
-        adv = acc.gather(out["advantages"].detach().float())
+        pad = self.oar_pipeline.pad_id
+        ids = acc.gather(acc.pad_across_processes(batch.completion_ids, dim=1, pad_index=pad))
+        cmask = acc.gather(acc.pad_across_processes(batch.completion_mask.int(), dim=1, pad_index=0))
+        elig = acc.gather(acc.pad_across_processes(batch.eligible_mask.int(), dim=1, pad_index=0))
+        adv = acc.gather(batch.sequence_advantages.detach().float())
+        G = int(self.num_generations)
         rewards = self._oar_rewards
-        if rewards is not None and rewards.shape[0] == adv.shape[0]:
-            rewards = torch.nan_to_num(rewards.float(), nan=float("-inf")).clamp_min(-3e38)  # unscorable = wrong
-        else:
+        if rewards is not None and rewards.shape[0] != adv.shape[0]:
             rewards = None
-        res = additive_baseline(self.oar_hook, None, [[]] * ids.shape[0], ids.cpu(), cmask.cpu().bool(), adv.cpu(),
-                                elig.cpu().bool(), torch.device("cpu"), rewards=None if rewards is None else rewards.cpu(),
-                                group_offsets=int(self.num_generations))
-        sl = slice(acc.process_index * B, (acc.process_index + 1) * B)
-        C = out["completion_ids"].shape[1]
-        res.advantages = res.advantages[sl, :C]
-        res.weights = res.weights[sl, :C]
-        res.scores = res.scores[sl, :C]
-        res.reasoning_mask = res.reasoning_mask[sl, :C]
-        return res
+        return RolloutBatch(ids.cpu(), cmask.cpu().bool(), eligible_mask=elig.cpu().bool(),
+                            rewards=None if rewards is None else rewards.cpu(),
+                            group_ids=[i // G for i in range(ids.shape[0])], sequence_advantages=adv.cpu())
 
     def _generate_and_score_completions(self, inputs):
         t0 = time.perf_counter()
@@ -146,25 +211,17 @@ class OARTrainerMixin:
         mode = "train" if self.model.training else "eval"
         if mode != "train":
             return out
-        method = self.oar_config.method
-        if method in _NEEDS_ANSWER:
-            missing = [i for i, x in enumerate(inputs) if x.get(self.oar_answer_column) is None]
-            if missing:
-                raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
-                               f"{missing[:5]} lack it or hold None (set answer_column=... to the right column)")
-        answers = [str(x.get(self.oar_answer_column, "")) for x in inputs]
-        prompt_ids = [row[m.bool()] for row, m in zip(out["prompt_ids"], out["prompt_mask"])]
-        eligible = out["completion_mask"]
-        if "tool_mask" in out:
-            eligible = eligible * out["tool_mask"]
-        if method == "ktae":
-            res = self._oar_ktae(out, eligible)
+        batch = self._oar_batch(inputs, out)
+        if self.oar_pipeline.method.needs_groups:  # KTAE: whole groups, gathered, then this process's slice
+            res = self.oar_pipeline.compute(self._oar_gathered(batch))
+            B, C = batch.completion_ids.shape
+            rows = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
+            tok = res.advantages[rows, :C]
         else:
             model = self.accelerator.unwrap_model(self.model)
-            res = self.oar_hook.compute(model, prompt_ids, out["completion_ids"], out["completion_mask"],
-                                        out["advantages"], answers, eligible_mask=eligible,
-                                        group_offsets=int(self.num_generations))  # oar/skipped_groups_frac
-        out["advantages"] = res.advantages.to(out["advantages"].device)
+            res = self.oar_pipeline.compute(batch, model)
+            tok = res.advantages
+        out["advantages"] = tok.to(out["advantages"].device)
         t2 = time.perf_counter()
         for k, v in res.metrics.items():
             self._metrics[mode][k].append(v)
@@ -173,21 +230,16 @@ class OARTrainerMixin:
         return out
 
 
-def _make_trainer_class():
-    try:
-        import trl
-        from trl import GRPOTrainer
-    except ImportError as e:  # pragma: no cover - exercised only without trl
-        raise ImportError("oar.integrations.trl needs the `trl` package (pip install trl==1.13.0)") from e
-    if trl.__version__ not in SUPPORTED_TRL:
-        warnings.warn(f"oar.integrations.trl is tested with trl {SUPPORTED_TRL}, found {trl.__version__}; the hook "
-                      "point _generate_and_score_completions may have changed", stacklevel=2)
-    for name in ("_generate_and_score_completions", "_calculate_rewards"):
-        if not hasattr(GRPOTrainer, name):
-            raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer has no {name}; this trl version is not supported "
-                               f"by oar (tested: {SUPPORTED_TRL})")
+def _make_trainer_class(base=None):
+    """``OARGRPOTrainer`` over ``base`` (default ``trl.GRPOTrainer``), after :func:`check_trl_features`."""
+    if base is None:
+        try:
+            from trl import GRPOTrainer as base
+        except ImportError as e:  # pragma: no cover - exercised only without trl
+            raise ImportError("oar.integrations.trl needs the `trl` package (pip install \"oar[train]\")") from e
+    check_trl_features(base)
 
-    class OARGRPOTrainer(OARTrainerMixin, GRPOTrainer):
+    class OARGRPOTrainer(OARTrainerMixin, base):
         """``trl.GRPOTrainer`` with OAR per-token advantages. Same constructor plus:
 
         Args:
@@ -197,7 +249,9 @@ def _make_trainer_class():
 
         Raises:
             ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost);
-                ``oar_config`` not an ``oar.OARConfig``; ``answer_column`` not a non-empty str.
+                ``oar_config`` not an ``oar.OARConfig``; ``answer_column`` not a non-empty str; at a step, a
+                block of ``num_generations`` rows that are not one prompt's group, a ``tool_mask`` of another
+                shape than the completions.
             KeyError: method oar_p / oar_g and a ``train_dataset`` without ``answer_column`` (checked here; rows
                 whose answer is missing or None are refused at the step that samples them).
         """

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from oar.integrations._common import config_from_env, config_with_method, group_layout, per_token_advantages
+from oar.integrations._common import config_from_env
+from oar.pipeline import Pipeline, RolloutBatch, with_method
 
 SUPPORTED_VERL = ("0.9.1",)
 
@@ -55,7 +56,7 @@ ESTIMATORS: dict[str, str | None] = {
 }
 
 _DATA: contextvars.ContextVar = contextvars.ContextVar("oar_verl_data", default=None)
-_STATE: dict[str, Any] = {"config": None, "scorer": None, "ignore_ids": ()}
+_STATE: dict[str, Any] = {"config": None, "scorer": None, "ignore_ids": (), "pipelines": {}}
 _REGISTERED: dict[str, Any] = {}
 
 
@@ -73,7 +74,7 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
         ValueError: ``config`` not an ``oar.OARConfig`` / None, ``scorer`` not callable / None, ``ignore_ids`` not a
             sequence of ints (checked here, not at the first training step).
     """
-    from oar import OARConfig, ops
+    from oar import OARConfig, _args
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
@@ -83,8 +84,26 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
                          f"got {type(scorer).__name__}")
     if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
         raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
-    ids = tuple(ops._int_arg("ignore_ids[i]", x) for x in ignore_ids)
-    _STATE.update(config=config, scorer=scorer, ignore_ids=ids)
+    ids = tuple(_args.int_arg("ignore_ids[i]", x) for x in ignore_ids)
+    _STATE.update(config=config, scorer=scorer, ignore_ids=ids, pipelines={})
+
+
+def _pipeline(config) -> Pipeline:
+    """The driver's pipeline of ``config`` (cached: random draws advance from step to step)."""
+    key = config.to_json()
+    if key not in _STATE["pipelines"]:
+        _STATE["pipelines"][key] = Pipeline(config, ignore_ids=_STATE["ignore_ids"])
+    return _STATE["pipelines"][key]
+
+
+def _masks(b, R: int, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion_mask, eligible_mask), both (B, R) bool CPU: every response token (the attention mask's response
+    part, tool outputs of multi-turn rollouts included: they are part of the context) and the tokens that carry
+    the loss (``response_mask``, which excludes tool outputs)."""
+    eligible = response_mask.detach().bool().cpu()
+    attn = b["attention_mask"] if b is not None and "attention_mask" in b.keys() else None
+    completion = attn[:, -R:].detach().bool().cpu() | eligible if attn is not None else eligible
+    return completion, eligible
 
 
 def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> None:
@@ -144,48 +163,41 @@ class HFScorer:
         self.tokenizer = tokenizer
         self.model = model
         self.answer_key = answer_key
-        self._hooks: dict = {}
+        self._pipelines: dict = {}
 
-    def _hook(self, config):
-        from oar.hook import TokenAdvantageHook
-
+    def _pipeline(self, config) -> Pipeline:
         key = config.to_json()
-        if key not in self._hooks:
-            self._hooks[key] = TokenAdvantageHook(config, self.tokenizer)
-        return self._hooks[key]
+        if key not in self._pipelines:
+            self._pipelines[key] = Pipeline(config, self.tokenizer)
+        return self._pipelines[key]
 
     def __call__(self, data, config, seq_adv: torch.Tensor):
+        from oar.pipeline import method_spec
+
         b = data.batch
-        responses, rmask = b["responses"], b["response_mask"].bool()
+        responses = b["responses"]
+        R = responses.shape[1]
+        completion, eligible = _masks(b, R, b["response_mask"])
         P = b["prompts"].shape[1]
         pmask = b["attention_mask"][:, :P].bool()
         prompt_ids = [row[m].cpu() for row, m in zip(b["prompts"], pmask)]
-        hook = self._hook(config)
-        if config.method == "entropy" and self.model is None:
-            if "oar_entropy" not in b.keys():
-                raise ValueError("method 'entropy' without a model needs batch['oar_entropy'] (kept by the plugin's "
-                                 "_compute_old_log_prob wrapper) or HFScorer(model=...)")
-            lens = hook.reasoning_lengths(responses.cpu(), rmask.cpu())
-            reasoning = torch.zeros_like(rmask, device="cpu")
-            for i, L in enumerate(lens):
-                reasoning[i, torch.nonzero(rmask[i].cpu()).flatten()[:L]] = True
-            return b["oar_entropy"].float().cpu() * reasoning, reasoning
-        # random / entropy never read the answer, but the probe context is built for every method: a placeholder
-        answers = ["0"] * len(prompt_ids)
+        spec = method_spec(config.method)
+        answers = None
         k0, k1 = self.answer_key
-        if k0 in data.non_tensor_batch:
+        if spec.needs_answers:
+            if k0 not in data.non_tensor_batch:
+                raise ValueError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
+                                 f"[i][{k1!r}] (HFScorer(answer_key=...) to change)")
             raw = [x.get(k1) if isinstance(x, dict) else x for x in data.non_tensor_batch[k0]]
             missing = [i for i, x in enumerate(raw) if x is None]
-            if missing and config.method in ("oar_p", "oar_g"):
+            if missing:
                 raise KeyError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
                                f"[i][{k1!r}]; rows {missing[:5]} have none (HFScorer(answer_key=...) to change)")
-            answers = ["0" if x is None else str(x) for x in raw]
-        elif config.method in ("oar_p", "oar_g"):
-            raise ValueError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
-                             f"[i][{k1!r}] (HFScorer(answer_key=...) to change)")
-        if config.method != "random" and self.model is None:
-            raise ValueError(f"method {config.method!r} needs HFScorer(model=...)")
-        res = hook.compute(self.model, prompt_ids, responses.cpu(), rmask.cpu(), seq_adv.float().cpu(), answers)
+            answers = [str(x) for x in raw]
+        entropy = b["oar_entropy"] if "oar_entropy" in b.keys() else None  # read by the entropy methods only
+        batch = RolloutBatch(responses.cpu(), completion, prompt_ids=prompt_ids, eligible_mask=eligible,
+                             answers=answers, sequence_advantages=seq_adv.float().cpu(), entropy=entropy)
+        res = self._pipeline(config).scores(batch, self.model)
         return res.scores, res.reasoning_mask
 
 
@@ -208,7 +220,7 @@ def _estimator(name: str, method: str | None):
             ValueError: no ``index`` or one of another length than the batch; token_level_rewards not 2-D;
                 a method whose inputs (scores, entropies, responses) are not available.
         """
-        from oar import ops
+        from oar import _args, ops
 
         if index is None:
             raise ValueError(f"verl estimator {name!r} needs the group ids (index = non_tensor_batch['uid'])")
@@ -219,54 +231,48 @@ def _estimator(name: str, method: str | None):
         B, R = token_level_rewards.shape
         if len(index) != B:
             raise ValueError(f"index must hold one group id per row: (bs,) = ({B},), got {len(index)} ids")
-        epsilon = ops._float_arg("epsilon", epsilon)
+        epsilon = _args.float_arg("epsilon", epsilon)
         if tuple(response_mask.shape) != (B, R):
             raise ValueError(f"response_mask must be (bs, R) = {(B, R)}, got {tuple(response_mask.shape)}")
         base = _STATE["config"] if _STATE["config"] is not None else config_from_env()
-        cfg = config_with_method(base, method) if method is not None else base
+        cfg = with_method(base, method) if method is not None else base
         if config is not None and hasattr(config, "get"):
             norm_adv_by_std_in_grpo = bool(config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo))
         data = _DATA.get()
-        perm, off = group_layout(index)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(B)
-        rewards = token_level_rewards.detach().sum(-1).float().cpu()
-        estimator = "dr_grpo" if (cfg.method == "dr_grpo" or not norm_adv_by_std_in_grpo) else "grpo"
-        seq_sorted = ops.group_advantages(rewards[perm], off, estimator=estimator, std="unbiased", eps=float(epsilon),
-                                          singleton="verl")
-        seq = seq_sorted[inv]
-        mask = response_mask.detach().bool().cpu()
-        batch = data.batch if data is not None else {}
+        b = data.batch if data is not None else None
 
         def get(key):
-            return batch[key] if data is not None and key in batch.keys() else None
+            return b[key] if b is not None and key in b.keys() else None
 
-        def scorer():
+        # verl's own GRPO sequence advantages over the groups of `index`, in any row order
+        rewards = token_level_rewards.detach().sum(-1).float().cpu()
+        estimator = "dr_grpo" if (cfg.advantages.estimator == "dr_grpo" or not norm_adv_by_std_in_grpo) else "grpo"
+        seq = ops.group_advantages(rewards, group_ids=list(index), estimator=estimator, std="unbiased",
+                                   eps=float(epsilon), singleton="verl")
+        completion, eligible = _masks(b, R, response_mask)
+        responses = get("responses")
+        pipe = _pipeline(cfg)
+        if pipe.method.needs_groups and responses is None:
+            raise ValueError(f"verl estimator {name!r} (method {cfg.method!r}) needs batch['responses'] (call through "
+                             "verl.trainer.ppo.ray_trainer.compute_advantage after oar.integrations.verl.register())")
+        batch = RolloutBatch(responses.cpu() if responses is not None else torch.zeros((B, R), dtype=torch.long),
+                             completion, eligible_mask=eligible, rewards=rewards, group_ids=list(index),
+                             sequence_advantages=seq)
+        batch.entropy = get("oar_entropy")  # verl's own entropies, read by the entropy methods only
+        if pipe.method.credit == "add" and pipe.method.needs_model and batch.entropy is None:
+            raise ValueError(f"verl estimator {name!r} (method {cfg.method!r}) needs batch['oar_entropy'] (kept by "
+                             "the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
+        if pipe.method.credit == "reshape":
             scores, reasoning = get("oar_scores"), get("oar_reasoning_mask")
-            if scores is not None and reasoning is not None:
-                return scores, reasoning
-            if _STATE["scorer"] is None or data is None:
-                raise ValueError(
-                    f"verl estimator {name!r} (method {cfg.method!r}) needs per-token scores: attach them with "
-                    "oar.integrations.verl.attach_scores(batch, scores, reasoning_mask) before compute_advantage, or "
-                    "configure(scorer=HFScorer(tokenizer, model)) in the driver process")
-            return _STATE["scorer"](data, cfg, seq)
-
-        kw = {}
-        if cfg.method == "ktae":
-            ids = get("responses")
-            if ids is None:
-                raise ValueError(f"verl estimator {name!r} (method 'ktae') needs batch['responses'] (call through "
-                                 "verl.trainer.ppo.ray_trainer.compute_advantage after oar.integrations.verl.register())")
-            kw = dict(rewards=rewards[perm], offsets=off, token_ids=ids.cpu()[perm], ignore_ids=_STATE["ignore_ids"])
-            tok = per_token_advantages(cfg, seq_sorted, mask[perm], **kw)[inv]
-        else:
-            ent = get("oar_entropy")
-            if cfg.method == "entropy_shaping" and ent is None:
-                raise ValueError(f"verl estimator {name!r} (method 'entropy_shaping') needs batch['oar_entropy'] (kept "
-                                 "by the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
-            tok = per_token_advantages(cfg, seq, mask, entropy=ent, scorer=scorer)
-        tok = tok.to(token_level_rewards.device)
+            if scores is None or reasoning is None:
+                if _STATE["scorer"] is None or data is None:
+                    raise ValueError(
+                        f"verl estimator {name!r} (method {cfg.method!r}) needs per-token scores: attach them with "
+                        "oar.integrations.verl.attach_scores(batch, scores, reasoning_mask) before compute_advantage, "
+                        "or configure(scorer=HFScorer(tokenizer, model)) in the driver process")
+                scores, reasoning = _STATE["scorer"](data, cfg, seq)
+            batch.scores, batch.reasoning_mask = scores, reasoning
+        tok = pipe.compute(batch).advantages.to(token_level_rewards.device)
         return tok, tok
 
     estimator.__name__ = f"compute_{name}_advantage"
