@@ -18,7 +18,7 @@ to ``./gpu_results``, ``--out`` overrides both):
   profiler), without host-side gaps such as the step-level ops' 64-byte error-record read-back and wait;
 - ``ref``/``ref ms``: the PyTorch reference and its median time; ``speed-up`` = ref ms / ms;
 - ``max|d|``: largest absolute difference between the oar and reference outputs (a sanity check; the parity
-  tests in tests/python/test_cuda.py are the real ones).
+  tests, the "cuda" cases of each op's test file, are the real ones).
 
 References: ``oar.reference`` where it runs on the device (``probe_divergence``, float64; ``grad_x_input``,
 float64; ``reshape_advantages_vectorized``, float32). ``oar.reference.group_advantages`` and

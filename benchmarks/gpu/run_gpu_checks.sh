@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check of issue 4, for a machine with an NVIDIA GPU and this repository checked out:
 #   1. builds oar from source with the CUDA kernels (one architecture, -j16 by default),
-#   2. runs the CUDA tests (pytest tests/python/test_cuda.py, then ctest when GoogleTest was found),
+#   2. runs the CUDA tests (pytest -m cuda: the "cuda" cases of each op's test file and tests/python/test_cuda.py,
+#      then ctest when GoogleTest was found),
 #   3. times every kernel against the PyTorch reference on the same GPU and measures the device copy bandwidth
 #      (benchmarks/gpu/bench_cuda.py), printing the table,
 #   4. times one training step of GRPO, OAR-G and OAR-P (ours, naive batched, naive serial) on the fixed-shape
@@ -114,12 +115,12 @@ export PYTHONUNBUFFERED=1
 
 # ---- 2. tests ----------------------------------------------------------------------------------------------------
 if [ "$DO_TESTS" = 1 ]; then
-  log "pytest tests/python/test_cuda.py"
+  log "pytest tests/python -m cuda"
   # shellcheck disable=SC2086
-  "$PY" -m pytest tests/python/test_cuda.py -q -rs -p no:cacheprovider --durations=10 ${OAR_GPU_PYTEST_ARGS:-} \
+  "$PY" -m pytest tests/python -m cuda -q -rs -p no:cacheprovider --durations=10 ${OAR_GPU_PYTEST_ARGS:-} \
     2>&1 | tee "$OUT_DIR/pytest.log" | tail -n 40
   rc=${PIPESTATUS[0]}
-  STATUS+=("pytest test_cuda.py: rc=$rc ($(tail -n 1 "$OUT_DIR/pytest.log"))"); [ "$rc" = 0 ] || fail=1
+  STATUS+=("pytest -m cuda: rc=$rc ($(tail -n 1 "$OUT_DIR/pytest.log"))"); [ "$rc" = 0 ] || fail=1
   if [ -f "$BUILD_DIR/CTestTestfile.cmake" ] && grep -q "^OAR_BUILD_TESTS:BOOL=ON" "$BUILD_DIR/CMakeCache.txt"; then
     log "ctest"
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" 2>&1 | tee "$OUT_DIR/ctest.log" | tail -n 5

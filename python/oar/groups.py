@@ -196,26 +196,3 @@ def resolve_groups(rewards: torch.Tensor, offsets=None, group_ids=None, group_si
     off, order = _groups_from_id_list(ids, n)
     return Groups(torch.tensor(off, dtype=torch.int64, device=rewards.device),
                   None if order is None else torch.tensor(order, dtype=torch.int64, device=rewards.device))
-
-
-def _resolve_offsets(rewards: torch.Tensor, offsets, group_ids, group_size) -> torch.Tensor:
-    """CSR offsets of groups whose rows are contiguous (callers that index rows by offsets directly).
-
-    Raises:
-        ValueError: as :func:`resolve_groups`, and when ``group_ids`` put one group's rows in separate runs.
-    """
-    g = resolve_groups(rewards, offsets, group_ids, group_size)
-    if g.order is not None:
-        ids = group_ids.detach().cpu().tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
-        seen: dict = {}
-        for i in range(len(ids)):
-            if i > 0 and ids[i] == ids[i - 1]:
-                continue
-            if ids[i] in seen:
-                raise ValueError(
-                    f"group_ids must keep each group's rows contiguous here (the rows of one prompt adjacent; "
-                    f"oar.ops.group_advantages accepts any order): id {ids[i]!r} starts runs at rows "
-                    f"{seen[ids[i]]} and {i}"
-                )
-            seen[ids[i]] = i
-    return g.offsets

@@ -67,3 +67,9 @@ def eager_checks():
     prev = cuda_checks.set_cuda_checks("eager")
     yield
     cuda_checks.set_cuda_checks(prev)
+
+
+def to_device(kwargs: dict, device) -> dict:
+    """The keyword arguments of a bad-input table row on ``device``: tensors moved, meta tensors and the rest kept."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+            for k, v in kwargs.items()}

@@ -1,6 +1,7 @@
-"""Adversarial inputs for the newer surfaces (oar.token_advantages, oar.baselines, the trainer adapters, the
+"""Adversarial inputs for the newer surfaces (oar.token_advantages, the trainer adapters, the
 eval-attribution CLI, the OAR-P engine's engine / max_prefix_waste / positions arguments). Same standard as
-test_bad_input.py: a clear error naming the argument, or a finite, well-formed result. One test per finding."""
+test_bad_input.py: a clear error naming the argument, or a finite, well-formed result. One test per finding.
+The oar.baselines cases are in test_baselines.py (its bad-input table)."""
 
 import json
 import os
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 import oar
-from oar import baselines
 from oar.attribution import ProbeContextBuilder, as_probe_model, oar_p_scores
 from oar.models import tiny_random_llama
 
@@ -67,53 +67,6 @@ def test_token_advantages_ktae_skip_nan_and_bool_rewards(tiny, with_tokenizer):
     b = oar.token_advantages(torch.tensor([True, False, True, False]), config=_cfg(method="ktae"), **kw)
     f = oar.token_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), config=_cfg(method="ktae"), **kw)
     torch.testing.assert_close(b.advantages, f.advantages)
-
-
-# ---- oar.baselines ---------------------------------------------------------------------------------------------
-
-def test_entropy_shaping_float32_overflow_is_named():
-    # Finite float64 advantages beyond float32 used to come back as inf.
-    with pytest.raises(ValueError, match=r"advantages too large: .* overflows float32"):
-        baselines.entropy_shaping_advantages(torch.tensor([1e300, 1.0], dtype=torch.float64), torch.rand(2, 3),
-                                             torch.ones(2, 3, dtype=torch.bool))
-
-
-def test_ktae_float32_overflow_is_named():
-    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
-    m = torch.ones(4, 5, dtype=torch.bool)
-    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    with pytest.raises(ValueError, match=r"scale must be > 0 and fit in float32 .* got 1e\+300"):
-        baselines.ktae_token_scores(ids, m, r, group_size=2, scale=1e300)
-    with pytest.raises(ValueError, match=r"advantages too large: .* overflows float32"):
-        baselines.ktae_advantages(torch.tensor([1e300, -1.0, 1.0, -1.0], dtype=torch.float64), ids, m, r, group_size=2)
-
-
-@pytest.mark.parametrize("ignore, match", [(None, r"ignore_ids must be a sequence of int token ids, got NoneType"),
-                                           (5, r"ignore_ids must be a sequence of int token ids, got int 5")])
-def test_ktae_ignore_ids_type(ignore, match):
-    # Used to be TypeError: 'NoneType' object is not iterable.
-    with pytest.raises(ValueError, match=match):
-        baselines.ktae_token_scores(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.tensor([1.0, 0.0]),
-                                    group_size=2, ignore_ids=ignore)
-
-
-def test_ktae_ignore_ids_accepts_an_integer_tensor():
-    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
-    m, r = torch.ones(4, 5, dtype=torch.bool), torch.tensor([1.0, 0.0, 1.0, 0.0])
-    torch.testing.assert_close(baselines.ktae_token_scores(ids, m, r, group_size=2, ignore_ids=torch.tensor([1, 2])),
-                               baselines.ktae_token_scores(ids, m, r, group_size=2, ignore_ids=[1, 2]))
-
-
-def test_fisher_huge_counts_are_refused_not_allocated():
-    # n = 1e9 used to allocate a (rows, n + 1) float64 table (8 GB per row).
-    with pytest.raises(ValueError, match=r"table counts too large: row 0 has n = .* > 1000000"):
-        baselines.fisher_exact_pvalue(torch.tensor([[1e9, 2.0, 3.0, 4.0]]))
-
-
-def test_information_gain_refuses_complex_tables():
-    # The imaginary part used to be dropped silently.
-    with pytest.raises(ValueError, match=r"table must hold counts, got dtype torch\.complex64"):
-        baselines.information_gain(torch.tensor([[1, 2, 3, 4]]).to(torch.complex64))
 
 
 # ---- trainer adapters ------------------------------------------------------------------------------------------

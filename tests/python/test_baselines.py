@@ -333,3 +333,51 @@ def test_irpo_advantages_normalize_each_group():
 def test_irpo_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         oar.irpo_rewards(*args)
+
+
+# ---- bad input: one table ----------------------------------------------------------------------------------------
+# Each row: (the function, its keyword arguments, the exception, a regex of the message).
+
+_IDS = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+_M = torch.ones(4, 5, dtype=torch.bool)
+_R = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+BAD_INPUT = [
+    # Finite float64 advantages beyond float32 used to come back as inf.
+    pytest.param(baselines.entropy_shaping_advantages,
+                 dict(advantages=torch.tensor([1e300, 1.0], dtype=torch.float64), entropy=torch.rand(2, 3),
+                      mask=torch.ones(2, 3, dtype=torch.bool)),
+                 ValueError, r"advantages too large: .* overflows float32", id="entropy_shaping_float32_overflow"),
+    pytest.param(baselines.ktae_token_scores, dict(token_ids=_IDS, mask=_M, rewards=_R, group_size=2, scale=1e300),
+                 ValueError, r"scale must be > 0 and fit in float32 .* got 1e\+300", id="ktae_scale_beyond_float32"),
+    pytest.param(baselines.ktae_advantages,
+                 dict(advantages=torch.tensor([1e300, -1.0, 1.0, -1.0], dtype=torch.float64), token_ids=_IDS, mask=_M,
+                      rewards=_R, group_size=2),
+                 ValueError, r"advantages too large: .* overflows float32", id="ktae_advantages_float32_overflow"),
+    # Used to be TypeError: 'NoneType' object is not iterable.
+    pytest.param(baselines.ktae_token_scores,
+                 dict(token_ids=torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 3), rewards=torch.tensor([1.0, 0.0]),
+                      group_size=2, ignore_ids=None),
+                 ValueError, r"ignore_ids must be a sequence of int token ids, got NoneType", id="ktae_ignore_ids_none"),
+    pytest.param(baselines.ktae_token_scores,
+                 dict(token_ids=torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 3), rewards=torch.tensor([1.0, 0.0]),
+                      group_size=2, ignore_ids=5),
+                 ValueError, r"ignore_ids must be a sequence of int token ids, got int 5", id="ktae_ignore_ids_int"),
+    # n = 1e9 used to allocate a (rows, n + 1) float64 table (8 GB per row).
+    pytest.param(baselines.fisher_exact_pvalue, dict(table=torch.tensor([[1e9, 2.0, 3.0, 4.0]])), ValueError,
+                 r"table counts too large: row 0 has n = .* > 1000000", id="fisher_huge_counts"),
+    # The imaginary part used to be dropped silently.
+    pytest.param(baselines.information_gain, dict(table=torch.tensor([[1, 2, 3, 4]]).to(torch.complex64)), ValueError,
+                 r"table must hold counts, got dtype torch\.complex64", id="information_gain_complex"),
+]
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
+def test_bad_input(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+def test_ktae_ignore_ids_accepts_an_integer_tensor():
+    torch.testing.assert_close(baselines.ktae_token_scores(_IDS, _M, _R, group_size=2, ignore_ids=torch.tensor([1, 2])),
+                               baselines.ktae_token_scores(_IDS, _M, _R, group_size=2, ignore_ids=[1, 2]))

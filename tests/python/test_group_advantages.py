@@ -20,7 +20,7 @@ import oar  # noqa: F401  (loads the op library)
 from oar import groups, ops
 from oar import reference as ref
 
-from _devices import DEVICES, OTHER_DEVICES, eager_checks, gen, no_pending_device_errors, on  # noqa: F401
+from _devices import DEVICES, OTHER_DEVICES, eager_checks, gen, no_pending_device_errors, on, to_device  # noqa: F401
 
 ESTIMATORS = ["grpo", "dr_grpo", "batch", "rloo"]
 PRESETS = [None, "trl", "verl", "openrlhf"]
@@ -378,6 +378,7 @@ def test_argument_errors():
         torch.ops.oar.group_advantages(r.to(torch.complex64), torch.tensor([0, 4]))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_mismatch():
     with pytest.raises((ValueError, RuntimeError, NotImplementedError), match="offsets|CUDA|cuda"):
@@ -731,9 +732,10 @@ BAD_INPUT_CPU = [
     pytest.param(GA, dict(rewards=torch.tensor([1.7e308, -1.7e308, 1.0, 0.0], dtype=torch.float64), group_size=2),
                  ValueError, r"statistics of group 0 overflow double .*rescale the rewards", id="group_overflow"),
     pytest.param(GA, dict(rewards=torch.tensor([1.7e308, -1.7e308, 1.0, 0.0], dtype=torch.float64), group_size=2,
-                          estimator="batch"), ValueError, r"statistics of the batch overflow double", id="batch_overflow"),
-    pytest.param(GA, dict(rewards=R, group_size=2, estimator=None), ValueError, r"estimator must be a str, got NoneType None",
-                 id="estimator_none"),
+                          estimator="batch"), ValueError, r"statistics of the batch overflow double",
+                 id="batch_overflow"),
+    pytest.param(GA, dict(rewards=R, group_size=2, estimator=None), ValueError,
+                 r"estimator must be a str, got NoneType None", id="estimator_none"),
     pytest.param(GA, dict(rewards=R, group_size=2, estimator=3), ValueError, r"estimator must be a str, got int 3",
                  id="estimator_int"),
     pytest.param(GA, dict(rewards=R, group_size=2, std=1), ValueError, r"std must be a str, got int 1", id="std_int"),
@@ -741,16 +743,16 @@ BAD_INPUT_CPU = [
                  id="singleton_int"),
     pytest.param(GA, dict(rewards=R, group_size=2, preset=["trl"]), ValueError,
                  r"preset must be one of .* or None, got \['trl'\]", id="preset_list"),
-    pytest.param(GA, dict(rewards=R, group_size=2, eps="1e-4"), ValueError, r"eps must be a real number, got str '1e-4'",
-                 id="eps_str"),
+    pytest.param(GA, dict(rewards=R, group_size=2, eps="1e-4"), ValueError,
+                 r"eps must be a real number, got str '1e-4'", id="eps_str"),
     pytest.param(GA, dict(rewards=R, group_size=2, eps=None, preset="nope"), ValueError, r"preset must be one of",
                  id="preset_unknown"),
     pytest.param(GA, dict(rewards=R, group_size=2, skip_nan="no"), ValueError,
                  r"skip_nan must be True or False, got str 'no'", id="skip_nan_str"),
     pytest.param(GA, dict(rewards=R, group_size=2, skip_nan=torch.tensor(True)), ValueError,
                  r"skip_nan must be True or False, got Tensor", id="skip_nan_tensor"),
-    pytest.param(GA, dict(rewards=R, offsets=[]), ValueError, r"offsets must have G \+ 1 >= 1 entries .*got shape \(0,\)",
-                 id="offsets_empty"),
+    pytest.param(GA, dict(rewards=R, offsets=[]), ValueError,
+                 r"offsets must have G \+ 1 >= 1 entries .*got shape \(0,\)", id="offsets_empty"),
     pytest.param(GA, dict(rewards=R, offsets=[0, 2**64, 4]), ValueError,
                  r"offsets must be a sequence of int64 CSR row starts", id="offsets_overflow"),
     pytest.param(GA, dict(rewards=R, offsets=torch.tensor([0, 2, 4], device="meta")), ValueError,
@@ -772,16 +774,11 @@ BAD_INPUT_CPU = [
 ]
 
 
-def _to(kwargs, device):
-    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
-            for k, v in kwargs.items()}
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
 def test_bad_input(device, fn, kwargs, exc, match, eager_checks):
     with pytest.raises(exc, match=match):
-        fn(**_to(kwargs, device))
+        fn(**to_device(kwargs, device))
 
 
 @pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT_CPU)

@@ -1,5 +1,6 @@
-"""oar.ops.normalize_importance and oar.ops.reshape_advantages (method.md sections 5-6) against the float64
-reference, the section 6 invariants as hypothesis properties, errors, opcheck and one torch.compile parity test.
+"""oar.ops.reshape_advantages (method.md sections 5-6) against the float64 reference, the section 6 invariants as
+hypothesis properties, errors, opcheck, every device (``device``: "cpu", and "cuda" where a GPU and the CUDA kernels
+are present; the CUDA cases compare against the CPU op too), bad input as one table, torch.compile parity.
 """
 
 from __future__ import annotations
@@ -13,75 +14,11 @@ import oar  # noqa: F401  (loads the op library)
 from oar import ops
 from oar import reference as ref
 
+from _devices import DEVICES, eager_checks, no_pending_device_errors, on, to_device  # noqa: F401
+from _op_inputs import make_batch, reshape_case
+
 TIERS = ["both", "boost", "suppress"]
-
-
-def make_batch(B, T, seed=0, p_resp=0.85, p_reason=0.8, zeros=0.2, dtype=torch.float32):
-    """Right-padded responses of random length; the reasoning span is a random subset of the response."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, T + 1, (B,), generator=g)
-    resp = torch.arange(T)[None, :] < lengths[:, None]
-    reason = resp & (torch.rand(B, T, generator=g) < p_reason)
-    scores = torch.rand(B, T, generator=g) ** 3 * 20
-    scores[torch.rand(B, T, generator=g) < zeros] = 0.0
-    adv = torch.randn(B, generator=g)
-    return adv, scores.to(dtype), reason, resp
-
-
-# ---- normalize_importance ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("B,T", [(1, 1), (3, 47), (5, 131), (2, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_normalize_matches_reference(B, T, dtype):
-    _, scores, reason, _ = make_batch(B, T, seed=B * T, dtype=dtype)
-    reason[0] = False  # an all-masked-out row
-    got = ops.normalize_importance(scores, reason)
-    want = ref.normalize_importance(scores.double(), reason)
-    assert got.dtype == torch.float32 and got.shape == (B, T)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert (got[~reason] == 0).all() and (got >= 0).all() and (got <= 1).all()
-
-
-def test_normalize_hand_values_and_mask_forms():
-    e = torch.e
-    scores = torch.tensor([[0.0, e - 1, e * e - 1, 123.0], [4.0, 4.0, 4.0, 4.0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 0/1 integer mask is accepted
-    got = ops.normalize_importance(scores, mask)
-    torch.testing.assert_close(got, torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
-    # Off-mask values are ignored, even NaN.
-    s2 = scores.clone()
-    s2[0, 3] = float("nan")
-    torch.testing.assert_close(ops.normalize_importance(s2, mask.bool()), got)
-
-
-def test_normalize_non_contiguous_and_empty():
-    _, scores, reason, _ = make_batch(47, 5, seed=1)
-    s_t, m_t = scores.t(), reason.t()  # (5, 47) views
-    assert not s_t.is_contiguous()
-    want = ref.normalize_importance(s_t, m_t)
-    torch.testing.assert_close(ops.normalize_importance(s_t, m_t), want, rtol=1e-6, atol=1e-6)
-    assert ops.normalize_importance(torch.empty(0, 7), torch.empty(0, 7, dtype=torch.bool)).shape == (0, 7)
-    assert ops.normalize_importance(torch.empty(3, 0), torch.empty(3, 0, dtype=torch.bool)).shape == (3, 0)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.25])
-def test_normalize_bad_scores(bad):
-    scores = torch.ones(2, 3)
-    scores[1, 2] = bad
-    with pytest.raises(ValueError, match=r"scores must be finite and >= 0 .* got scores\[1, 2\]"):
-        ops.normalize_importance(scores, torch.ones(2, 3, dtype=torch.bool))
-
-
-def test_normalize_argument_errors():
-    with pytest.raises(ValueError, match=r"scores must be 2-D \(B, T\), got shape \(6,\)"):
-        ops.normalize_importance(torch.ones(6), torch.ones(6, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"mask must be \(B, T\) = \(2, 3\), got \(3, 2\)"):
-        ops.normalize_importance(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"scores must have dtype in \{.*\}, got Long"):
-        ops.normalize_importance(torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match="mask must be a bool"):
-        ops.normalize_importance(torch.ones(2, 3), torch.ones(2, 3))
+REAL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 # ---- reshape_advantages vs reference ------------------------------------------------------------------------------
@@ -295,6 +232,7 @@ def test_reshape_subset_and_score_errors():
         ops.reshape_advantages(adv, torch.tensor([[0.0, 0.5, 1.5, 9.0]]), reason, resp, scores_are_normalized=True)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reshape_device_mismatch():
     adv, scores, reason, resp = _ok()
@@ -302,13 +240,145 @@ def test_reshape_device_mismatch():
         torch.ops.oar.reshape_advantages(adv.cuda(), scores, reason, resp)
 
 
+def test_reshape_huge_beta_raises_instead_of_nan_weights():
+    S, M, A = _bad_input_args()
+    with pytest.raises(ValueError, match=r"beta = 1e\+308 makes the boost weights .* overflow float32"):
+        ops.reshape_advantages(A, S, M, M, beta=1e308)
+    tok, w = ops.reshape_advantages(A, S, M, M, beta=1e30)  # large but representable: still finite
+    assert torch.isfinite(tok).all() and torch.isfinite(w).all()
+
+
+def _bad_input_args():
+    S = torch.rand(2, 5, generator=torch.Generator().manual_seed(0))
+    return S, torch.ones(2, 5, dtype=torch.bool), torch.tensor([1.0, -1.0])
+
+
+# Each row: (the callable: the wrapper or the raw op, its keyword arguments, the exception, a regex of the message).
+# Tensors are moved to the device under test; meta tensors stay on meta.
+S, M, A = _bad_input_args()
+_SUB = M.clone()
+_SUB[0, 1] = False
+RA, RAW = ops.reshape_advantages, torch.ops.oar.reshape_advantages
+
+
+def _args(**over):
+    kw = dict(advantages=A, scores=S, reasoning_mask=M, response_mask=M)
+    kw.update(over)
+    return kw
+
+
+#: Argument and data checks, on every device (CUDA: eager checks, the CPU's messages).
+BAD_INPUT = [
+    pytest.param(RA, _args(advantages=torch.ones(2), q=1.5), ValueError, r"q must be in \(0, 1\)", id="q_range"),
+    pytest.param(RA, _args(advantages=torch.ones(2), response_mask=_SUB), ValueError,
+                 r"reasoning_mask must be a subset of response_mask", id="not_subset"),
+    pytest.param(RA, _args(advantages=torch.tensor([1.0, float("nan")])), ValueError,
+                 r"advantages must be finite, got advantages\[1\]", id="nan_advantage"),
+]
+
+#: Checks of the Python wrapper's arguments, of arguments the dispatcher sees as None, of the fake (meta) kernel, and
+#: float32 overflow edge cases of the CPU kernel.
+BAD_INPUT_CPU = [
+    pytest.param(RA, _args(advantages=torch.tensor([3e38, 1.0])), ValueError,
+                 r"advantages\[0\] = 3e\+38 times its weight .* overflows float32", id="token_advantage_overflow"),
+    pytest.param(RA, _args(advantages=torch.tensor([1e300, 1.0], dtype=torch.float64)), ValueError,
+                 r"advantages must fit in float32 .*got advantages\[0\] = 1e\+300", id="float64_advantages_too_large"),
+    pytest.param(RA, _args(q="0.3"), ValueError, r"q must be a real number, got str '0.3'", id="q_str"),
+    pytest.param(RA, _args(q=None), ValueError, r"q must be a real number, got NoneType None", id="q_none"),
+    pytest.param(RA, _args(beta=True), ValueError, r"beta must be a real number, got bool True", id="beta_bool"),
+    pytest.param(RA, _args(floor="x"), ValueError, r"floor must be a real number, got str 'x'", id="floor_str"),
+    pytest.param(RA, _args(tiers=None), ValueError, r"tiers must be a str, got NoneType None", id="tiers_none"),
+    pytest.param(RA, _args(scores_are_normalized="false"), ValueError,
+                 r"scores_are_normalized must be True or False, got str 'false'", id="scores_are_normalized_str"),
+    # An undefined tensor used to be reported as shape (0,), dtype UNKNOWN_SCALAR or "tensor does not have a device".
+    pytest.param(RAW, _args(advantages=None), ValueError, r"advantages must be a tensor, got None",
+                 id="raw_advantages_none"),
+    pytest.param(RAW, _args(response_mask=None), ValueError, r"response_mask must be a tensor, got None",
+                 id="raw_response_mask_none"),
+    # The fake kernel used to allocate on the first argument's device and return uninitialized memory.
+    pytest.param(RA, _args(advantages=A.to("meta")), ValueError,
+                 r"advantages must be on the same device as scores \(cpu\), got meta", id="fake_mixed_devices"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
+def test_bad_input(device, fn, kwargs, exc, match, eager_checks):
+    with pytest.raises(exc, match=match):
+        fn(**to_device(kwargs, device))
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT_CPU)
+def test_bad_input_cpu(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+# ---- every device (CUDA: parity with the CPU op; moved from test_cuda.py) ------------------------------------------
+
+SHAPES = [(1, 1), (3, 7), (5, 1000), (4, 4097), (2, 70_000)]  # the last: the CUDA kernel keeps the row in global memory
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiers", ["both", "boost", "suppress"])
+@pytest.mark.parametrize("normalized", [False, True])
+@pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
+@pytest.mark.parametrize("B, T", SHAPES)
+def test_reshape_advantages_parity(device, tiers, normalized, dtype, B, T):
+    adv, scores, reason, resp = reshape_case(B, T, dtype, seed=7 + B + T, ties=(T == 1000),
+                                             empty_rows=(0,) if B > 2 else (), equal_rows=(1,) if B > 2 else ())
+    if normalized:
+        scores = ops.normalize_importance(scores, reason).to(dtype)
+    kw = dict(q=0.3, beta=1.5, floor=0.05, tiers=tiers, scores_are_normalized=normalized)
+    tok_c, w_c = ops.reshape_advantages(adv, scores, reason, resp, **kw)
+    tok_d, w_d = ops.reshape_advantages(on(adv, device), on(scores, device), on(reason, device), on(resp, device), **kw)
+    assert tok_d.dtype == w_d.dtype == torch.float32 and tok_d.shape == w_d.shape == (B, T)
+    torch.testing.assert_close(w_d.cpu(), w_c, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(tok_d.cpu(), tok_c, rtol=2e-6, atol=2e-6)
+    w = w_d.cpu()
+    # Padding is 0, response tokens outside the span 1, a row with an empty span or all-equal scores exactly 1.
+    assert torch.equal(w[~resp], torch.zeros(int((~resp).sum())))
+    assert torch.equal(w[resp & ~reason], torch.ones(int((resp & ~reason).sum())))
+    if B > 2 and not normalized:
+        assert torch.equal(w[1][resp[1]], torch.ones(int(resp[1].sum())))
+    # Mass preservation: each row's token advantages sum to |response| * A.
+    want = resp.sum(1).double() * adv.double()
+    torch.testing.assert_close(tok_d.cpu().double().sum(1), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q", [0.01, 0.25, 0.5, 0.99])
+@pytest.mark.parametrize("T", [2, 3, 17, 256, 3000])
+def test_reshape_quantile_edge_levels_match_reference(device, q, T):
+    # tau interpolates between order statistics k and k + 1 (numpy "linear"); ties included.
+    adv, scores, reason, resp = reshape_case(6, T, torch.float32, seed=T, ties=True)
+    tok_d, w_d = ops.reshape_advantages(on(adv, device), on(scores, device), on(reason, device), on(resp, device), q=q)
+    tok_r, w_r = ref.reshape_advantages(adv, scores, reason, resp, q=q)
+    torch.testing.assert_close(w_d.cpu(), w_r, rtol=1e-5, atol=1e-5)
+    tok_c, w_c = ops.reshape_advantages(adv, scores, reason, resp, q=q)
+    torch.testing.assert_close(w_d.cpu(), w_c, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reshape_zero_length_and_empty_batch(device):
+    a = torch.tensor([1.0, -2.0])
+    s = torch.zeros(2, 0)
+    m = torch.zeros(2, 0, dtype=torch.bool)
+    tok, w = ops.reshape_advantages(on(a, device), on(s, device), on(m, device), on(m, device))
+    assert tok.shape == w.shape == (2, 0)
+    tok, w = ops.reshape_advantages(on(torch.zeros(0), device), on(torch.zeros(0, 5), device),
+                                    on(torch.zeros(0, 5, dtype=torch.bool), device),
+                                    on(torch.zeros(0, 5, dtype=torch.bool), device))
+    assert tok.shape == (0, 5)
+    assert ops.normalize_importance(on(torch.zeros(0, 3), device),
+                                    on(torch.zeros(0, 3, dtype=torch.bool), device)).shape == (0, 3)
+
+
 # ---- dispatcher integration ----------------------------------------------------------------------------------------
 
 
 def test_opcheck():
     adv, scores, reason, resp = make_batch(3, 17, seed=2)
-    torch.library.opcheck(torch.ops.oar.normalize_importance.default, (scores, reason))
-    torch.library.opcheck(torch.ops.oar.normalize_importance.default, (scores.double(), reason.int()))
     torch.library.opcheck(torch.ops.oar.reshape_advantages.default, (adv, scores, reason, resp))
     torch.library.opcheck(
         torch.ops.oar.reshape_advantages.default,
@@ -350,3 +420,30 @@ def test_vectorized_reference_matches_ops():
     got_tok, got_w = reference.reshape_advantages_vectorized(adv, scores, reason, resp)
     torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_tok, exp_tok, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_on_device(device):
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(3, 9, generator=g)
+    m = torch.rand(3, 9, generator=g) < 0.7
+    resp = torch.ones(3, 9, dtype=torch.bool)
+    args = (torch.randn(3, generator=g), s, m, resp)
+    torch.library.opcheck(torch.ops.oar.reshape_advantages.default, tuple(a.to(device) for a in args))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_wrapper_fullgraph(backend):
+    """oar.ops.reshape_advantages traces into one graph (Python scalars coerced at trace time) and gives the eager
+    values exactly, with the default and with explicit options."""
+    torch._dynamo.reset()
+    adv, scores, reason, resp = make_batch(4, 33, seed=6)
+
+    def f(a, s, rm, pm):
+        ta, w = ops.reshape_advantages(a, s, rm, pm, q=0.3, beta=2, floor=0.05, tiers="boost")
+        ta2, w2 = ops.reshape_advantages(a, ops.normalize_importance(s, rm), rm, pm, scores_are_normalized=True)
+        return ta, w, ta2, w2
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(adv, scores, reason, resp)
+    for g, e in zip(got, f(adv, scores, reason, resp)):
+        assert torch.equal(g, e)

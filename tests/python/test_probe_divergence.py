@@ -1,4 +1,6 @@
-"""oar.ops.probe_divergence (+ its autograd) against the float64 reference (method.md section 2).
+"""oar.ops.probe_divergence (+ its autograd) against the float64 reference (method.md section 2), on every device
+(``device``: "cpu", and "cuda" where a GPU and the CUDA kernels are present; the CUDA cases compare against the CPU
+op too), with opcheck, bad input as one table and torch.compile of the wrapper.
 
 Tolerances: the kernel reads the inputs in their own dtype and accumulates in float32/float64, so its
 error vs the float64 reference must stay within a small multiple of what a naive PyTorch computation in
@@ -16,17 +18,11 @@ import oar  # noqa: F401  (loads the op library)
 from oar import ops
 from oar import reference as ref
 
+from _devices import DEVICES, eager_checks, gen, no_pending_device_errors, on, to_device  # noqa: F401
+from _op_inputs import make_inputs
+
 PROBES = ["last", "answer_mean", "answer_joint"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def make_inputs(N, S, V, dtype, seed=0, noise=0.5, scale=2.0):
-    g = torch.Generator().manual_seed(seed)
-    clean = (scale * torch.randn(N, S, V, generator=g)).to(dtype)
-    pert = (clean.float() + noise * torch.randn(N, S, V, generator=g)).to(dtype)
-    ids = torch.randint(0, V, (N, S), generator=g)
-    lengths = torch.randint(1, S + 1, (N,), generator=g)
-    return clean, pert, ids, lengths
 
 
 def naive_same_dtype(clean, pert, probe, ids, lengths):
@@ -304,3 +300,223 @@ def test_backward_op_errors():
         torch.ops.oar.probe_divergence_backward(torch.ones(3), clean, pert, None, None, "answer_mean")
     with pytest.raises(ValueError, match=r"probe must be one of"):
         torch.ops.oar.probe_divergence_backward(torch.ones(2), clean, pert, None, None, "joint")
+
+
+def test_probe_divergence_double_backward_raises_clearly():
+    clean, pert = torch.randn(2, 2, 5), torch.randn(2, 2, 5, requires_grad=True)
+    (g,) = torch.autograd.grad(ops.probe_divergence(clean, pert).sum(), pert, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"double backward .* is not supported"):
+        torch.autograd.grad(g.sum(), pert)
+    # First-order gradients are unaffected.
+    (g1,) = torch.autograd.grad(ops.probe_divergence(clean, pert).sum(), pert)
+    assert torch.isfinite(g1).all()
+
+
+# ---- bad input: one table ----------------------------------------------------------------------------------------
+# Each row: (the callable, its keyword arguments, the exception, a regex of the message). Tensors are moved to the
+# device under test; meta tensors stay on meta.
+
+PD = ops.probe_divergence
+_C, _P, _IDS, _ = make_inputs(2, 3, 50, torch.float32, seed=71)
+_BAD_IDS = _IDS.clone()
+_BAD_IDS[1, 0] = 50  # == V
+
+#: Argument and data checks, on every device (CUDA: eager checks, the CPU's messages).
+BAD_INPUT = [
+    pytest.param(PD, dict(clean_logits=_C, perturbed_logits=_P, probe="first"), ValueError, r"probe must be one of",
+                 id="probe_name"),
+    pytest.param(PD, dict(clean_logits=_C[:1], perturbed_logits=_P), ValueError, r"clean_logits must be \(N, S, V\)",
+                 id="logits_shape"),
+    pytest.param(PD, dict(clean_logits=_C, perturbed_logits=_P, lengths=torch.tensor([1, 4])), ValueError,
+                 r"lengths\[1\] must be in \[1, S=3\], got 4", id="bad_length"),
+    pytest.param(PD, dict(clean_logits=_C, perturbed_logits=_P, probe="answer_joint", answer_ids=_BAD_IDS,
+                          lengths=torch.tensor([3, 3])), ValueError, r"answer_ids\[1, 0\]", id="bad_answer_id"),
+    pytest.param(PD, dict(clean_logits=_C, perturbed_logits=_P.index_fill(0, torch.tensor([1]), float("nan"))),
+                 ValueError, r"row 1 gives a NaN", id="nan_logits"),
+]
+
+#: Checks of the Python wrapper's arguments, of arguments the dispatcher sees as None, and of the fake (meta) kernel.
+BAD_INPUT_CPU = [
+    pytest.param(PD, dict(clean_logits=torch.zeros(1, 1, 3), perturbed_logits=torch.zeros(1, 1, 3), probe=None),
+                 ValueError, r"probe must be a str, got NoneType None", id="probe_none"),
+    # An undefined tensor used to be reported as shape (0,), dtype UNKNOWN_SCALAR or "tensor does not have a device".
+    pytest.param(PD, dict(clean_logits=None, perturbed_logits=torch.zeros(1, 1, 2)), ValueError,
+                 r"clean_logits must be a tensor, got None", id="clean_none"),
+    # The fake kernel used to allocate on the first argument's device and return uninitialized memory.
+    pytest.param(PD, dict(clean_logits=torch.zeros(1, 1, 3, device="meta"), perturbed_logits=torch.zeros(1, 1, 3)),
+                 ValueError, r"clean_logits must be on the same device as perturbed_logits \(cpu\), got meta",
+                 id="fake_mixed_devices"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
+def test_bad_input(device, fn, kwargs, exc, match, eager_checks):
+    with pytest.raises(exc, match=match):
+        fn(**to_device(kwargs, device))
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT_CPU)
+def test_bad_input_cpu(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+# ---- every device (CUDA: parity with the CPU op; moved from test_cuda.py) ------------------------------------------
+
+
+def probe_tol(dtype):
+    # Same input values on both devices; only the reduction order and the fast exp differ (fp32 accumulation).
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+# (N, S, V): odd V (scalar tails), a split plan (few rows, big V), an unsplit plan (many rows: one block per row
+# finalizes), the two production vocabularies at small N.
+PROBE_SHAPES = [(3, 1, 7), (5, 4, 1000), (600, 2, 513), (2, 3, 49152), (2, 1, 151936)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N, S, V", PROBE_SHAPES)
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_probe_divergence_parity(device, probe, dtype, N, S, V, with_lengths):
+    clean, pert, ids, lengths = make_inputs(N, S, V, dtype, seed=N + S + V)
+    lengths = lengths if with_lengths else None
+    cpu = ops.probe_divergence(clean, pert, probe=probe, answer_ids=ids, lengths=lengths)
+    dev = ops.probe_divergence(on(clean, device), on(pert, device), probe=probe, answer_ids=on(ids, device),
+                               lengths=on(lengths, device))
+    assert dev.dtype == torch.float32 and dev.shape == (N,)
+    torch.testing.assert_close(dev.cpu(), cpu, **probe_tol(dtype))
+    want = ref.probe_divergence(clean, pert, probe=probe, answer_ids=ids, lengths=lengths)
+    torch.testing.assert_close(dev.cpu().double(), want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("probe", PROBES)
+def test_probe_divergence_broadcast_clean_and_misaligned_views(device, probe):
+    N, S, V = 7, 3, 2051
+    clean1, pert, ids, lengths = make_inputs(1, S, V + 1, torch.bfloat16, seed=11)
+    _, pert, _, _ = make_inputs(N, S, V + 1, torch.bfloat16, seed=12)
+    ids = torch.randint(0, V, (N, S), generator=gen(13))
+    lengths = torch.randint(1, S + 1, (N,), generator=gen(14))
+    # A vocabulary slice starting at 1: rows are not 16-byte aligned -> the scalar path; clean broadcast over N.
+    c_host = clean1[..., 1:].expand(N, S, V)
+    p_host = pert[..., 1:]
+    cpu = ops.probe_divergence(c_host, p_host, probe=probe, answer_ids=ids, lengths=lengths)
+    c_dev = on(clean1, device)[..., 1:].expand(N, S, V)
+    p_dev = on(pert, device)[..., 1:]
+    dev = ops.probe_divergence(c_dev, p_dev, probe=probe, answer_ids=on(ids, device), lengths=on(lengths, device))
+    torch.testing.assert_close(dev.cpu(), cpu, rtol=2e-4, atol=2e-5)
+    want = ref.probe_divergence(c_host, p_host, probe=probe, answer_ids=ids, lengths=lengths)
+    torch.testing.assert_close(dev.cpu().double(), want, rtol=1e-3, atol=1e-4)
+    # Broadcast of a clean row that is a tensor of its own (stride 0 over N).
+    dev2 = ops.probe_divergence(on(clean1[..., :V], device).expand(N, S, V), on(pert[..., :V], device).contiguous(),
+                                probe=probe, answer_ids=on(ids, device), lengths=on(lengths, device))
+    cpu2 = ops.probe_divergence(clean1[..., :V].expand(N, S, V), pert[..., :V].contiguous(), probe=probe,
+                                answer_ids=ids, lengths=lengths)
+    torch.testing.assert_close(dev2.cpu(), cpu2, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_probe_divergence_neg_inf_logits_and_identical_rows(device):
+    clean, pert, ids, lengths = make_inputs(4, 2, 300, torch.float32, seed=17)
+    clean[0, :, :50] = float("-inf")
+    pert[0, :, :50] = float("-inf")
+    pert[1] = clean[1]  # identical rows: KL exactly 0 after the clamp
+    for probe in PROBES:
+        cpu = ops.probe_divergence(clean, pert, probe=probe, answer_ids=ids.clamp_min(50), lengths=lengths)
+        dev = ops.probe_divergence(on(clean, device), on(pert, device), probe=probe,
+                                   answer_ids=on(ids.clamp_min(50), device), lengths=on(lengths, device))
+        torch.testing.assert_close(dev.cpu(), cpu, rtol=2e-4, atol=2e-5)
+        assert torch.isfinite(dev).all()
+        if probe != "answer_joint":
+            assert float(dev[1]) == 0.0 or abs(float(dev[1])) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N, S, V", [(3, 1, 7), (5, 4, 1000), (600, 2, 129), (2, 2, 49152), (1, 1, 151936)])
+def test_probe_divergence_backward_parity(device, probe, dtype, N, S, V):
+    clean, pert, ids, lengths = make_inputs(N, S, V, dtype, seed=3 * N + V)
+    grads = []
+    for d in ("cpu", device):
+        p = pert.to(d).requires_grad_(True)
+        out = ops.probe_divergence(clean.to(d), p, probe=probe, answer_ids=ids.to(d), lengths=lengths.to(d))
+        w = torch.linspace(0.5, 1.5, N, device=d)  # a non-uniform grad_out
+        (g,) = torch.autograd.grad((out * w).sum(), p)
+        assert g.dtype == dtype and g.shape == (N, S, V)
+        grads.append(g.cpu().float())
+    g_cpu, g_dev = grads
+    scale = g_cpu.abs().max().item()
+    rtol = 2e-4 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(g_dev, g_cpu, rtol=rtol, atol=2e-4 * scale + 1e-12)
+    # Positions at or beyond each row's probe length get exactly 0.
+    Lp = torch.ones(N, dtype=torch.int64) if probe == "last" else lengths
+    beyond = torch.arange(S)[None, :] >= Lp[:, None]
+    assert torch.equal(g_dev[beyond], torch.zeros_like(g_dev[beyond]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_probe_divergence_backward_matches_float64_reference(device):
+    clean, pert, ids, lengths = make_inputs(4, 3, 5000, torch.float32, seed=41)
+    for probe in PROBES:
+        p = on(pert, device).requires_grad_(True)
+        (g,) = torch.autograd.grad(ops.probe_divergence(on(clean, device), p, probe=probe, answer_ids=on(ids, device),
+                                                        lengths=on(lengths, device)).sum(), p)
+        p64 = pert.double().requires_grad_(True)
+        (g64,) = torch.autograd.grad(ref.probe_divergence(clean, p64, probe=probe, answer_ids=ids,
+                                                          lengths=lengths).sum(), p64)
+        torch.testing.assert_close(g.cpu().double(), g64, rtol=1e-3, atol=1e-4 * g64.abs().max().item())
+
+
+def _opcheck_cases():
+    clean, pert, ids, lengths = make_inputs(3, 2, 40, torch.float32, seed=5)
+    go = torch.rand(3, generator=gen(0))
+    return {
+        "probe_divergence_mean": (torch.ops.oar.probe_divergence.default, (clean, pert, None, lengths, "answer_mean")),
+        "probe_divergence_joint": (torch.ops.oar.probe_divergence.default, (clean, pert, ids, lengths, "answer_joint")),
+        "probe_divergence_grad": (torch.ops.oar.probe_divergence.default,
+                                  (clean, pert.clone().requires_grad_(True), ids, lengths, "last")),
+        "probe_divergence_backward": (torch.ops.oar.probe_divergence_backward.default,
+                                      (go, clean, pert, ids, lengths, "answer_joint")),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(_opcheck_cases()))
+def test_opcheck_on_device(device, case):
+    op, args = _opcheck_cases()[case]
+
+    def move(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach().to(device).requires_grad_(a.requires_grad)
+        return a
+
+    torch.library.opcheck(op, tuple(move(a) for a in args))
+
+
+# ---- torch.compile of the wrapper ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_wrapper_fullgraph(backend):
+    """oar.ops.probe_divergence (every probe, with and without lengths) traces into one graph, forward and
+    backward, and gives the eager values and gradients exactly."""
+    torch._dynamo.reset()
+    clean, pert, ids, lengths = make_inputs(3, 2, 64, torch.float32, seed=23)
+
+    def f(c, p):
+        return (ops.probe_divergence(c, p, probe="answer_mean", lengths=lengths)
+                + ops.probe_divergence(c, p, probe="answer_joint", answer_ids=ids)
+                + 0.5 * ops.probe_divergence(c, p, probe="last"))
+
+    p_eager = pert.clone().requires_grad_(True)
+    p_comp = pert.clone().requires_grad_(True)
+    eager = f(clean, p_eager)
+    eager.sum().backward()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)(clean, p_comp)
+    compiled.sum().backward()
+    assert torch.equal(compiled, eager)
+    assert torch.equal(p_comp.grad, p_eager.grad)
