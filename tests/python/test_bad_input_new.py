@@ -220,27 +220,6 @@ def test_trl_trainer_checks_oar_arguments_before_building(tiny, tmp_path, kwargs
                        train_dataset=ds, processing_class=tok, **kwargs)
 
 
-def test_trl_none_answer_is_missing():
-    # A row whose answer is None used to be probed with the reference answer "None".
-    from oar.integrations import trl as oar_trl
-
-    pytest.importorskip("trl")
-
-    class Base:
-        def _generate_and_score_completions(self, inputs):
-            return {}
-
-    class T(oar_trl.OARTrainerMixin, Base):
-        pass
-
-    t = T()
-    t.model = types.SimpleNamespace(training=True)
-    t.oar_config = _cfg(method="oar_g")
-    t.oar_answer_column = "answer"
-    with pytest.raises(KeyError, match=r"reference answer in dataset column 'answer'; rows \[1\] lack it or hold None"):
-        t._generate_and_score_completions([{"answer": "3"}, {"answer": None}])
-
-
 # ---- oar eval-attribution --------------------------------------------------------------------------------------
 
 @pytest.fixture()

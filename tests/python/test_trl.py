@@ -14,7 +14,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import oar  # noqa: E402
-from oar import ops  # noqa: E402
+from oar import baselines, ops  # noqa: E402
 from oar.models import tiny_random_llama  # noqa: E402
 
 
@@ -218,3 +218,152 @@ def test_mixin_in_a_user_subclass(tmp_path):
     trainer.train()
     logged = {k for h in trainer.state.log_history for k in h}
     assert {"oar/ess_ratio", "oar/forward_passes", "time/attribution"} <= logged
+
+
+# ---- what the adapter assumes of TRL's batch, checked (a stand-in GRPOTrainer: no generation needed) ----------
+
+class _Accelerator:
+    process_index = 0
+
+    def unwrap_model(self, m):
+        return m
+
+    def gather(self, t):
+        return t
+
+    def pad_across_processes(self, t, dim=1, pad_index=0):
+        return t
+
+
+class _StandInGRPO:
+    """What OARTrainerMixin reads of trl.GRPOTrainer (1.13.0): its two hook points and a few attributes.
+    ``_generate_and_score_completions`` scores through ``_calculate_rewards`` and returns ``out``, as TRL does."""
+
+    def __init__(self, model, tok, out, rewards_per_func, num_generations):
+        from collections import defaultdict
+
+        import types
+
+        self.model, self.processing_class = model, tok
+        self.args = types.SimpleNamespace(loss_type="dapo")
+        self.accelerator, self.num_generations, self.scale_rewards = _Accelerator(), num_generations, "group"
+        self.reward_weights = torch.ones(rewards_per_func.shape[1])
+        self._metrics = {"train": defaultdict(list)}
+        self._out, self._rpf = out, rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._calculate_rewards(inputs, None, None, None)
+        return dict(self._out)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        return self._rpf
+
+
+def _standin_out(tok, prompts, texts, C=24):
+    from _completions import completion_batch
+
+    _, ids, mask = completion_batch(tok, texts, C)
+    P = max(len(p) for p in prompts)
+    pids = torch.full((len(prompts), P), tok.pad_token_id, dtype=torch.long)
+    pmask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        pids[i, P - len(p):], pmask[i, P - len(p):] = torch.tensor(p), 1
+    return {"prompt_ids": pids, "prompt_mask": pmask, "completion_ids": ids, "completion_mask": mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5][: len(texts)])}
+
+
+def _standin(tok, model, out, rpf, method="oar_g", **cfg):
+    from oar.integrations.trl import _make_trainer_class
+
+    cls = _make_trainer_class(_StandInGRPO)
+    model.train()
+    return cls(model, tok, out, rpf, 2, oar_config=oar.OARConfig.from_json(json.dumps(dict(method=method, **cfg))))
+
+
+TEXTS4 = ["so 2 and 3 \\boxed{5}", "hmm 9 \\boxed{9}", "4 4 \\boxed{8}", "5 \\boxed{5}"]
+
+
+@pytest.fixture(scope="module")
+def tiny_trl():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+
+
+def test_standin_runs_the_pipeline(tiny_trl):
+    model, tok = tiny_trl
+    p1, p2 = tok.encode("Q: 2+3?", add_special_tokens=False), tok.encode("Q: 4+4?", add_special_tokens=False)
+    out = _standin_out(tok, [p1, p1, p2, p2], TEXTS4)
+    t = _standin(tok, model, out, torch.ones(4, 1))
+    res = t._generate_and_score_completions([{"answer": "5"}] * 4)
+    m = out["completion_mask"].bool()
+    assert res["advantages"].shape == out["completion_ids"].shape
+    torch.testing.assert_close(res["advantages"].sum(1), out["advantages"] * m.sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_block_of_num_generations_rows_must_be_one_prompt(tiny_trl):
+    model, tok = tiny_trl
+    p1, p2 = tok.encode("Q: 2+3?", add_special_tokens=False), tok.encode("Q: 4+4?", add_special_tokens=False)
+    t = _standin(tok, model, _standin_out(tok, [p1, p2, p2, p2], TEXTS4), torch.ones(4, 1))
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] \(group 0, num_generations = 2\) must share one prompt"):
+        t._generate_and_score_completions([{"answer": "5"}] * 4)
+
+
+def test_tool_mask_of_the_wrong_shape_is_named(tiny_trl):
+    model, tok = tiny_trl
+    p1 = tok.encode("Q: 2+3?", add_special_tokens=False)
+    out = _standin_out(tok, [p1] * 4, TEXTS4)
+    out["tool_mask"] = torch.ones(4, 5, dtype=torch.long)
+    t = _standin(tok, model, out, torch.ones(4, 1))
+    with pytest.raises(ValueError, match=r"tool_mask must be \(B, C\) = \(4, 24\) like completion_mask, got \(4, 5\)"):
+        t._generate_and_score_completions([{"answer": "5"}] * 4)
+
+
+def test_none_answer_is_missing(tiny_trl):
+    # A row whose answer is None used to be probed with the reference answer "None".
+    model, tok = tiny_trl
+    p1 = tok.encode("Q: 2+3?", add_special_tokens=False)
+    t = _standin(tok, model, _standin_out(tok, [p1] * 4, TEXTS4), torch.ones(4, 1))
+    with pytest.raises(KeyError, match=r"reference answer in dataset column 'answer'; rows \[1\] lack it or hold None"):
+        t._generate_and_score_completions([{"answer": "3"}, {"answer": None}, {"answer": "3"}, {"answer": "3"}])
+
+
+def test_all_nan_rewards_are_ktae_failures(tiny_trl):
+    """A rollout whose every reward function returned None is unscorable: wrong for KTAE, never reward 0 (which
+    is 'correct' under a negative threshold) as TRL's nansum would make it."""
+    from oar.integrations.trl import combined_rewards
+
+    model, tok = tiny_trl
+    p1 = tok.encode("Q: 2+3?", add_special_tokens=False)
+    out = _standin_out(tok, [p1] * 4, TEXTS4)
+    nan = float("nan")
+    rpf = torch.tensor([[1.0, nan], [nan, nan], [0.0, -1.0], [nan, 1.0]])
+    torch.testing.assert_close(combined_rewards(rpf, torch.ones(2)), torch.tensor([1.0, nan, -1.0, 1.0]),
+                               equal_nan=True)
+    t = _standin(tok, model, out, rpf, method="ktae", ktae_threshold=-0.5)
+    res = t._generate_and_score_completions([{"answer": "5"}] * 4)
+    m = out["completion_mask"].bool()
+    kw = dict(group_size=2, threshold=-0.5, ignore_ids=[tok.pad_token_id])
+    wrong = baselines.ktae_token_scores(out["completion_ids"], m, torch.tensor([1.0, -1e30, -1.0, 1.0]), **kw)
+    as_zero = baselines.ktae_token_scores(out["completion_ids"], m, torch.tensor([1.0, 0.0, -1.0, 1.0]), **kw)
+    torch.testing.assert_close(res["advantages"], (out["advantages"][:, None] + wrong) * m, rtol=0, atol=1e-7)
+    assert not torch.allclose(wrong, as_zero)  # the two readings differ on this batch: the test can fail
+
+
+def test_trl_versions_are_accepted_by_their_hook_points():
+    from oar.integrations.trl import _make_trainer_class, check_trl_features
+
+    check_trl_features(trl.GRPOTrainer)
+
+    class NoRewards:
+        def _generate_and_score_completions(self, inputs):
+            return {}
+
+    with pytest.raises(RuntimeError, match=r"has no _calculate_rewards, the hook point oar overrides"):
+        _make_trainer_class(NoRewards)
+
+    class Changed(_StandInGRPO):
+        def _generate_and_score_completions(self, batch, mode):
+            return {}
+
+    with pytest.raises(RuntimeError, match=r"_generate_and_score_completions\('self', 'batch', 'mode'\) is not "
+                                           r"_generate_and_score_completions\('self', 'inputs'\)"):
+        _make_trainer_class(Changed)

@@ -1,0 +1,308 @@
+"""oar.pipeline: the one method pipeline, and the inputs trainers really send (rows in any group order, tool
+outputs outside the eligible mask, -inf logits, NaN rewards, errors in the caller's indexing)."""
+
+import ast
+import math
+import pathlib
+
+import pytest
+import torch
+
+import oar
+from oar import baselines, ops
+from oar.attribution import HFProbeModel
+from oar.attribution import engines
+from oar.models import tiny_random_llama
+from oar.pipeline import METHOD_TABLE, Pipeline, RolloutBatch, method_spec, with_method
+from _completions import completion_batch
+from _tolerance import assert_close_to_reference
+
+TEXTS = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5", "4 4 4 \\boxed{8}",
+         "5 \\boxed{5}"]
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+PY = pathlib.Path(oar.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=4)
+
+
+def _cfg(**kw):
+    return oar.OARConfig.from_json(__import__("json").dumps(kw))
+
+
+# ---- the method table -----------------------------------------------------------------------------------------
+
+def test_method_table_is_the_schema_and_the_spec():
+    """One row per schema method, with the credit rule of method.md (sections 5-6 reshape, section 8 add)."""
+    assert set(METHOD_TABLE) == set(oar.METHODS)
+    credit = {"grpo": "uniform", "dr_grpo": "uniform", "random": "reshape", "entropy": "reshape",
+              "oar_p": "reshape", "oar_g": "reshape", "entropy_shaping": "add", "ktae": "add"}
+    assert {m: s.credit for m, s in METHOD_TABLE.items()} == credit
+    assert [m for m, s in METHOD_TABLE.items() if s.needs_answers] == ["oar_p", "oar_g"]
+    with pytest.raises(ValueError, match=r"method must be one of \['grpo', .*\], got 'oar_q'"):
+        method_spec("oar_q")
+    with pytest.raises(ValueError, match=r"method 'oar_p' needs answers \(methods that need it: oar_p, oar_g\)"):
+        method_spec("oar_p").check_inputs(model=object(), answers=None)
+
+
+def test_with_method_keeps_every_other_key_and_the_dr_grpo_rule():
+    base = _cfg(method="oar_g", q=0.3, probe="last")
+    dr = with_method(base, "dr_grpo")
+    assert dr.method == "dr_grpo" and dr.advantages.estimator == "dr_grpo" and dr.reshape.q == pytest.approx(0.3)
+    back = with_method(dr, "oar_p")
+    assert back.advantages.estimator == "grpo" and back.probe == "last"
+
+
+def test_adapters_do_not_import_each_other():
+    """api.py and hook.py are adapters to oar.pipeline: neither imports the other (the old import cycle)."""
+    def imports(name):
+        tree = ast.parse((PY / name).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    assert "oar.hook" not in imports("api.py") and "oar.api" not in imports("hook.py")
+    assert not {"oar.api", "oar.hook", "oar.integrations"} & imports("pipeline.py")
+
+
+# ---- groups in any row order ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["grpo", "dr_grpo", "ktae"])
+def test_groups_in_any_row_order(tiny, method):
+    """verl's balance_batch reorders rows and interleaved layouts exist: the result is the contiguous layout's,
+    in the caller's row order (exactly: per group the same sums in the same order)."""
+    model, tok = tiny
+    prompts, ids, mask = completion_batch(tok, TEXTS, 30)
+    cfg = _cfg(method=method)
+    kw = dict(model=model, tokenizer=tok, prompt_ids=prompts, answers=["5"] * 6, config=cfg)
+    ref = oar.token_advantages(REWARDS, completion_ids=ids, completion_mask=mask, group_ids=[0, 0, 0, 1, 1, 1], **kw)
+    for perm in ([0, 3, 1, 4, 2, 5], [5, 2, 0, 4, 1, 3]):
+        p = torch.tensor(perm)
+        out = oar.token_advantages(REWARDS[p], completion_ids=ids[p], completion_mask=mask[p],
+                                   group_ids=["a" if i < 3 else "b" for i in perm],
+                                   **dict(kw, prompt_ids=[prompts[i] for i in perm]))
+        torch.testing.assert_close(out.advantages, ref.advantages[p], rtol=0, atol=0)
+        torch.testing.assert_close(out.sequence_advantages, ref.sequence_advantages[p], rtol=0, atol=0)
+        assert out.metrics["oar/skipped_groups_frac"] == ref.metrics["oar/skipped_groups_frac"]
+    assert ref.advantages.abs().sum() > 0
+
+
+def test_nan_reward_names_its_group():
+    r = torch.tensor([1.0, 0.0, float("nan"), 1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match=r"rewards\[2\] is NaN \(group 'q1', rows \[0, 2, 4\]\); set skip_nan=True"):
+        oar.sequence_advantages(r, group_ids=["q1", "q2", "q1", "q2", "q1", "q2"])
+    out = oar.sequence_advantages(r, _cfg(skip_nan=True), group_ids=["q1", "q2", "q1", "q2", "q1", "q2"])
+    assert out[2] == 0 and torch.isfinite(out).all()
+
+
+# ---- tokens outside the eligible mask (tool outputs) are never masked, perturbed or scored ----------------------
+
+TOOL_TEXT = "so 2 and 3 [tool: 5] make 5 \\boxed{5}"
+
+
+def _tool_batch(tok, C=48):
+    texts = [TOOL_TEXT, "hmm 9 [tool: 9] then \\boxed{9}", "4 4 [tool: 8] \\boxed{8}", "5 \\boxed{5}"]
+    prompts, ids, mask = completion_batch(tok, texts, C)
+    eligible = mask.bool().clone()
+    for i, t in enumerate(texts):
+        a = t.find("[tool:")
+        if a >= 0:
+            eligible[i, a: t.index("]") + 1] = False  # character-level tokenizer: column = character
+    return prompts, ids, mask, eligible
+
+
+class _PlainProbe:
+    """A ProbeModel without a prefix cache (the engines' plain paths) that records OAR-G's noisy embeddings."""
+
+    def __init__(self, model):
+        self.inner = HFProbeModel(model)
+        self.vocab_size, self.hidden_size, self.device = self.inner.vocab_size, self.inner.hidden_size, self.inner.device
+        self.noisy = []  # (window ids, clean embeddings, noisy embeddings) per differentiated call
+        self._last = None
+
+    def embed(self, input_ids):
+        e = self.inner.embed(input_ids)
+        self._last = (input_ids.detach().clone(), e.detach().clone())
+        return e
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        if inputs_embeds is not None and inputs_embeds.requires_grad:
+            self.noisy.append((*self._last, inputs_embeds.detach().clone()))
+        return self.inner.tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                      position_ids=position_ids, keep=keep)
+
+    def eval_mode(self):
+        return self.inner.eval_mode()
+
+
+def _eligible_reasoning(pipe, ids, mask, eligible):
+    """{row: [reasoning indices whose token is eligible]} (completion column j = reasoning index j here)."""
+    lens = pipe.reasoning_lengths(ids, mask)
+    return {i: [j for j in range(lens[i]) if bool(eligible[i, j])] for i in range(ids.shape[0])}
+
+
+def test_oar_p_masks_only_eligible_tokens(tiny, monkeypatch):
+    model, tok = tiny
+    prompts, ids, mask, eligible = _tool_batch(tok)
+    pipe = Pipeline(_cfg(method="oar_p"), tok)
+    seen = []
+    orig = engines._variants
+
+    def spy(batch, rows, positions=None):
+        out = orig(batch, rows, positions)
+        seen.append((out[0].tolist(), out[2].tolist()))
+        return out
+
+    monkeypatch.setattr(engines, "_variants", spy)
+    adv = torch.tensor([1.0, -0.5, 0.7, 0.0])
+    res = pipe.compute(RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, answers=["5"] * 4,
+                                    sequence_advantages=adv), model)
+    want = _eligible_reasoning(pipe, ids, mask, eligible)
+    got: dict = {}
+    for rows, js in seen:
+        for r, j in zip(rows, js):
+            got.setdefault(r, []).append(j)
+    assert {r: sorted(v) for r, v in got.items()} == {r: want[r] for r in (0, 1, 2)}  # row 3: A = 0, not scored
+    assert (res.scores[~eligible] == 0).all() and not res.reasoning_mask[~eligible].any()
+    assert (res.advantages[~eligible] == 0).all()
+    torch.testing.assert_close(res.advantages.sum(1), adv * eligible.sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_oar_g_perturbs_only_eligible_tokens(tiny):
+    model, tok = tiny
+    prompts, ids, mask, eligible = _tool_batch(tok)
+    pipe = Pipeline(_cfg(method="oar_g", sigma=0.05), tok)
+    pm = _PlainProbe(model)
+    adv = torch.tensor([1.0, -0.5, 0.7, 0.0])
+    res = pipe.compute(RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, answers=["5"] * 4,
+                                    sequence_advantages=adv), pm)
+    want = _eligible_reasoning(pipe, ids, mask, eligible)
+    assert len(pm.noisy) == 1  # one chunk: rows 0, 1, 2 in order
+    win_ids, clean, noisy = pm.noisy[0]
+    perturbed = (noisy - clean[:, -noisy.shape[1]:]).abs().amax(-1) > 0
+    for k, r in enumerate((0, 1, 2)):
+        # the noised window tokens, in order, are exactly the row's eligible reasoning tokens
+        got = win_ids[k, -noisy.shape[1]:][perturbed[k]].tolist()
+        assert got == ids[r, want[r]].tolist()
+    assert (res.scores[~eligible] == 0).all() and (res.scores[eligible & res.reasoning_mask] > 0).any()
+
+
+@pytest.mark.parametrize("method", ["random", "entropy"])
+def test_other_scorers_score_only_eligible_tokens(tiny, method):
+    model, tok = tiny
+    prompts, ids, mask, eligible = _tool_batch(tok)
+    res = Pipeline(_cfg(method=method), tok).compute(
+        RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, sequence_advantages=torch.ones(4)), model)
+    assert (res.scores[~eligible] == 0).all() and not res.reasoning_mask[~eligible].any()
+    assert res.reasoning_mask.any()
+
+
+def test_eligible_mask_must_lie_in_the_completion():
+    ids = torch.zeros((2, 4), dtype=torch.long)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    bad = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    with pytest.raises(ValueError, match=r"eligible_mask must be a subset of completion_mask, got True at \[0, 2\]"):
+        Pipeline(_cfg(method="grpo")).compute(RolloutBatch(ids, mask, eligible_mask=bad,
+                                                           sequence_advantages=torch.ones(2)))
+
+
+# ---- scores only: no second reshape -----------------------------------------------------------------------------
+
+def test_scores_entry_and_precomputed_scores_reshape_once(tiny):
+    model, tok = tiny
+    prompts, ids, mask = completion_batch(tok, TEXTS[:4], 30)
+    adv = torch.tensor([0.8, -1.2, 0.0, 0.4])
+    batch = RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 4, sequence_advantages=adv)
+    pipe = Pipeline(_cfg(method="oar_p"), tok)
+    sc = pipe.scores(batch, model)
+    full = pipe.compute(batch, model)
+    torch.testing.assert_close(sc.scores, full.scores, rtol=0, atol=0)
+    assert torch.equal(sc.reasoning_mask, full.reasoning_mask)
+    # a trainer that scored elsewhere passes the scores in: one reshape, the op's own result
+    pre = Pipeline(_cfg(method="oar_p")).compute(RolloutBatch(ids, mask, sequence_advantages=adv, scores=sc.scores,
+                                                              reasoning_mask=sc.reasoning_mask))
+    want, _ = ops.reshape_advantages(adv, sc.scores, sc.reasoning_mask, mask.bool())
+    torch.testing.assert_close(pre.advantages, want, rtol=0, atol=0)
+
+
+# ---- entropy with -inf logits ------------------------------------------------------------------------------------
+
+def test_entropy_from_logits_allows_minus_inf():
+    x = torch.tensor([[0.0, float("-inf"), math.log(2.0)], [1.0, 1.0, 1.0]])
+    want = torch.tensor([-(1 / 3 * math.log(1 / 3) + 2 / 3 * math.log(2 / 3)), math.log(3.0)], dtype=torch.float64)
+    out = engines.entropy_from_logits(x)
+    assert torch.isfinite(out).all()
+    ref32 = torch.distributions.Categorical(logits=x).entropy()
+    assert_close_to_reference(out, want, ref32, k=4, atol=1e-7, what="entropy")  # two float32 results: errors add
+    with pytest.raises(ValueError, match=r"logits must not hold NaN or \+inf, got nan at \[0, 1\]"):
+        engines.entropy_from_logits(torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(ValueError, match=r"logits at \[0\] are all -inf"):
+        engines.entropy_from_logits(torch.full((1, 3), float("-inf")))
+
+
+class _BannedVocab(_PlainProbe):
+    """The tiny model with some vocabulary entries at -inf (a constrained vocabulary)."""
+
+    BANNED = [0, 1, 7, 40]
+
+    def _ban(self, logits):
+        logits = logits.clone()
+        logits[..., self.BANNED] = float("-inf")
+        return logits
+
+    def tail_logits(self, **kw):
+        return self._ban(super().tail_logits(**kw))
+
+    def full_logits(self, **kw):
+        return self._ban(self.inner.full_logits(**kw))
+
+
+@pytest.mark.parametrize("method", ["entropy", "entropy_shaping"])
+def test_entropy_methods_are_finite_with_minus_inf_logits(tiny, method):
+    model, tok = tiny
+    prompts, ids, mask = completion_batch(tok, TEXTS[:4], 30)
+    pm = _BannedVocab(model)
+    adv = torch.tensor([0.8, -1.2, 0.5, 0.4])
+    res = Pipeline(_cfg(method=method), tok).compute(
+        RolloutBatch(ids, mask, prompt_ids=prompts, sequence_advantages=adv), pm)
+    assert torch.isfinite(res.advantages).all() and torch.isfinite(res.scores).all()
+    # the entropies are those of the banned-vocabulary distributions (torch.distributions as the reference)
+    i = 0
+    P = len(prompts[i])
+    seq = torch.tensor(prompts[i] + ids[i][mask[i].bool()].tolist())[None]
+    with torch.no_grad():
+        logits = pm.full_logits(input_ids=seq, attention_mask=torch.ones_like(seq),
+                                position_ids=torch.arange(seq.shape[1])[None])[0, P - 1: seq.shape[1] - 1]
+    cols = res.reasoning_mask[i] if method == "entropy" else mask[i].bool()
+    ref64 = torch.distributions.Categorical(logits=logits.double()).entropy()[cols[: int(mask[i].sum())]]
+    ref32 = torch.distributions.Categorical(logits=logits.float()).entropy()[cols[: int(mask[i].sum())]]
+    # k = 4: float32 against a float32 reference (both errors add), and a batched (padded) forward in the pipeline
+    assert_close_to_reference(res.scores[i][cols], ref64, ref32, k=4, atol=1e-5, what=f"{method} entropies")
+
+
+# ---- errors in the caller's indexing -----------------------------------------------------------------------------
+
+class _ZeroOnMasked(_PlainProbe):
+    """Gives token 30 probability 0 in masked variants (a PAD inside the context) of contexts holding '7'."""
+
+    def tail_logits(self, *, input_ids=None, **kw):
+        out = super().tail_logits(input_ids=input_ids, **kw)
+        if input_ids is not None:
+            seven = self.seven
+            hit = ((input_ids == self.pad) & kw["attention_mask"].bool()).any(1) & (input_ids == seven).any(1)
+            out = out.clone()
+            out[hit, :, 30] = float("-inf")
+        return out
+
+
+def test_engine_errors_name_the_callers_row(tiny):
+    model, tok = tiny
+    texts = ["so 2 and 3 \\boxed{5}", "hmm 9 \\boxed{9}", "77 7 \\boxed{7}", "5 \\boxed{5}"]
+    prompts, ids, mask = completion_batch(tok, texts, 30)
+    pm = _ZeroOnMasked(model)
+    pm.seven, pm.pad = tok.encode("7", add_special_tokens=False)[0], tok.pad_token_id
+    adv = torch.tensor([0.0, 1.0, -1.0, 0.5])  # row 0 is skipped: row 2 is the second scored row
+    with pytest.raises(ValueError, match=r"masking reasoning token \d+ of row 2 gives a non-finite divergence"):
+        Pipeline(_cfg(method="oar_p"), tok).compute(
+            RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 4, sequence_advantages=adv), pm)
