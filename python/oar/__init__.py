@@ -9,6 +9,7 @@ Entry points:
     oar.reference      plain-PyTorch references of every op
     oar.OARConfig      configuration (one schema with the C++ side)
     oar.token_advantages(...)  rewards -> per-token advantages in one call (custom training loops)
+    oar.Pipeline, oar.RolloutBatch  the one method pipeline every trainer adapter uses (oar.pipeline)
     oar.baselines      entropy shaping, KTAE, IRPO rewards (oar.irpo_rewards)
     oar.build_info()   what this build contains; oar.has_cuda_kernels()
 """
@@ -32,6 +33,7 @@ ReshapeOptions = _C.ReshapeOptions
 GroupAdvantageOptions = _C.GroupAdvantageOptions
 
 from oar.api import METHODS, sequence_advantages, token_advantages  # noqa: E402  (functional API)
+from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402  (the one method pipeline)
 from oar.baselines import irpo_advantages, irpo_rewards  # noqa: E402
 
 #: Folder to put on CMAKE_PREFIX_PATH so that find_package(oar) finds this installation.
@@ -83,6 +85,8 @@ __all__ = [
     "GroupAdvantageOptions",
     "METHODS",
     "token_advantages",
+    "Pipeline",
+    "RolloutBatch",
     "sequence_advantages",
     "irpo_rewards",
     "irpo_advantages",
