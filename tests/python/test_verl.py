@@ -232,3 +232,43 @@ def test_missing_scores_are_a_clear_error(tiny):
     _, tok = tiny
     with pytest.raises(ValueError, match="needs per-token scores: attach them"):
         _run(_batch(tok), "oar_g")
+
+
+def test_tool_outputs_stay_in_the_context_but_are_never_scored(tiny, monkeypatch):
+    """Multi-turn rollouts: tool outputs are response tokens (attention mask 1) that carry no loss (response_mask
+    0). They stay in the probe context, but are neither perturbed nor scored, and get advantage 0."""
+    model, tok = tiny
+    data = _batch(tok, shuffle=False)
+    b = data.batch
+    rmask = b["response_mask"].clone()
+    tool = torch.zeros_like(rmask, dtype=torch.bool)
+    tool[:, 1:3] = True  # columns 1-2 of every response are tool output
+    b["response_mask"] = rmask * ~tool
+    from oar.pipeline import Pipeline
+
+    contexts = []
+    orig = Pipeline._probe_batch
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        contexts.append(out[0])
+        return out
+
+    monkeypatch.setattr(Pipeline, "_probe_batch", spy)
+    oar_verl.configure(None, oar_verl.HFScorer(tok, model))
+    try:
+        adv = _run(data, "oar_g")
+        scores, reasoning = oar_verl.HFScorer(tok, model)(data, oar.OARConfig(method="random"), torch.ones(len(data)))
+    finally:
+        oar_verl.configure(None, None)
+    eligible = b["response_mask"].bool()
+    assert (adv[~eligible] == 0).all()
+    assert not reasoning[~eligible].any() and (scores[~eligible] == 0).all()
+    assert torch.equal(reasoning, eligible)  # no marker: every eligible response token is reasoning
+    # the probe contexts hold the whole response, tool outputs included (the policy saw them)
+    pb = contexts[0]
+    for i in range(len(data)):
+        s0, L = int(pb.reasoning_start[i]), int(pb.reasoning_len[i])
+        assert pb.input_ids[i, s0: s0 + L].tolist() == b["responses"][i][b["attention_mask"][i, -10:].bool()].tolist()
+    seq = _run(data, "oar_grpo")[:, 0]
+    torch.testing.assert_close(adv.sum(1), seq * eligible.sum(1), rtol=1e-5, atol=1e-5)
