@@ -62,20 +62,31 @@ def _find(pattern: str) -> str | None:
     return None
 
 
+def _extension_dir() -> str:
+    """The folder :func:`load_extension` loads ``_C`` from: ``OAR_BUILD_DIR`` when it holds one, else the package."""
+    build = os.environ.get("OAR_BUILD_DIR")
+    if build:
+        build = os.path.abspath(build)
+        if any(os.path.exists(os.path.join(build, "_C" + suf)) for suf in importlib.machinery.EXTENSION_SUFFIXES):
+            return build
+    return _PKG_DIR
+
+
 def build_config() -> dict:
-    """What this build compiled against, from ``torch_build.json`` (read as text: nothing compiled is loaded).
+    """What this build compiled against, from ``torch_build.json`` beside the ``_C`` that will be loaded (read as
+    text: nothing compiled is loaded).
 
     Returns a dict: ``oar_version`` (str), ``torch_version`` (``torch.__version__`` at build time, e.g.
     ``"2.14.1+cu130"``; ``""`` for a build without the torch ops), ``torch_cuda_version`` (``"13.0"``, ``""``
     for a CPU torch), ``cxx11_abi`` (0, 1 or None), ``cuda_ops`` (bool: CUDA implementations compiled in).
-    Raises ImportError naming the folders searched when the file is missing or unreadable.
+    Raises ImportError naming the folder when the file is missing or unreadable.
     """
-    path = _find(BUILD_FILE)
-    if path is None:
+    path = os.path.join(_extension_dir(), BUILD_FILE)
+    if not os.path.exists(path):
         raise ImportError(
-            f"oar: {BUILD_FILE} not found in " + ", ".join(_search_dirs())
-            + ": the build is incomplete or predates this file. Build and install the package (./setup.sh) or "
-            "set OAR_BUILD_DIR to a CMake build tree configured with -DOAR_BUILD_PYTHON=ON."
+            f"oar: {BUILD_FILE} not found in {os.path.dirname(path)}: the build is incomplete or predates this "
+            "file. Build and install the package (./setup.sh) or set OAR_BUILD_DIR to a CMake build tree "
+            "configured with -DOAR_BUILD_PYTHON=ON."
         )
     try:
         with open(path) as f:
@@ -191,11 +202,10 @@ def load_extension() -> ModuleType:
     if "oar._C" in sys.modules:
         return sys.modules["oar._C"]
     check_torch()
-    build = os.environ.get("OAR_BUILD_DIR")
-    if build:
-        suffixes = importlib.machinery.EXTENSION_SUFFIXES
-        for suf in suffixes:
-            path = os.path.join(os.path.abspath(build), "_C" + suf)
+    build = _extension_dir()
+    if build != _PKG_DIR:
+        for suf in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(build, "_C" + suf)
             if os.path.exists(path):
                 spec = importlib.util.spec_from_file_location("oar._C", path)
                 mod = importlib.util.module_from_spec(spec)

@@ -97,7 +97,12 @@ def test_import_under_another_torch_fails_before_loading_anything(tmp_path):
 
 
 def test_missing_build_file_is_an_import_error(tmp_path):
+    # The file is read beside the _C that would be loaded (here the build tree's), never from another install.
+    ext = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if s.endswith(".so"))
+    (tmp_path / ("_C" + ext)).write_bytes(b"not an ELF file")
     p = _import_oar_from(tmp_path)
     assert p.returncode == 1
-    assert p.stderr.strip().splitlines()[-1].startswith(
-        f"ImportError: oar: {_lib.BUILD_FILE} not found in {tmp_path}, ")
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"ImportError: oar: {_lib.BUILD_FILE} not found in {tmp_path}: the build is incomplete or predates this "
+        "file. Build and install the package (./setup.sh) or set OAR_BUILD_DIR to a CMake build tree configured "
+        "with -DOAR_BUILD_PYTHON=ON.")
