@@ -279,6 +279,40 @@ def heldout_problems(task, ev: dict, train_problems) -> list:
     return problems
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when torch's CPU kernels run bfloat16 natively here: ATen's active kernel level is AVX-512 (after
+    ``ATEN_CPU_CAPABILITY``) and the CPU has AVX512-BF16 or AMX. Elsewhere (AVX2-only CPUs such as AMD before
+    Zen 4, an ``ATEN_CPU_CAPABILITY`` below the CPU's own level, other architectures) bfloat16 math is emulated
+    through float32 conversions, or, for torch 2.14's CPU attention under ``ATEN_CPU_CAPABILITY=avx2`` on an AMX
+    CPU, fails ("pack_vnni2 is only supported when avx512 is supported")."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(bool(p()) for p in probes if p is not None)
+
+
+def resolve_cpu_precision(grpo: dict) -> str:
+    """Decides bfloat16 autocast for a CPU run (``use_cpu``) and returns ``"bf16-autocast"`` or ``"float32"``.
+
+    ``trl.GRPOConfig`` turns ``bf16`` on whenever ``fp16`` is off (a GPU default), and with ``use_cpu`` accelerate
+    then runs every forward under ``torch.autocast("cpu", torch.bfloat16)``. On a CPU without native bfloat16
+    that is slower than float32 at best. So, unless the config sets ``grpo.bf16`` or ``grpo.fp16`` itself, a CPU
+    run uses bfloat16 autocast only where :func:`cpu_has_native_bf16`, and float32 elsewhere; an explicit
+    ``grpo.bf16: true`` is kept, with a warning when the CPU would emulate it. Sets ``grpo["bf16"]`` in place.
+    """
+    native = cpu_has_native_bf16()
+    if "bf16" not in grpo and "fp16" not in grpo:
+        grpo["bf16"] = native
+    elif grpo.get("bf16") and not native:
+        import warnings
+
+        warnings.warn(f"grpo.bf16: true on a CPU without native bfloat16 (torch CPU capability "
+                      f"{torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16/AMX): bfloat16 autocast is emulated "
+                      "(slower than float32, and torch's CPU attention can fail under ATEN_CPU_CAPABILITY); remove "
+                      "the key to train in float32 here", RuntimeWarning, stacklevel=2)
+    return "bf16-autocast" if grpo.get("bf16") else ("fp16-autocast" if grpo.get("fp16") else "float32")
+
+
 def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, problems=None):
     """Model, tokenizer, dataset, reward function and OARGRPOTrainer for a run config; returns
     ``(trainer, task)``."""
@@ -303,6 +337,8 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, prob
     grpo.setdefault("save_strategy", "no")
     grpo.setdefault("logging_steps", 1)
     grpo.setdefault("use_cpu", not torch.cuda.is_available())
+    if grpo["use_cpu"]:
+        _console(f"[oar] CPU training in {resolve_cpu_precision(grpo)} (grpo.bf16 overrides; docs/config.md)")
     grpo.setdefault("seed", seed)
     grpo.setdefault("disable_tqdm", False)
     args = GRPOConfig(output_dir=output_dir, **grpo)
@@ -520,7 +556,9 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
         plot_reward_curve(rows, os.path.join(out, "reward_curve.png"),
                           f"GRPO + OAR ({cfg.oar.method}, {cfg.oar.probe}) on {cfg.task.get('name', 'arithmetic')}")
     summary = summarize(writer, evals, final_step)
+    precision = "bf16-autocast" if trainer.args.bf16 else ("fp16-autocast" if trainer.args.fp16 else "float32")
     summary.update({"method": cfg.oar.method, "seed": int(cfg.run.get("seed", 0)), "peak_rss_mb": peak_rss_mb(),
+                    "precision": precision,
                     "load_seconds": load_s, "wall_seconds": time.perf_counter() - t0, "output_dir": out,
                     "model_dir": model_dir})
     write_json_atomic(os.path.join(out, "summary.json"), summary)

@@ -82,8 +82,9 @@ def assert_within(out: torch.Tensor, want: torch.Tensor, bound, what: str = "") 
     if bool((excess > 0).any()):
         i = int(excess.flatten().argmax())
         idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), want64.shape)) if want64.dim() else ()
+        got_i, want_i = out64.flatten()[i].item(), want64.flatten()[i].item()
         raise AssertionError(f"{what}: {int((excess > 0).sum())} of {want64.numel()} elements outside the budget; "
-                             f"worst at {idx}: got {out64.flatten()[i].item()!r}, expected {want64.flatten()[i].item()!r}, "
+                             f"worst at {idx}: got {got_i!r}, expected {want_i!r}, "
                              f"|diff| {err.flatten()[i].item():.3g} > budget {b.flatten()[i].item():.3g}")
 
 

@@ -126,6 +126,9 @@ def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
     assert held["gain"]["mean"] == pytest.approx(held["after"] - held["before"])
     assert json.load(open(out / "config.json"))["oar"]["method"] == "oar_g"
     assert saved["peak_rss_mb"] > 0
+    from oar.train import cpu_has_native_bf16
+
+    assert saved["precision"] == ("bf16-autocast" if cpu_has_native_bf16() else "float32")  # CPU run, no grpo.bf16
     # The trained policy is a Hugging Face folder that both loaders read, with the trained weights.
     assert saved["model_dir"] == str(out / "model")
     m1, tok = load_model(saved["model_dir"])
@@ -239,3 +242,35 @@ def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "error:" in err and "docs/data.md" in err and "Traceback" not in err
+
+
+# ---- CPU precision (docs/config.md, "Precision on CPU") -----------------------------------------------------
+
+
+def test_cpu_bf16_autocast_only_where_the_cpu_runs_bfloat16(monkeypatch):
+    """TRL's GRPOConfig turns bf16 on by default (a GPU default); a CPU run of ``oar train`` uses it only where
+    torch's CPU kernels run bfloat16 natively, float32 elsewhere; an explicit grpo.bf16 / grpo.fp16 is kept."""
+    import oar.train as tr
+
+    for native, want in ((True, "bf16-autocast"), (False, "float32")):
+        monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda native=native: native)
+        grpo = {"max_steps": 1}
+        assert tr.resolve_cpu_precision(grpo) == want and grpo == {"max_steps": 1, "bf16": native}
+        grpo = {"bf16": False}
+        assert tr.resolve_cpu_precision(grpo) == "float32" and grpo == {"bf16": False}
+    monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="grpo.bf16: true on a CPU without native bfloat16"):
+        assert tr.resolve_cpu_precision({"bf16": True}) == "bf16-autocast"
+
+
+def test_native_bf16_follows_torchs_active_cpu_kernels():
+    """Under ATEN_CPU_CAPABILITY=avx2 torch runs its AVX2 kernels on any CPU, where bfloat16 attention is emulated
+    (and, on an AMX CPU, fails in torch 2.14): never "native" then, whatever the developer's CPU."""
+    import subprocess
+    import sys
+
+    code = "import torch, oar.train as t; print(torch.backends.cpu.get_cpu_capability(), t.cpu_has_native_bf16())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["AVX2", "False"]

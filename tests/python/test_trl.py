@@ -36,7 +36,7 @@ def reward_has_digit(prompts, completions, answer, **kw):
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
                 max_steps=1, learning_rate=1e-3, report_to="none", save_strategy="no", logging_steps=1, use_cpu=True,
-                gradient_checkpointing=False, seed=0, temperature=1.0, disable_tqdm=True)
+                gradient_checkpointing=False, seed=0, temperature=1.0, disable_tqdm=True, bf16=False)  # fp32 on any CPU
     base.update(kw)
     return trl.GRPOConfig(**base)
 

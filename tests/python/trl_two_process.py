@@ -34,7 +34,7 @@ def run(method: str, out_dir: str) -> dict:
     args = trl.GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=8,
                           max_completion_length=12, max_steps=1, learning_rate=1e-3, report_to="none",
                           save_strategy="no", logging_steps=1, use_cpu=True, seed=0, temperature=1.0,
-                          disable_tqdm=True)
+                          disable_tqdm=True, bf16=False)  # TRL's bf16 default would autocast the CPU
     # The tiny random model rarely stops early, so every rank would plan the same number of OAR-P chunks; a
     # per-rank chunk cap stands in for the unequal plans that unequal lengths and memory budgets produce.
     cap = 3 if int(os.environ.get("RANK", "0")) == 0 else 7
