@@ -306,10 +306,10 @@ def resolve_cpu_precision(grpo: dict) -> str:
     elif grpo.get("bf16") and not native:
         import warnings
 
-        warnings.warn(f"grpo.bf16: true on a CPU without native bfloat16 (torch CPU capability "
-                      f"{torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16/AMX): bfloat16 autocast is emulated "
-                      "(slower than float32, and torch's CPU attention can fail under ATEN_CPU_CAPABILITY); remove "
-                      "the key to train in float32 here", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"grpo.bf16: true on a CPU without native bfloat16 (torch's CPU kernels: "
+                      f"{torch.backends.cpu.get_cpu_capability()}; native needs AVX512 kernels and AVX512-BF16 or AMX): "
+                      "bfloat16 autocast is emulated (slower than float32, and torch's CPU attention can fail under "
+                      "ATEN_CPU_CAPABILITY); remove the key to train in float32 here", RuntimeWarning, stacklevel=2)
     return "bf16-autocast" if grpo.get("bf16") else ("fp16-autocast" if grpo.get("fp16") else "float32")
 
 

@@ -121,3 +121,10 @@ def assert_close_to_reference(out: torch.Tensor, ref64: torch.Tensor, ref_lp: to
     if not err_out <= budget:
         raise AssertionError(f"{what}: max|out - ref64| = {err_out:.3g} exceeds {k} x max|ref_lp - ref64| "
                              f"({err_ref:.3g}) + atol {atol:.3g} = {budget:.3g} (largest |ref64| {scale:.3g})")
+
+
+def assert_close_to_rounded(out: torch.Tensor, ref64: torch.Tensor, *, k: float = 2.0, what: str = "") -> None:
+    """Rule 1 for ops that compute in float64 and round once to ``out``'s dtype: the reference in the test dtype is
+    the float64 reference itself rounded to that dtype (the best any ``out``-dtype result can be), so ``out`` is
+    within ``k`` times that rounding plus one ulp of the largest value (about 2 ulps of the largest ``|ref64|``)."""
+    assert_close_to_reference(out, ref64, ref64.to(out.dtype), k=k, what=what)

@@ -16,12 +16,41 @@ from oar import reference as ref
 
 from _devices import DEVICES, eager_checks, no_pending_device_errors, on, to_device  # noqa: F401
 from _op_inputs import make_batch, reshape_case
+from _tolerance import assert_close_to_reference, assert_within, gamma, sum_bound, ulp
 
 TIERS = ["both", "boost", "suppress"]
 REAL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 # ---- reshape_advantages vs reference ------------------------------------------------------------------------------
+
+
+def reshape_plain(adv, scores, reason, resp, dtype, q=0.25, beta=1.0, floor=0.1, tiers="both"):
+    """Normalize + reshape in plain vectorized PyTorch, computed in ``dtype``: float64 is the truth of the error
+    budgets, float32 the same computation in the op's dtype (rule 1 of _tolerance.py)."""
+    eps = 1e-8
+    rm, pm = reason.bool(), resp.bool()
+    s = torch.log1p(scores.to(dtype))
+    big = torch.finfo(dtype).max
+    lo = torch.where(rm, s, torch.full_like(s, big)).amin(1, keepdim=True)
+    hi = torch.where(rm, s, torch.full_like(s, -big)).amax(1, keepdim=True)
+    x = torch.where(rm, (s - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(s))
+    tau = torch.nanquantile(torch.where(rm, x, torch.full_like(x, float("nan"))), q, dim=1, keepdim=True)
+    tau = torch.nan_to_num(tau, nan=0.0)
+    sup = torch.ones_like(x) if tiers == "boost" else torch.clamp(x / (tau + eps), min=floor)
+    boo = torch.ones_like(x) if tiers == "suppress" else 1.0 + beta * (x - tau) / (1.0 - tau + eps)
+    w = torch.where(rm, torch.where(x < tau, sup, boo), torch.zeros_like(x))
+    w = w * (rm.sum(1, keepdim=True).to(dtype) / w.sum(1, keepdim=True).clamp_min(1e-30))
+    w = torch.where(rm, w, pm.to(dtype))
+    return w * adv.to(dtype)[:, None], w
+
+
+def assert_reshape_close(ta, w, adv, scores, reason, resp, **kw):
+    """Rule 1: token advantages and weights as close to the float64 computation as plain float32 PyTorch is."""
+    t64, w64 = reshape_plain(adv, scores, reason, resp, torch.float64, **kw)
+    t32, w32 = reshape_plain(adv, scores, reason, resp, torch.float32, **kw)
+    assert_close_to_reference(w, w64, w32, what=f"weights {kw}")
+    assert_close_to_reference(ta, t64, t32, what=f"token advantages {kw}")
 
 
 @pytest.mark.parametrize("tiers", TIERS)
@@ -32,17 +61,17 @@ def test_reshape_matches_reference(tiers, q, beta, floor):
     ta, w = ops.reshape_advantages(adv, scores, reason, resp, **kw)
     ta_r, w_r = ref.reshape_advantages(adv, scores, reason, resp, **kw)
     assert ta.dtype == w.dtype == torch.float32 and ta.shape == w.shape == scores.shape
-    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ta, ta_r, rtol=1e-5, atol=1e-6)
+    assert_reshape_close(ta, w, adv, scores, reason, resp, **kw)
+    # The row-loop reference (float64, outputs rounded to float32) is a second float32-output computation: rule 1.
+    assert_reshape_close(ta_r, w_r, adv, scores, reason, resp, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_reshape_dtypes(dtype):
     adv, scores, reason, resp = make_batch(4, 47, seed=3, dtype=dtype)
     ta, w = ops.reshape_advantages(adv.to(dtype), scores, reason, resp)
-    ta_r, w_r = ref.reshape_advantages(adv.to(dtype).double(), scores.double(), reason, resp)
-    torch.testing.assert_close(w, w_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ta, ta_r, rtol=1e-5, atol=1e-6)
+    assert ta.dtype == w.dtype == torch.float32
+    assert_reshape_close(ta, w, adv.to(dtype).double(), scores.double(), reason, resp)  # on the rounded inputs
 
 
 def test_reshape_normalized_scores_path():
@@ -108,16 +137,20 @@ def test_boost_only_and_suppress_only_tiers():
         tau = torch.quantile(x.double(), 0.25).item()
         _, wb = ops.reshape_advantages(adv, scores, reason, resp, tiers="boost")
         _, ws = ops.reshape_advantages(adv, scores, reason, resp, tiers="suppress")
-        low, high = x < tau, x >= tau
+        # The op's tau and torch's interpolate the same float32 order statistics: they may differ by an ulp of
+        # tau, so tokens that close to it may sit in either tier. Away from it the shared weights are the same
+        # float64 product rounded once (exactly equal), and the tier order is exact (monotone rounding).
+        margin = float(ulp(tau))
+        low, high = x < tau - margin, x >= tau + margin
         wbx, wsx = wb[b][reason[b]], ws[b][reason[b]]
         # boost-only: every low token shares one weight (1 before rescaling), the boosted ones are >= it
         if low.any():
-            assert torch.allclose(wbx[low], wbx[low][0].expand(int(low.sum())))
-            assert (wbx[high] >= wbx[low][0] - 1e-6).all()
+            assert torch.equal(wbx[low], wbx[low][0].expand(int(low.sum())))
+            assert (wbx[x >= tau] >= wbx[low][0]).all()
         # suppress-only: every high token shares one weight, the suppressed ones are <= it
-        assert torch.allclose(wsx[high], wsx[high][0].expand(int(high.sum())))
-        if low.any():
-            assert (wsx[low] <= wsx[high][0] + 1e-6).all()
+        if high.any():
+            assert torch.equal(wsx[high], wsx[high][0].expand(int(high.sum())))
+            assert (wsx[x < tau] <= wsx[high][0]).all()
 
 
 # ---- invariants (method.md section 6) as properties ---------------------------------------------------------------
@@ -141,10 +174,16 @@ def test_property_invariants(B, T, seed, q, beta, floor, tiers, equal):
         scores = torch.full_like(scores, 0.37)
     ta, w = ops.reshape_advantages(adv, scores, reason, resp, q=q, beta=beta, floor=floor, tiers=tiers)
     n_resp = resp.sum(1).double()
-    # masked sum of token advantages == |response| * A
-    torch.testing.assert_close((ta.double() * resp).sum(1), n_resp * adv.double(), rtol=1e-5, atol=1e-5)
-    # the span keeps its mass
-    torch.testing.assert_close((w.double() * reason).sum(1), reason.sum(1).double(), rtol=1e-5, atol=1e-5)
+    # masked sum of token advantages == |response| * A. The op scales the weights in float64 so that they sum to
+    # the span length exactly, then rounds each weight and each w * A once to float32 (2 u |ta_t|); the sums
+    # here run in float64.
+    abs_ta = (ta.double().abs() * resp).sum(1)
+    budget = gamma(2) * abs_ta + sum_bound(abs_ta, T, torch.float64)
+    assert_within((ta.double() * resp).sum(1), n_resp * adv.double(), budget, "token advantage mass")
+    # the span keeps its mass: one float32 rounding per weight
+    abs_w = (w.double() * reason).sum(1)
+    budget = gamma(1) * abs_w + sum_bound(abs_w, T, torch.float64)
+    assert_within((w.double() * reason).sum(1), reason.sum(1).double(), budget, "span mass")
     assert (w >= 0).all()
     assert (w[~resp] == 0).all() and (ta[~resp] == 0).all()  # padding
     assert (w[resp & ~reason] == 1).all()  # response tokens outside the span
@@ -166,13 +205,14 @@ def test_property_invariants(B, T, seed, q, beta, floor, tiers, equal):
         if x.numel() == 0:
             continue
         tau = torch.quantile(x, q).item()
-        low, high = x < tau - 1e-6, x > tau + 1e-6
+        margin = float(ulp(tau))  # the op's tau vs torch's: same float32 order statistics, an ulp apart at most
+        low, high = x < tau - margin, x > tau + margin
         if tiers == "boost" and low.any():
-            assert torch.allclose(wx[low], wx[low][0].expand(int(low.sum())), rtol=1e-6, atol=0)
-            assert (wx[high] >= wx[low][0] * (1 - 1e-6)).all()
+            assert torch.equal(wx[low], wx[low][0].expand(int(low.sum())))  # one float64 product, rounded once
+            assert (wx[x >= tau] >= wx[low][0]).all()  # boost >= 1: exact order after monotone rounding
         if tiers == "suppress" and high.any():
-            assert torch.allclose(wx[high], wx[high][0].expand(int(high.sum())), rtol=1e-6, atol=0)
-            assert (wx[low] <= wx[high][0] * (1 + 1e-6)).all()
+            assert torch.equal(wx[high], wx[high][0].expand(int(high.sum())))
+            assert (wx[x < tau] <= wx[high][0]).all()
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -418,8 +458,9 @@ def test_vectorized_reference_matches_ops():
     reason[2] = False  # empty span
     exp_tok, exp_w = ops.reshape_advantages(adv, scores, reason, resp)
     got_tok, got_w = reference.reshape_advantages_vectorized(adv, scores, reason, resp)
-    torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_tok, exp_tok, rtol=1e-5, atol=1e-5)
+    # Both are float32 computations of the same function: each within rule 1 of the float64 computation.
+    assert_reshape_close(exp_tok, exp_w, adv, scores, reason, resp)
+    assert_reshape_close(got_tok, got_w, adv, scores, reason, resp)
 
 
 @pytest.mark.parametrize("device", DEVICES)
