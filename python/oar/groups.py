@@ -115,8 +115,8 @@ def _groups_from_id_list(ids: list, n: int) -> tuple[list[int], list[int] | None
 
 
 def _groups_from_id_tensor(ids: torch.Tensor, device: torch.device) -> Groups:
-    """The same as :func:`_groups_from_id_list` with torch ops on the ids' own device (one host sync for the
-    number of groups)."""
+    """The same as :func:`_groups_from_id_list` with torch ops on the ids' own device (two host syncs: the number
+    of groups, and whether the rows are already contiguous)."""
     n = ids.shape[0]
     if n == 0:
         return Groups(torch.zeros(1, dtype=torch.int64, device=device))
