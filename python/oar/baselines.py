@@ -181,6 +181,7 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
         (B, C) float32 on CPU, 0 where ``completion_mask`` is false.
 
     Raises:
+        TypeError: ``model`` is neither a Hugging Face causal LM nor a ProbeModel (names the missing members).
         ValueError: shapes/dtypes, an empty prompt (the first completion token has no predicting position),
             memory_budget_mb < 1, NaN / +inf logits (-inf logits are zero-probability tokens: 0 log 0 = 0).
     """
@@ -212,8 +213,8 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
         if prompts[i].numel() == 0:
             raise ValueError(f"prompt_ids[{i}] is empty: the first completion token has no predicting position")
     pm = as_probe_model(model)
-    vocab = int(getattr(pm, "vocab_size", 0) or 0) or 32000
-    dev = pm.device if hasattr(pm, "device") else torch.device("cpu")
+    vocab = int(pm.vocab_size)
+    dev = torch.device(pm.device)
     keep = max(lengths.values()) + 1
     per_row = 4 * keep * vocab * 3  # logits + log-softmax + product, float32
     chunk = max(1, (budget << 20) // max(per_row, 1))

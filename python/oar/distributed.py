@@ -6,15 +6,21 @@ others waiting forever. The number of attribution forwards depends on the local 
 advantage, reasoning lengths, the chunk plan), so it differs between ranks.
 
 :class:`ForwardGate` wraps a :class:`~oar.attribution.ProbeModel` and agrees with the other ranks *before*
-each forward: every rank contributes the kind of its next model call (1 = forward without grad, 2 =
-forward + backward, 3 = done) to an ``all_reduce(MIN)``. A rank whose next call is the agreed kind runs it;
-a rank whose next call is of a later kind (or that is done) runs a dummy call of the agreed kind (a
-one-token forward, plus its backward for kind 2) and asks again. Hence all ranks run the same number of
-calls of each kind in the same order, the engines stay unchanged, and the plan never has to be known in
-advance. Engines call forwards in kind order (no-grad clean logits first, then forward + backward for
-OAR-G), which is what makes the MIN rule sufficient.
+each model call: every rank contributes the kind of its next call (0 = embedding lookup, 1 = forward without
+grad, 2 = forward + backward, 3 = done) to an ``all_reduce(MIN)``. A rank whose next call is the agreed kind
+runs it; a rank whose next call is of another kind (or that is done) runs a dummy call of the agreed kind (a
+one-token lookup or forward, plus its backward for kind 2) and asks again. Each round, every rank runs exactly
+one call of the agreed kind, so all ranks issue the same collectives in the same order, the engines stay
+unchanged, and the plan never has to be known in advance. Engines call forwards in kind order where they can
+(no-grad clean logits first, then forward + backward for OAR-G), which keeps the dummies few.
 
-Cost: one scalar all-reduce per model call, plus the dummy calls (each a one-token forward).
+The gate implements the whole protocol explicitly: every member of :class:`~oar.attribution.ProbeModel` and of
+the optional capabilities (:class:`~oar.attribution.PrefixCacheModel`, :class:`~oar.attribution.SharedPrefixModel`)
+that runs the model is gated (``embed``; ``tail_logits``; ``tail_logits_and_cache``, ``tail_logits_cached``,
+``tail_logits_shared_prefix``), the others (sizes, cost declarations, ``eval_mode``) are forwarded as they are, and
+nothing else is reachable through the gate (an ungated model call would desynchronize the ranks).
+
+Cost: one scalar all-reduce per model call, plus the dummy calls (each a one-token lookup or forward).
 Without ``torch.distributed`` (or with a world of one process) nothing is wrapped: :func:`gate_model`
 returns the model unchanged and :func:`distributed_world` returns False.
 """
@@ -23,14 +29,14 @@ from __future__ import annotations
 
 import torch
 
+from oar.attribution.model import probe_capabilities
+
 __all__ = ["distributed_world", "ForwardGate", "gate_model"]
 
+KIND_EMBED = 0
 KIND_FORWARD = 1
 KIND_FORWARD_BACKWARD = 2
 KIND_DONE = 3
-
-# ProbeModel calls that run the policy without grad (the prefix-cache calls are OAR-P's fast path).
-_NO_GRAD_CALLS = ("tail_logits_and_cache", "tail_logits_cached", "tail_logits_shared_prefix", "full_logits")
 
 
 def distributed_world() -> bool:
@@ -49,59 +55,118 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _forward_kind(inputs_embeds) -> int:
+    """A call on ``inputs_embeds`` that require grad (with grad enabled) is differentiated before the caller's
+    next call: forward + backward. Any other call is a forward."""
+    if inputs_embeds is not None and inputs_embeds.requires_grad and torch.is_grad_enabled():
+        return KIND_FORWARD_BACKWARD
+    return KIND_FORWARD
+
+
 class ForwardGate:
     """A :class:`~oar.attribution.ProbeModel` proxy that keeps every rank's model calls in step.
 
-    Every attribute not listed here is forwarded to the wrapped model. ``tail_logits`` with
-    ``inputs_embeds`` that require grad counts as a forward + backward (the caller differentiates it before
-    its next call); every other model call counts as a forward. Call :meth:`finish` once the local work is
-    done (also on a rank with nothing to do): it runs dummy calls until every rank is done.
+    ``embed`` counts as an embedding lookup (under ZeRO-3 it gathers the embedding matrix); the calls on
+    ``inputs_embeds`` that require grad as a forward + backward (the caller differentiates them before its next
+    call); every other model call as a forward. Call :meth:`finish` once the local work is done (also on a rank
+    with nothing to do): it runs dummy calls until every rank is done. The prefix-cache members are offered when
+    the wrapped model has that capability, but ``supports_prefix_grad`` is False: under a gate OAR-G keeps its
+    plain path, whose calls come in kind order (every no-grad forward first), so ranks pad each other with few
+    dummies; the prompt-once path alternates no-grad and differentiated calls in every chunk.
 
     Args:
         model: the ProbeModel (``oar.attribution.as_probe_model(policy)``).
-        pad_id: token id of the dummy one-token forwards.
+        pad_id: token id of the dummy one-token calls.
         group: torch.distributed process group (default: the world).
 
     Attributes:
-        real_calls, dummy_calls: counters per kind ({1: n, 2: n}).
+        real_calls, dummy_calls: model forwards per kind ({1: n, 2: n}).
+        real_embeds, dummy_embeds: embedding lookups (``embed`` calls).
+
+    Raises:
+        TypeError: ``model`` is not a ProbeModel (names every missing member).
     """
 
-    # OAR-G's prefix path differentiates through tail_logits_cached, which this gate counts as a no-grad
-    # call: keep OAR-G on the plain path under a gate so that every rank runs the same collectives.
     supports_prefix_grad = False
 
     def __init__(self, model, pad_id: int = 0, group=None):
+        self._caps = probe_capabilities(model)
         self._model = model
         self._pad_id = int(pad_id)
         self._group = group
         self._finished = False
+        self._one_embedding = None  # (1, 1, H) embedding of one token: the input of kind-2 dummies
         self.real_calls = {KIND_FORWARD: 0, KIND_FORWARD_BACKWARD: 0}
         self.dummy_calls = {KIND_FORWARD: 0, KIND_FORWARD_BACKWARD: 0}
+        self.real_embeds = 0
+        self.dummy_embeds = 0
 
-    def __getattr__(self, name):
-        attr = getattr(self._model, name)
-        if name in _NO_GRAD_CALLS and callable(attr):
-            def gated(*args, **kwargs):
-                self._wait_turn(KIND_FORWARD)
-                self.real_calls[KIND_FORWARD] += 1
-                return attr(*args, **kwargs)
+    # ---- ProbeModel: forwarded as they are (no model call) ----------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size
 
-            return gated
-        return attr
+    @property
+    def hidden_size(self) -> int:
+        return self._model.hidden_size
 
-    # ---- ProbeModel interface ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._model.device
+
+    def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
+        return self._model.activation_bytes_per_token(width, backward)
+
+    def eval_mode(self):
+        return self._model.eval_mode()
+
+    # ---- ProbeModel: gated ------------------------------------------------------------------------------
     def embed(self, input_ids):
-        return self._model.embed(input_ids)
+        self._wait_turn(KIND_EMBED)
+        self.real_embeds += 1
+        out = self._model.embed(input_ids)
+        if self._one_embedding is None and out.numel():
+            self._one_embedding = out[:1, :1].detach().clone()
+        return out
 
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep: int):
-        kind = (KIND_FORWARD_BACKWARD if inputs_embeds is not None and inputs_embeds.requires_grad
-                and torch.is_grad_enabled() else KIND_FORWARD)
-        self._wait_turn(kind)
-        self.real_calls[kind] += 1
+        self._gate(_forward_kind(inputs_embeds))
         return self._model.tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds,
                                        attention_mask=attention_mask, position_ids=position_ids, keep=keep)
 
+    # ---- PrefixCacheModel / SharedPrefixModel (used only when the wrapped model declares them) -------------
+    @property
+    def supports_prefix_cache(self) -> bool:
+        return self._caps.prefix_cache
+
+    @property
+    def supports_shared_prefix_attention(self) -> bool:
+        return self._caps.shared_prefix
+
+    def kv_bytes_per_token(self) -> int:
+        return self._model.kv_bytes_per_token()
+
+    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
+        self._gate(KIND_FORWARD)
+        return self._model.tail_logits_and_cache(input_ids=input_ids, attention_mask=attention_mask,
+                                                 position_ids=position_ids, keep=keep)
+
+    def tail_logits_cached(self, prefix_kv, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids,
+                           keep: int):
+        self._gate(_forward_kind(inputs_embeds))
+        return self._model.tail_logits_cached(prefix_kv, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                              attention_mask=attention_mask, position_ids=position_ids, keep=keep)
+
+    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
+        self._gate(KIND_FORWARD)
+        return self._model.tail_logits_shared_prefix(prefix_kv, groups, prefix_len, input_ids=input_ids,
+                                                     position_ids=position_ids, keep=keep)
+
     # ---- agreement -----------------------------------------------------------------------------------
+    def _gate(self, kind: int) -> None:
+        self._wait_turn(kind)
+        self.real_calls[kind] += 1
+
     def _agree(self, kind: int) -> int:
         import torch.distributed as dist
 
@@ -132,21 +197,33 @@ class ForwardGate:
         self._finished = True
 
     def _dummy(self, kind: int) -> None:
-        """One-token forward (kind 1), or forward + backward w.r.t. the input embedding (kind 2): the same
-        collectives as a real call of that kind, with no effect on parameters or their ``.grad``."""
+        """The collectives of a real call of ``kind`` with no effect on parameters or their ``.grad``: a one-token
+        embedding lookup (kind 0), a one-token forward (kind 1), or a one-token forward + backward w.r.t. its input
+        embedding (kind 2; the embedding is the one kept from an earlier lookup, so no extra lookup runs)."""
         m = self._model
-        dev = m.device if hasattr(m, "device") else torch.device("cpu")
+        dev = torch.device(m.device)
         ids = torch.full((1, 1), self._pad_id, dtype=torch.long, device=dev)
         attn = torch.ones((1, 1), dtype=torch.long, device=dev)
         pos = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        if kind == KIND_EMBED:
+            with torch.no_grad():
+                e = m.embed(ids)
+            if self._one_embedding is None:
+                self._one_embedding = e.detach().clone()
+            self.dummy_embeds += 1
+            return
         if kind == KIND_FORWARD:
             with torch.no_grad():
                 m.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=1)
         else:
-            with torch.enable_grad():
+            e = self._one_embedding
+            if e is None:
+                # Only when a caller differentiates inputs_embeds it did not get from this gate's embed: this
+                # lookup is then one collective more than the real call issues.
                 with torch.no_grad():
-                    e = m.embed(ids).detach()
-                e.requires_grad_(True)
+                    e = m.embed(ids)
+            with torch.enable_grad():
+                e = e.detach().clone().requires_grad_(True)
                 out = m.tail_logits(inputs_embeds=e, attention_mask=attn, position_ids=pos, keep=1)
                 torch.autograd.grad(out.float().sum(), e)
         self.dummy_calls[kind] += 1

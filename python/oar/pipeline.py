@@ -566,7 +566,7 @@ class Pipeline:
         """Yields the policy (or None when the method needs none here); finishes the ForwardGate afterwards, on
         every rank, also with no rows to score (a collective)."""
         pm = self._policy(run)
-        ctx = pm.eval_mode() if hasattr(pm, "eval_mode") else contextlib.nullcontext()
+        ctx = pm.eval_mode()  # a required ProbeModel member (as_probe_model checked the model)
         try:
             with ctx:
                 yield pm
@@ -597,7 +597,7 @@ class Pipeline:
         with pm_ctx as pm:
             if not run.active:
                 return sc, reasoning
-            vocab = int(getattr(pm, "vocab_size", 0) or 0) if pm is not None else 0
+            vocab = int(pm.vocab_size) if pm is not None else 0
             prompts = (_check_token_ids(b.cids, b.cmask, b.prompt_ids, run.active, vocab) if b.prompt_ids is not None
                        else [torch.zeros(0, dtype=torch.long)] * b.B)
             pbatch, cols = self._probe_batch(b, run.active, prompts, builder)
@@ -679,7 +679,7 @@ class Pipeline:
                                      "or model and prompt_ids to compute them")
                 rows = b.cmask & torch.tensor([i in set(run.active) for i in range(b.B)], dtype=torch.bool)[:, None]
                 with self._model_pass(run) as pm:
-                    vocab = int(getattr(pm, "vocab_size", 0) or 0)
+                    vocab = int(pm.vocab_size)
                     prompts = _check_token_ids(b.cids, b.cmask, b.prompt_ids, run.active, vocab)
                     H = baselines.policy_entropies(pm, prompts, b.cids, rows,
                                                    memory_budget_mb=int(self.config.memory_budget_mb))

@@ -247,13 +247,19 @@ def test_prefix_engine_refused_without_cache_support(tiny):
     class NoCache:
         def __init__(self, inner):
             self.inner = inner
-            self.vocab_size, self.hidden_size = inner.vocab_size, inner.hidden_size
+            self.vocab_size, self.hidden_size, self.device = inner.vocab_size, inner.hidden_size, inner.device
 
         def embed(self, ids):
             return self.inner.embed(ids)
 
         def tail_logits(self, **kw):
             return self.inner.tail_logits(**kw)
+
+        def activation_bytes_per_token(self, width, backward=False):
+            return self.inner.activation_bytes_per_token(width, backward)
+
+        def eval_mode(self):
+            return self.inner.eval_mode()
 
     with pytest.raises(ValueError, match="engine='prefix' needs"):
         oar_p_scores(NoCache(HFProbeModel(model)), batch, engine="prefix")

@@ -6,6 +6,7 @@ The op-level cases (oar.ops.*) live in each op's test file, in its bad-input tab
 test_normalize_importance.py, test_reshape_advantages.py, test_probe_divergence.py, test_grad_x_input.py,
 test_build_masked_batch.py). Here: configuration, the hook and the attribution engines."""
 
+import contextlib
 import json
 import math
 import re
@@ -232,12 +233,19 @@ class _ZeroProbModel:
 
     vocab_size = 8
     hidden_size = 4
+    device = torch.device("cpu")
 
     def __init__(self, pad_id):
         self.pad_id = pad_id
 
     def embed(self, input_ids):
         return torch.zeros(*input_ids.shape, self.hidden_size)
+
+    def activation_bytes_per_token(self, width, backward=False):
+        return 4 * self.hidden_size
+
+    def eval_mode(self):
+        return contextlib.nullcontext()
 
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
         out = torch.zeros(input_ids.shape[0], keep, self.vocab_size)

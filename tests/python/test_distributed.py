@@ -1,6 +1,8 @@
 """oar.distributed.ForwardGate: ranks with different amounts of attribution work run the same sequence of model
 calls (2 processes, gloo backend, CPU), and the gate changes no result."""
 
+import contextlib
+import datetime
 import functools
 import json
 import os
@@ -12,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import oar
+from oar.attribution.model import PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS, SHARED_PREFIX_MEMBERS
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
 from _tolerance import assert_close_to_reference
@@ -26,36 +29,64 @@ def _free_port() -> int:
 def _init(rank, world, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a timeout: a collective a rank never joins fails the test instead of hanging it
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
 
 
 class LoggingModel:
-    """A ProbeModel whose calls are logged as (kind, real?) so the sequences can be compared across ranks."""
+    """A ProbeModel with the prefix-cache capability whose calls are logged by kind (0 embedding lookup, 1 forward,
+    2 forward + backward) and, like a ZeRO-3 model, each run a collective: an all-reduce of 1000 + kind whose sum
+    tells whether every rank ran a call of the same kind at that point (``mismatches`` counts those that did not)."""
 
     vocab_size = 11
     hidden_size = 3
     device = torch.device("cpu")
+    supports_prefix_cache = True
+    supports_prefix_grad = True
 
-    def __init__(self):
+    def __init__(self, collective=True):
         self.log = []
+        self.mismatches = 0
+        self.collective = collective
         self.w = torch.nn.Parameter(torch.randn(3, 11))
 
+    def _call(self, kind):
+        self.log.append(kind)
+        if self.collective:
+            t = torch.tensor([1000 + kind], dtype=torch.int64)
+            dist.all_reduce(t)
+            self.mismatches += int(t.item()) != dist.get_world_size() * (1000 + kind)
+
     def embed(self, input_ids):
+        self._call(0)
         return torch.ones(*input_ids.shape, 3)
 
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
         grad = inputs_embeds is not None and inputs_embeds.requires_grad and torch.is_grad_enabled()
-        self.log.append(2 if grad else 1)
+        self._call(2 if grad else 1)
         x = inputs_embeds if inputs_embeds is not None else torch.ones(*input_ids.shape, 3)
         return (x @ self.w)[:, -keep:]
 
-    def full_logits(self, *, input_ids, attention_mask, position_ids):
-        self.log.append(1)
-        return torch.zeros(*input_ids.shape, 11)
+    def activation_bytes_per_token(self, width, backward=False):
+        return 4 * self.hidden_size * (3 if backward else 1)
+
+    def eval_mode(self):
+        return contextlib.nullcontext()
+
+    def kv_bytes_per_token(self):
+        return 8 * self.hidden_size
+
+    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep):
+        self._call(1)
+        return torch.zeros(input_ids.shape[0], keep, 11), [(torch.zeros(input_ids.shape[0], 1, 1, 1),) * 2]
+
+    def tail_logits_cached(self, prefix_kv, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        return self.tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                position_ids=position_ids, keep=keep)
 
 
-# Each rank's own work: (number of no-grad forwards via tail_logits, via full_logits, forward+backward passes).
-WORK = {0: (3, 1, 2), 1: (1, 0, 0)}
+# Each rank's own work: (no-grad forwards via tail_logits, via the prefix-cache calls, embed + forward+backward).
+WORK = {0: (3, 2, 2), 1: (1, 0, 0)}
 
 
 def _gate_worker(rank, world, port, out_dir):
@@ -64,23 +95,29 @@ def _gate_worker(rank, world, port, out_dir):
     m = LoggingModel()
     gate = gate_model(m, pad_id=0)
     assert isinstance(gate, ForwardGate) and distributed_world()
-    n_tail, n_full, n_fb = WORK[rank]
+    n_tail, n_cache, n_fb = WORK[rank]
     ids = torch.zeros(2, 4, dtype=torch.long)
     attn = torch.ones(2, 4, dtype=torch.long)
     pos = torch.arange(4).expand(2, 4)
     with torch.no_grad():
         for _ in range(n_tail):
             gate.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
-        for _ in range(n_full):
-            gate.full_logits(input_ids=ids, attention_mask=attn, position_ids=pos)
+        for k in range(n_cache):
+            if k % 2 == 0:
+                gate.tail_logits_and_cache(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
+            else:
+                gate.tail_logits_cached(None, input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
     for _ in range(n_fb):
-        e = gate.embed(ids).requires_grad_(True)
+        with torch.no_grad():
+            e = gate.embed(ids)
+        e.requires_grad_(True)
         out = gate.tail_logits(inputs_embeds=e, attention_mask=attn, position_ids=pos, keep=2)
         torch.autograd.grad(out.sum(), e)
     gate.finish()
     assert m.w.grad is None  # dummies never write parameter grads
     with open(os.path.join(out_dir, f"gate{rank}.json"), "w") as f:
-        json.dump({"log": m.log, "real": gate.real_calls, "dummy": gate.dummy_calls}, f)
+        json.dump({"log": m.log, "mismatches": m.mismatches, "real": gate.real_calls, "dummy": gate.dummy_calls,
+                   "embeds": [gate.real_embeds, gate.dummy_embeds]}, f)
     dist.destroy_process_group()
 
 
@@ -89,15 +126,31 @@ def test_gate_aligns_ranks_with_different_work(tmp_path):
     r0 = json.loads((tmp_path / "gate0.json").read_text())
     r1 = json.loads((tmp_path / "gate1.json").read_text())
     assert r0["log"] == r1["log"]  # same kinds in the same order on both ranks
-    assert r0["log"] == [1, 1, 1, 1, 2, 2]  # rank 0's own work, kinds in order
-    assert r0["dummy"] == {"1": 0, "2": 0}
-    assert r1["dummy"] == {"1": 3, "2": 2} and r1["real"] == {"1": 1, "2": 0}
+    assert r0["log"] == [1, 1, 1, 1, 1, 0, 2, 0, 2]  # rank 0's own work, in its order
+    assert r0["mismatches"] == r1["mismatches"] == 0  # every model collective met the same one on the other rank
+    assert r0["dummy"] == {"1": 0, "2": 0} and r0["embeds"] == [2, 0]
+    assert r1["dummy"] == {"1": 4, "2": 2} and r1["real"] == {"1": 1, "2": 0}
+    assert r1["embeds"] == [0, 2]  # the kind-2 dummies reuse the dummy lookups' embedding: no extra lookup
 
 
 def test_no_gate_without_distributed():
     assert not distributed_world()
     m = LoggingModel()
     assert gate_model(m) is m
+
+
+def test_gate_is_the_protocol_and_nothing_else():
+    """Every ProbeModel / capability member is the gate's own (a model call cannot reach the model ungated), and
+    the gate offers nothing beyond them but finish()."""
+    public = {n for n in dir(ForwardGate) if not n.startswith("_")}
+    assert public == set(PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS) | {"finish"}
+    gate = ForwardGate(LoggingModel(collective=False))
+    assert gate.supports_prefix_cache and not gate.supports_prefix_grad  # OAR-G keeps its plain path under a gate
+    assert not gate.supports_shared_prefix_attention  # LoggingModel does not declare it
+    with pytest.raises(AttributeError):
+        gate.model  # noqa: B018  (no pass-through to the wrapped object)
+    with pytest.raises(TypeError, match=r"lacks embed, tail_logits, activation_bytes_per_token, eval_mode"):
+        ForwardGate(type("Sizes", (), {"vocab_size": 5, "hidden_size": 2, "device": torch.device("cpu")})())
 
 
 def _hook_worker(rank, world, port, out_dir, methods):

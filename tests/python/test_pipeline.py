@@ -132,6 +132,9 @@ class _PlainProbe:
         return self.inner.tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                       position_ids=position_ids, keep=keep)
 
+    def activation_bytes_per_token(self, width, backward=False):
+        return self.inner.activation_bytes_per_token(width, backward)
+
     def eval_mode(self):
         return self.inner.eval_mode()
 
@@ -254,9 +257,6 @@ class _BannedVocab(_PlainProbe):
     def tail_logits(self, **kw):
         return self._ban(super().tail_logits(**kw))
 
-    def full_logits(self, **kw):
-        return self._ban(self.inner.full_logits(**kw))
-
 
 @pytest.mark.parametrize("method", ["entropy", "entropy_shaping"])
 def test_entropy_methods_are_finite_with_minus_inf_logits(tiny, method):
@@ -272,8 +272,9 @@ def test_entropy_methods_are_finite_with_minus_inf_logits(tiny, method):
     P = len(prompts[i])
     seq = torch.tensor(prompts[i] + ids[i][mask[i].bool()].tolist())[None]
     with torch.no_grad():
-        logits = pm.full_logits(input_ids=seq, attention_mask=torch.ones_like(seq),
-                                position_ids=torch.arange(seq.shape[1])[None])[0, P - 1: seq.shape[1] - 1]
+        logits = pm.tail_logits(input_ids=seq, attention_mask=torch.ones_like(seq),
+                                position_ids=torch.arange(seq.shape[1])[None],
+                                keep=seq.shape[1])[0, P - 1: seq.shape[1] - 1]
     cols = res.reasoning_mask[i] if method == "entropy" else mask[i].bool()
     ref64 = torch.distributions.Categorical(logits=logits.double()).entropy()[cols[: int(mask[i].sum())]]
     ref32 = torch.distributions.Categorical(logits=logits.float()).entropy()[cols[: int(mask[i].sum())]]

@@ -10,10 +10,19 @@ from oar.attribution.engines import (
     oar_p_scores,
     random_scores,
 )
-from oar.attribution.model import HFProbeModel, ProbeModel, as_probe_model
+from oar.attribution.model import (
+    HFProbeModel,
+    PrefixCacheModel,
+    ProbeCapabilities,
+    ProbeModel,
+    SharedPrefixModel,
+    as_probe_model,
+    probe_capabilities,
+)
 
 __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
     "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "random_scores", "HFProbeModel",
-    "ProbeModel", "as_probe_model",
+    "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
+    "probe_capabilities",
 ]

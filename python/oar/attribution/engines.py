@@ -4,6 +4,10 @@ Every engine takes a :class:`~oar.attribution.model.ProbeModel`, a :class:`~oar.
 and the rows to score, and returns an :class:`Attribution`: scores (B, L_max) float32 aligned with each
 row's reasoning tokens (column j = reasoning token j, i.e. completion column j), a mask of valid entries
 and timing/size stats. Rows not asked for get all-False masks. Nothing here writes parameter ``.grad``.
+Each engine checks the model once (:func:`~oar.attribution.model.probe_capabilities`: a ``TypeError`` naming
+the missing members of a model that is no ProbeModel) and takes its optional capabilities from that check.
+Which path ran is logged on the ``"oar"`` logger (info: one summary per call; debug: the decision and its
+reason; ``oar.set_log_level``).
 
 - :func:`oar_p_scores`  OAR-P, exact: one PAD substitution per reasoning token, batched across rollouts
   in chunks planned in C++ (``oar._C.plan_masked_chunks``) under a memory budget.
@@ -14,6 +18,7 @@ and timing/size stats. Rows not asked for get all-False masks. Nothing here writ
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -23,9 +28,10 @@ import torch
 from oar import _args, ops
 from oar._lib import load_extension
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits
+from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
 
 _C = load_extension()
+_log = logging.getLogger("oar")
 
 PROBES = ("last", "answer_mean", "answer_joint")
 
@@ -111,19 +117,18 @@ def _budget_bytes(memory_budget_mb) -> int:
 
 def _check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
     """Token ids the model will embed must be valid rows of its embedding table (else an opaque IndexError,
-    or a device-side assert on CUDA)."""
-    vocab = int(getattr(model, "vocab_size", 0) or 0)
-    hi = f"{vocab}" if vocab > 0 else "inf"
-    if not (0 <= batch.pad_id and (vocab <= 0 or batch.pad_id < vocab)):
-        raise ValueError(f"pad_id must be a token id in [0, vocab_size={hi}), got {batch.pad_id}")
+    or a device-side assert on CUDA). ``model`` is checked: ``vocab_size`` is an int >= 1."""
+    vocab = int(model.vocab_size)
+    if not 0 <= batch.pad_id < vocab:
+        raise ValueError(f"pad_id must be a token id in [0, vocab_size={vocab}), got {batch.pad_id}")
     ids = batch.input_ids[batch.attention_mask.bool()]
     if ids.numel() == 0:
         return
     lo, top = int(ids.min()), int(ids.max())
-    if lo < 0 or (vocab > 0 and top >= vocab):
+    if lo < 0 or top >= vocab:
         bad = lo if lo < 0 else top
         r, c = (torch.nonzero((batch.input_ids == bad) & batch.attention_mask.bool())[0]).tolist()
-        raise ValueError(f"batch.input_ids must be token ids in [0, vocab_size={hi}) of the model, got {bad} at "
+        raise ValueError(f"batch.input_ids must be token ids in [0, vocab_size={vocab}) of the model, got {bad} at "
                          f"row {r}, column {c} (prompt, reasoning or answer token)")
 
 
@@ -135,21 +140,18 @@ def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
     return Attribution(torch.zeros((batch.batch_size, L), dtype=torch.float32), mask)
 
 
-def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int] | None = None) -> torch.Tensor:
-    """Probe logits (n, K_max, V) of the unperturbed contexts of ``rows`` (all rows by default), no grad."""
-    idx = torch.tensor(rows if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
-    dev = _device(model, batch)
+def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """Probe logits (n, K_max, V) (the model's dtype, on its device) of the unperturbed contexts of ``rows`` (all
+    rows by default), one forward without grad."""
+    idx = torch.tensor(list(rows) if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
+    dev = torch.device(model.device)
     with torch.no_grad():
         window = model.tail_logits(input_ids=batch.input_ids[idx].to(dev), attention_mask=batch.attention_mask[idx].to(dev),
                                    position_ids=batch.position_ids[idx].to(dev), keep=batch.keep)
         return gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
 
 
-def _device(model: ProbeModel, batch: ProbeBatch) -> torch.device:
-    return model.device if hasattr(model, "device") else batch.input_ids.device
-
-
-def _clean(model: ProbeModel, batch: ProbeBatch, rows: list[int], clean_logits: torch.Tensor | None):
+def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logits: torch.Tensor | None):
     """Clean probe logits for ``rows``: (logits, row -> index into logits, forward passes spent)."""
     if clean_logits is None:
         return clean_probe_logits(model, batch, rows), {r: i for i, r in enumerate(rows)}, 1
@@ -171,6 +173,24 @@ def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_
 OAR_P_ENGINES = ("auto", "prefix", "batched")
 
 
+@dataclass(frozen=True)
+class _OarPRun:
+    """The checked inputs of one :func:`oar_p_scores` call, built once after validation and read by the two
+    engine paths (:func:`_oar_p_batched`, :func:`_oar_p_prefix`)."""
+
+    model: ProbeModel
+    caps: ProbeCapabilities
+    batch: ProbeBatch
+    rows: tuple[int, ...]  # rows with at least one token to score, ascending
+    probe: str
+    budget: int  # bytes
+    max_variants: int  # 0 = no cap
+    clean_logits: torch.Tensor | None  # (B, K_max, V) or None (the batched path only)
+    max_prefix_waste: float  # in (0, 1] (the prefix path only)
+    positions: dict[int, list[int]] | None  # {row: reasoning indices} or None = every reasoning token
+    device: torch.device  # the model's
+
+
 def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
                  clean_logits: torch.Tensor | None = None, engine: str = "auto",
@@ -188,8 +208,11 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
       ``memory_budget_mb``. ``max_prefix_waste`` bounds the columns a chunk recomputes in vain.
     - ``"batched"``: every variant is a full left-padded context; chunks by ``oar._C.plan_masked_chunks``.
 
-    Both run the LM head on the probe window only. ``"auto"`` picks ``"prefix"`` when the model supports
-    a croppable cache (``ProbeModel.supports_prefix_cache``), else ``"batched"``.
+    Both run the LM head on the probe window only. ``"auto"`` picks ``"prefix"`` when the model has the
+    prefix-cache capability (:class:`~oar.attribution.model.PrefixCacheModel`, ``supports_prefix_cache``) and
+    no ``clean_logits`` are given, else ``"batched"``. The prefix engine runs a chunk with
+    ``tail_logits_shared_prefix`` when the model has that capability and the chunk's rows are not padded past
+    its prefix.
 
     Args:
         model: a ProbeModel (``oar.attribution.model.HFProbeModel`` for HF models).
@@ -210,6 +233,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         ``tokens`` (context tokens run through the model), ``seconds``; the prefix engine adds
         ``shared_prefix_chunks`` (chunks run with :meth:`HFProbeModel.tail_logits_shared_prefix`).
     Raises:
+        TypeError: ``model`` is not a ProbeModel (the message names every missing member).
         ValueError: unknown probe or engine, max_prefix_waste outside (0, 1], positions that are not a mapping of
             requested rows to int reasoning indices in range, rows out of range or not integers, memory_budget_mb not an int
             >= 1, max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary,
@@ -217,6 +241,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             masked variant whose divergence is infinite (zero probability where the clean distribution has
             mass).
     """
+    caps = probe_capabilities(model)
     probe = _check_probe(probe)
     rows = _rows(batch, rows)
     budget = _budget_bytes(memory_budget_mb)
@@ -229,26 +254,39 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
     positions = _positions(batch, rows, positions)
-    prefix_ok = bool(getattr(model, "supports_prefix_cache", False)) and hasattr(model, "tail_logits_cached")
-    if engine == "prefix" and not prefix_ok:
-        raise ValueError("engine='prefix' needs a ProbeModel with a croppable key/value cache "
-                         "(supports_prefix_cache, tail_logits_and_cache, tail_logits_cached); use engine='batched'")
+    if engine == "prefix" and not caps.prefix_cache:
+        raise ValueError("engine='prefix' needs a ProbeModel with the prefix-cache capability (oar.attribution."
+                         "PrefixCacheModel: supports_prefix_cache = True, kv_bytes_per_token, tail_logits_and_cache, "
+                         f"tail_logits_cached); {type(model).__name__} does not declare it: use engine='batched'")
+    asked = engine
     if engine == "auto":
-        engine = "prefix" if prefix_ok and clean_logits is None else "batched"
+        engine = "prefix" if caps.prefix_cache and clean_logits is None else "batched"
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    if _log.isEnabledFor(logging.DEBUG):
+        why = ("requested" if asked != "auto" else "prefix cache" if engine == "prefix"
+               else "clean_logits given" if caps.prefix_cache else "no prefix cache")
+        _log.debug("oar_p_scores: engine %s (%s), %d rows to score, budget %d MiB, max %d variants/chunk, "
+                   "shared-prefix attention %s", engine, why, len(rows), budget >> 20, max_variants,
+                   "available" if caps.shared_prefix else "off")
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine=engine, seconds=0.0)
         return res
-    run = _oar_p_prefix if engine == "prefix" else _oar_p_batched
-    stats = run(model, batch, rows, probe, budget, max_variants, clean_logits, res, max_prefix_waste, positions)
+    run = _OarPRun(model=model, caps=caps, batch=batch, rows=tuple(rows), probe=probe, budget=budget,
+                   max_variants=max_variants, clean_logits=clean_logits, max_prefix_waste=max_prefix_waste,
+                   positions=positions, device=torch.device(model.device))
+    stats = (_oar_p_prefix if engine == "prefix" else _oar_p_batched)(run, res)
     res.stats.update(engine=engine, seconds=time.perf_counter() - t0, **stats)
+    _log.info("oar_p_scores: %s engine, %d rows, %d variants in %d chunks%s, %d forwards, %.3f s", engine, len(rows),
+              res.stats["variants"], res.stats["chunks"],
+              f" ({stats['shared_prefix_chunks']} with shared-prefix attention)" if engine == "prefix" else "",
+              res.stats["forward_passes"], res.stats["seconds"])
     return res
 
 
-def _variants(batch: ProbeBatch, rows: list[int], positions=None):
+def _variants(batch: ProbeBatch, rows: Sequence[int], positions=None):
     """Flattened variant list, rollout-major: rows, masked columns, reasoning indices j (int64 tensors)."""
     var_row, var_col, var_j = [], [], []
     for r in rows:
@@ -278,16 +316,22 @@ def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tenso
     res.scores[row_index, j_index] = d.float().cpu()
 
 
-def _oar_p_batched(model, batch, rows, probe, budget, max_variants, clean_logits, res, _waste, positions) -> dict:
-    dev = _device(model, batch)
-    clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
-    var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+def _probe_bytes(model: ProbeModel, batch: ProbeBatch) -> int:
+    """Bytes of one variant's probe logits in the planners' estimates: ``keep`` positions x V, 8 bytes each (the
+    logits and their float32 copy in the divergence)."""
+    return 8 * batch.keep * int(model.vocab_size)
+
+
+def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
+    """Every variant a full left-padded context, chunks by ``plan_masked_chunks``. Returns the stats."""
+    model, batch, rows, probe, dev = run.model, run.batch, run.rows, run.probe, run.device
+    clean_all, clean_row, passes = _clean(model, batch, rows, run.clean_logits)
+    var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     counts = [int((var_row_t == r).sum()) for r in rows]
-    bytes_tok = model.activation_bytes_per_token(max(widths)) if hasattr(model, "activation_bytes_per_token") else 16384
-    bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
-    plan = _C.plan_masked_chunks(widths, counts, int(bytes_tok), int(bytes_var), budget, max_variants)
+    bytes_tok = int(model.activation_bytes_per_token(max(widths)))
+    plan = _C.plan_masked_chunks(widths, counts, bytes_tok, _probe_bytes(model, batch), run.budget, run.max_variants)
     clean_index_t = torch.tensor([clean_row[int(r)] for r in var_row_t], dtype=torch.long)
     tokens = passes * sum(widths)
     with torch.no_grad():
@@ -307,18 +351,20 @@ def _oar_p_batched(model, batch, rows, probe, budget, max_variants, clean_logits
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
-def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits, res, max_prefix_waste,
-                  positions) -> dict:
-    dev = _device(model, batch)
+def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
+    """One clean pass with the key/value cache, then column-sorted variants in chunks by ``plan_prefix_chunks``,
+    each run on the clean prefix of its smallest column. Returns the stats."""
+    model, batch, rows, probe, dev = run.model, run.batch, run.rows, run.probe, run.device
+    budget = run.budget
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
     idx_rows = torch.tensor(rows, dtype=torch.long)
     passes, tokens = 0, 0
     # 1. Clean pass over the requested rows (chunked by the same budget): probe logits + key/value cache.
     widths = [int(batch.context_len[r]) for r in rows]
-    bytes_tok = int(model.activation_bytes_per_token(T)) if hasattr(model, "activation_bytes_per_token") else 16384
-    kv_tok = int(model.kv_bytes_per_token()) if hasattr(model, "kv_bytes_per_token") else 8192
-    bytes_var = 8 * batch.keep * int(getattr(model, "vocab_size", 50000))
+    bytes_tok = int(model.activation_bytes_per_token(T))
+    kv_tok = int(model.kv_bytes_per_token())
+    bytes_var = _probe_bytes(model, batch)
     clean_plan = _C.plan_masked_chunks([T] * len(rows), [1] * len(rows), bytes_tok + kv_tok, bytes_var, budget, 0)
     clean_parts, kv_parts = [], []
     with torch.no_grad():
@@ -336,16 +382,16 @@ def _oar_p_prefix(model, batch, rows, probe, budget, max_variants, _clean_logits
                   for l in range(len(kv_parts[0]))]
         del kv_parts
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
-        var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+        var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
         order = torch.argsort(var_col_t, stable=True)
         var_row_t, var_col_t, var_j_t = var_row_t[order], var_col_t[order], var_j_t[order]
         slot = {r: i for i, r in enumerate(rows)}  # row -> index in clean_all / kv_all
         var_slot_t = torch.tensor([slot[int(r)] for r in var_row_t], dtype=torch.long)
-        plan = _C.plan_prefix_chunks(var_col_t.tolist(), T, bytes_tok, kv_tok, bytes_var, budget, max_variants,
-                                     float(max_prefix_waste))
+        plan = _C.plan_prefix_chunks(var_col_t.tolist(), T, bytes_tok, kv_tok, bytes_var, budget, run.max_variants,
+                                     float(run.max_prefix_waste))
         # Left padding of each cached row (its first `pad` columns).
         pad_of_slot = [T - int(batch.context_len[r]) for r in rows]
-        shared = bool(getattr(model, "supports_shared_prefix_attention", False))
+        shared = run.caps.shared_prefix
         shared_chunks = 0
         for ch in plan:
             sl = slice(ch.begin, ch.end)
@@ -437,10 +483,11 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
 
     Gradients are taken with ``torch.autograd.grad`` w.r.t. the embeddings only, so no parameter
     ``.grad`` is written (safe inside a trainer's gradient accumulation). Rows are processed in chunks
-    whose estimated forward+backward memory stays under ``memory_budget_mb``. For models with a prefix
-    cache (``supports_prefix_grad``) and no ``clean_logits`` given, the columns before a chunk's first
-    reasoning token run once without grad and their key/value cache is shared by the clean pass and the
-    noisy passes, which then run and differentiate only the suffix (same scores within fp32 rounding).
+    whose estimated forward+backward memory stays under ``memory_budget_mb``. For models whose prefix cache may
+    be differentiated (``PrefixCacheModel.supports_prefix_grad``) and no ``clean_logits`` given, the columns
+    before a chunk's first reasoning token run once without grad and their key/value cache is shared by the
+    clean pass and the noisy passes, which then run and differentiate only the suffix (same scores within fp32
+    rounding).
 
     Args:
         sigma: noise std (absolute, > 0). noise_draws: K >= 1.
@@ -449,10 +496,12 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             (the others keep score 0), e.g. to leave tool outputs unperturbed. Checked as in :func:`oar_p_scores`.
         Other args as in :func:`oar_p_scores`.
     Raises:
+        TypeError: ``model`` is not a ProbeModel (the message names every missing member).
         ValueError: unknown probe, sigma not finite and > 0, noise_draws not an int >= 1, rows out of range,
             memory_budget_mb not an int >= 1, token ids outside the model's vocabulary.
         FloatingPointError: non-finite scores (NaN/Inf logits or gradients).
     """
+    caps = probe_capabilities(model)
     probe = _check_probe(probe)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 < sigma < float("inf")):
         raise ValueError(f"sigma must be > 0 and finite, got {sigma!r}")
@@ -469,11 +518,11 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not rows:
         res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
         return res
-    dev = _device(model, batch)
+    dev = torch.device(model.device)
     # Prefix path: the prompt before the first noised column is the same in the clean and every noisy pass
     # and needs no gradient, so it runs once per chunk without grad (its key/value cache is shared) and
     # only the suffix is run twice and differentiated. Same scores as the plain path within fp32 rounding.
-    use_prefix = clean_logits is None and bool(getattr(model, "supports_prefix_grad", False))
+    use_prefix = clean_logits is None and caps.prefix_grad
     if use_prefix:
         clean_all, clean_row, passes = None, {}, 0
     else:
@@ -481,10 +530,13 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
-    bytes_tok = (model.activation_bytes_per_token(max(widths), backward=True)
-                 if hasattr(model, "activation_bytes_per_token") else 65536)
-    plan = _C.plan_masked_chunks(widths, [1] * len(rows), int(bytes_tok), 8 * batch.keep * int(getattr(model, "vocab_size", 50000)),
-                                 budget, 0)
+    bytes_tok = int(model.activation_bytes_per_token(max(widths), backward=True))
+    plan = _C.plan_masked_chunks(widths, [1] * len(rows), bytes_tok, _probe_bytes(model, batch), budget, 0)
+    if _log.isEnabledFor(logging.DEBUG):
+        why = ("clean_logits given" if clean_logits is not None else "prefix cache with grad" if use_prefix
+               else "no differentiable prefix cache")
+        _log.debug("oar_g_scores: %s path (%s), %d rows in %d chunks, budget %d MiB, %d noise draws",
+                   "prompt-once" if use_prefix else "plain", why, len(rows), len(plan), budget >> 20, noise_draws)
     backward = 0
     for ch in plan:
         chunk_rows = rows[ch.begin:ch.end]
@@ -552,6 +604,8 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not torch.isfinite(res.scores).all():
         raise FloatingPointError("oar_g_scores: non-finite importance scores (check the model's logits for NaN/Inf)")
     res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), seconds=time.perf_counter() - t0)
+    _log.info("oar_g_scores: %s path, %d rows in %d chunks, %d forwards, %d backwards, %.3f s",
+              "prompt-once" if use_prefix else "plain", len(rows), len(plan), passes, backward, res.stats["seconds"])
     return res
 
 
@@ -586,12 +640,25 @@ def entropy_from_logits(logits: torch.Tensor, name: str = "logits") -> torch.Ten
 def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] | None = None) -> Attribution:
     """Entropy baseline: I_t = H(softmax(logits predicting reasoning token t)), the full-vocabulary
     entropy of the policy at the step that produced token t (temperature 1), in nats. The probe context's
-    prefix is exactly the generation context, so these equal the sampling-time entropies."""
+    prefix is exactly the generation context, so these equal the sampling-time entropies.
+
+    One no-grad ``tail_logits`` call per row, keeping the positions from the one predicting the first reasoning
+    token to the end of the context.
+
+    Returns:
+        Attribution with scores (B, L_max) float32 >= 0; stats ``forward_passes``, ``seconds``.
+    Raises:
+        TypeError: ``model`` is not a ProbeModel.
+        ValueError: rows out of range, token ids outside the model's vocabulary, a scored row with an empty prompt,
+            NaN / +inf logits.
+    """
+    probe_capabilities(model)
     rows = _rows(batch, rows)
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    dev = _device(model, batch)
+    dev = torch.device(model.device)
+    T = batch.input_ids.shape[1]
     with torch.no_grad():
         for r in rows:
             L = int(batch.reasoning_len[r])
@@ -601,12 +668,13 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
             if s < 1 or int(batch.attention_mask[r, s - 1]) == 0:
                 raise ValueError(f"entropy_scores: row {r} has an empty prompt; the first reasoning token has no "
                                  "predicting position")
-            keep = slice(s - 1, s + L - 1)
-            logits = model.full_logits(input_ids=batch.input_ids[r: r + 1].to(dev),
+            # window of columns [s - 1, T): its first L positions predict the reasoning tokens
+            logits = model.tail_logits(input_ids=batch.input_ids[r: r + 1].to(dev),
                                        attention_mask=batch.attention_mask[r: r + 1].to(dev),
-                                       position_ids=batch.position_ids[r: r + 1].to(dev))[0, keep]
+                                       position_ids=batch.position_ids[r: r + 1].to(dev), keep=T - s + 1)[0, :L]
             res.scores[r, :L] = entropy_from_logits(logits, f"entropy_scores: the model's logits of row {r}").cpu()
     res.stats.update(forward_passes=len(rows), seconds=time.perf_counter() - t0)
+    _log.info("entropy_scores: %d rows, %d forwards, %.3f s", len(rows), len(rows), res.stats["seconds"])
     return res
 
 

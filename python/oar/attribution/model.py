@@ -1,10 +1,21 @@
-"""The small interface through which attribution engines reach a model (docs/architecture.md, layer 2).
+"""The interface through which the attribution engines reach a model (docs/architecture.md, layer 2;
+docs/models.md shows a model implementing it).
 
-An engine needs three things from a causal LM: the input embeddings of ids, and the logits of the last
-``keep`` positions given ids or embeddings (with an attention mask and explicit position ids, because
-probe batches are left-padded). :class:`ProbeModel` is that interface; :class:`HFProbeModel` implements it
-for Hugging Face ``*ForCausalLM`` models (also when wrapped by DDP/FSDP/DeepSpeed/PEFT: pass the module
-whose ``forward`` accepts ``logits_to_keep``). C++ users implement the same three calls for their module.
+:class:`ProbeModel` is what every engine needs from a causal LM: the input embeddings of ids, the logits of the
+last ``keep`` positions given ids or embeddings (with an attention mask and explicit position ids, because probe
+batches are left-padded), the memory cost the chunk planners budget with, and an evaluation mode. Two optional
+capabilities let the OAR-P prefix engine and OAR-G's prompt-once path skip work:
+
+- :class:`PrefixCacheModel`: a clean key/value cache and suffix passes on top of it (declared by
+  ``supports_prefix_cache``);
+- :class:`SharedPrefixModel`: suffix passes that read each row's cached prefix in place (declared by
+  ``supports_shared_prefix_attention``).
+
+:func:`probe_capabilities` checks a model once per engine call (one ``TypeError`` naming every missing member)
+and returns what it supports as a :class:`ProbeCapabilities`; the engines read nothing else.
+:class:`HFProbeModel` implements all three for Hugging Face ``*ForCausalLM`` models (also when wrapped by
+DDP/FSDP/DeepSpeed/PEFT: pass the module whose ``forward`` accepts ``logits_to_keep``). C++ trainers implement
+``oar::ProbeModel`` (``include/oar/torch/engine.h``), the same interface without the optional capabilities.
 """
 
 from __future__ import annotations
@@ -12,50 +23,208 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import operator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ContextManager, Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
 class ProbeModel(Protocol):
-    """What the OAR-P / OAR-G engines call. All tensors on the model's device."""
+    """What the OAR-P / OAR-G / entropy engines call. All tensors on :attr:`device`.
+
+    Attributes:
+        vocab_size: V, the last dimension of the logits (int >= 1); token ids of a probe batch must lie in
+            [0, V).
+        hidden_size: H, the last dimension of :meth:`embed` (int >= 1).
+        device: the ``torch.device`` the engines put inputs on.
+    """
 
     vocab_size: int
     hidden_size: int
+    device: torch.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) int64 -> (B, T, H) input embeddings (model dtype)."""
+        """(B, T) int64 -> (B, T, H) input embeddings (model dtype). Called without grad."""
 
     def tail_logits(self, *, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                     attention_mask: torch.Tensor, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """Logits (B, keep, V) of the last ``keep`` positions; exactly one of input_ids / inputs_embeds."""
+        """Logits (B, keep, V) (any float dtype) of the last ``keep`` positions; exactly one of ``input_ids``
+        (B, T) int64 / ``inputs_embeds`` (B, T, H); ``attention_mask`` (B, T) int64, 0 on left padding;
+        ``position_ids`` (B, T) int64. Must be differentiable w.r.t. ``inputs_embeds`` (OAR-G) and must not
+        write parameter ``.grad``."""
+
+    def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
+        """Peak activation bytes one context token costs in a forward over contexts of ``width`` tokens
+        (forward + backward w.r.t. the input embeddings when ``backward``): the chunk planners keep
+        ``tokens x this + variants x 8 x keep x vocab_size`` under the memory budget. An estimate is enough;
+        too small risks running out of memory, too large runs more, smaller chunks."""
+
+    def eval_mode(self) -> ContextManager:
+        """A context manager under which the model runs deterministically (dropout off), restoring the previous
+        mode on exit. ``contextlib.nullcontext()`` for a model without dropout."""
+
+
+@runtime_checkable
+class PrefixCacheModel(ProbeModel, Protocol):
+    """Optional capability: a croppable key/value cache (OAR-P's prefix engine, OAR-G's prompt-once path).
+
+    Declared by ``supports_prefix_cache``; a model that declares it must have every member below (else
+    :func:`probe_capabilities` raises). The flag may depend on the model (e.g. False for sliding-window or
+    recurrent layers); when it is False the engines never call the members below.
+
+    Attributes:
+        supports_prefix_cache: the members below work for this model.
+        supports_prefix_grad: :meth:`tail_logits_cached` may be differentiated w.r.t. ``inputs_embeds`` (OAR-G
+            then runs the prompt once without grad and differentiates the suffix only).
+    """
+
+    supports_prefix_cache: bool
+    supports_prefix_grad: bool
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of cached keys + values per token (all layers)."""
+
+    def tail_logits_and_cache(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, list]:
+        """:meth:`tail_logits` on ids, plus the key/value cache: a list of per-layer ``(keys, values)`` of shape
+        (B, kv_heads, T, head_dim)."""
+
+    def tail_logits_cached(self, prefix_kv: list, *, input_ids: torch.Tensor | None = None,
+                           inputs_embeds: torch.Tensor | None = None, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits (B, keep, V) of the last ``keep`` positions of an input (B, S) run on top of ``prefix_kv``
+        (per-layer keys/values of the first P columns); ``attention_mask`` (B, P + S), ``position_ids`` (B, S)."""
+
+
+@runtime_checkable
+class SharedPrefixModel(PrefixCacheModel, Protocol):
+    """Optional capability on top of :class:`PrefixCacheModel`: suffix passes that read each row's clean prefix
+    in place (no per-variant copy, no dense mask). Declared by ``supports_shared_prefix_attention``."""
+
+    supports_shared_prefix_attention: bool
+
+    def tail_logits_shared_prefix(self, prefix_kv: list, groups, prefix_len: int, *, input_ids: torch.Tensor,
+                                  position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """See :meth:`HFProbeModel.tail_logits_shared_prefix`."""
+
+
+def _own_members(proto) -> tuple[str, ...]:
+    """Members a protocol class declares itself (annotations, then methods, in definition order)."""
+    names = list(proto.__dict__.get("__annotations__", {}))
+    names += [n for n, v in proto.__dict__.items() if callable(v) and not n.startswith("_")]
+    return tuple(names)
+
+
+#: Members every model must have, and those of each optional capability (in definition order).
+PROBE_MODEL_MEMBERS = _own_members(ProbeModel)
+PREFIX_CACHE_MEMBERS = _own_members(PrefixCacheModel)
+SHARED_PREFIX_MEMBERS = _own_members(SharedPrefixModel)
+
+
+@dataclass(frozen=True)
+class ProbeCapabilities:
+    """What a checked :class:`ProbeModel` supports beyond the required members (see :func:`probe_capabilities`).
+
+    Attributes:
+        prefix_cache: :class:`PrefixCacheModel` members usable (OAR-P ``engine="prefix"``).
+        prefix_grad: OAR-G may differentiate :meth:`PrefixCacheModel.tail_logits_cached`.
+        shared_prefix: :meth:`SharedPrefixModel.tail_logits_shared_prefix` usable.
+    """
+
+    prefix_cache: bool = False
+    prefix_grad: bool = False
+    shared_prefix: bool = False
+
+
+def _type_name(model) -> str:
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def _declared(model, flag: str, members: tuple[str, ...], protocol: str) -> bool:
+    """Whether ``model`` declares the capability ``flag``; TypeError naming what is missing when it declares it
+    without every member of the capability."""
+    # The one place a capability is detected: its flag (absent = not declared).
+    on = getattr(model, flag, False)
+    if not isinstance(on, bool):
+        raise TypeError(f"model.{flag} must be a bool, got {type(on).__name__} {on!r} ({_type_name(model)})")
+    if on:
+        missing = [n for n in members if not hasattr(model, n)]
+        if missing:
+            raise TypeError(f"model declares {flag} = True but lacks {', '.join(missing)} of oar.attribution."
+                            f"{protocol} ({_type_name(model)}); implement them or leave {flag} False")
+    return on
+
+
+def probe_capabilities(model) -> ProbeCapabilities:
+    """Checks that ``model`` implements :class:`ProbeModel` and returns the optional capabilities it declares.
+
+    Computed once per engine call (and by :func:`as_probe_model`). A capability is declared by its flag
+    (``supports_prefix_cache``, ``supports_shared_prefix_attention``); a model that declares one must have all of
+    its members.
+
+    Raises:
+        TypeError: ``model`` lacks members of :class:`ProbeModel` (all of them named in one message), a declared
+            capability lacks members, or a flag is not a bool.
+        ValueError: ``vocab_size`` or ``hidden_size`` is not an int >= 1.
+    """
+    missing = [n for n in PROBE_MODEL_MEMBERS if not hasattr(model, n)]
+    if missing:
+        raise TypeError(f"model must implement oar.attribution.ProbeModel ({', '.join(PROBE_MODEL_MEMBERS)}); "
+                        f"{_type_name(model)} lacks {', '.join(missing)} (docs/models.md)")
+    for name in ("vocab_size", "hidden_size"):
+        v = getattr(model, name)
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"model.{name} must be an int >= 1, got {type(v).__name__} {v!r}")
+    prefix = _declared(model, "supports_prefix_cache", PREFIX_CACHE_MEMBERS, "PrefixCacheModel")
+    grad = prefix and _declared(model, "supports_prefix_grad", (), "PrefixCacheModel")
+    shared = prefix and _declared(model, "supports_shared_prefix_attention", SHARED_PREFIX_MEMBERS,
+                                  "SharedPrefixModel")
+    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared)
 
 
 class HFProbeModel:
-    """:class:`ProbeModel` for a Hugging Face causal LM (transformers >= 5).
+    """:class:`ProbeModel` for a Hugging Face causal LM (transformers >= 5), with both optional capabilities.
 
     Uses ``model(..., logits_to_keep=keep, use_cache=False)`` so the LM head runs only on the probe window.
     ``eval_mode()`` switches off dropout for the duration of an attribution pass and restores the mode.
     For OAR-P's prefix engine it offers the clean key/value cache (:meth:`tail_logits_and_cache`), suffix
     passes on a copied prefix (:meth:`tail_logits_cached`) and, for CPU Llama/Qwen2/Qwen3 models, suffix
     passes that read each row's prefix in place through a registered attention function
-    (:meth:`tail_logits_shared_prefix`; switch off with ``shared_prefix_attention = False``).
+    (:meth:`tail_logits_shared_prefix`; switch off with ``shared_prefix_attention = False``). Sizes come from
+    the model's (text) config, else from its embedding matrices.
 
     Args:
         model: a ``PreTrainedModel`` with a causal-LM head (or a wrapper exposing the same forward).
         bytes_per_element: override of the activation element size used in memory estimates.
+
+    Raises:
+        TypeError: ``model`` has no ``get_input_embeddings`` (not a Hugging Face model) or no parameters.
     """
 
     def __init__(self, model, bytes_per_element: int | None = None):
+        if not callable(getattr(model, "get_input_embeddings", None)):
+            raise TypeError(f"HFProbeModel needs a Hugging Face causal LM (with get_input_embeddings), got "
+                            f"{_type_name(model)}; other models implement oar.attribution.ProbeModel "
+                            f"(docs/models.md)")
         self.model = model
         cfg = getattr(model, "config", None)
+        # Multimodal configs keep the language model's sizes in their text config.
         text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        self._text_config = text_cfg
         self.vocab_size = int(getattr(text_cfg, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
         self.hidden_size = int(getattr(text_cfg, "hidden_size", 0) or model.get_input_embeddings().weight.shape[1])
         self.intermediate_size = int(getattr(text_cfg, "intermediate_size", 4 * self.hidden_size) or 4 * self.hidden_size)
         self.num_heads = int(getattr(text_cfg, "num_attention_heads", 1) or 1)
-        param = next(model.parameters())
+        self.num_layers = int(getattr(text_cfg, "num_hidden_layers", 1) or 1)
+        param = next(model.parameters(), None)
+        if param is None:
+            raise TypeError(f"HFProbeModel needs a model with parameters, got {_type_name(model)} without any")
         self.device = param.device
         self.dtype = param.dtype
         self.bytes_per_element = bytes_per_element or param.element_size()
@@ -78,8 +247,7 @@ class HFProbeModel:
         """True for models whose every layer is full causal attention with a plain dynamic cache (Llama,
         Qwen2, Mistral without sliding window, ...). Sliding-window, hybrid and recurrent layers are not
         croppable per variant, so the engines fall back to batched masking for them."""
-        cfg = getattr(self.model, "config", None)
-        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+        text = self._text_config
         types = getattr(text, "layer_types", None)
         if types is not None and any(t != "full_attention" for t in types):
             return False
@@ -87,12 +255,10 @@ class HFProbeModel:
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of cached keys + values per token (all layers)."""
-        cfg = getattr(self.model, "config", None)
-        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-        layers = int(getattr(text, "num_hidden_layers", 1) or 1)
+        text = self._text_config
         kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
         head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
-        return 2 * layers * kv_heads * head_dim * self.bytes_per_element
+        return 2 * self.num_layers * kv_heads * head_dim * self.bytes_per_element
 
     def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
         """Like :meth:`tail_logits` on ids, also returning the key/value cache as a list of per-layer
@@ -138,9 +304,7 @@ class HFProbeModel:
             return False
         if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
             return False
-        cfg = getattr(self.model, "config", None)
-        text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-        return getattr(text, "model_type", None) in _SHARED_PREFIX_MODEL_TYPES
+        return getattr(self._text_config, "model_type", None) in _SHARED_PREFIX_MODEL_TYPES
 
     def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
         """Logits (N, keep, V) of the last ``keep`` positions of N suffixes (``input_ids`` (N, S), columns
@@ -192,23 +356,19 @@ class HFProbeModel:
         params = inspect.signature(self.model.forward).parameters
         return "cache" if "cache" in params else "past_key_values"
 
-    def full_logits(self, *, input_ids, attention_mask, position_ids):
-        """Logits (B, T, V) of every position (used by the entropy baseline)."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False)
-        return out.logits if hasattr(out, "logits") else out[0]
-
     def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
-        """Rough peak activation bytes one context token costs in a forward (x3 with backward): residual
-        stream and MLP intermediates of one layer plus attention scores over ``width`` keys."""
+        """Rough peak activation bytes one context token costs in a forward: residual stream and MLP
+        intermediates of one layer plus float32 attention scores over ``width`` keys; with ``backward``, those of
+        every layer (kept for the backward) plus two layers' worth of gradients."""
         per = self.bytes_per_element * (4 * self.hidden_size + 2 * self.intermediate_size) + 4 * self.num_heads * width
         if backward:
-            layers = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 1) or 1)
-            per = per * layers + per * 2
+            per = per * self.num_layers + per * 2
         return int(per)
 
     @contextlib.contextmanager
     def eval_mode(self):
+        """Switches the wrapped model to ``eval()`` (dropout off) and back to training mode on exit if it was
+        training."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -308,10 +468,18 @@ def _register_shared_prefix_attention() -> None:
 
 
 def as_probe_model(model) -> ProbeModel:
-    """Returns ``model`` if it already implements :class:`ProbeModel`, else wraps it in :class:`HFProbeModel`."""
-    if hasattr(model, "tail_logits") and hasattr(model, "embed"):
-        return model
-    return HFProbeModel(model)
+    """The :class:`ProbeModel` the engines run: a ``torch.nn.Module`` without ``tail_logits`` (a Hugging Face
+    causal LM) wrapped in :class:`HFProbeModel`; anything else returned as it is, once checked by
+    :func:`probe_capabilities`.
+
+    Raises:
+        TypeError: a model that is neither: one message naming every :class:`ProbeModel` member it lacks (or a
+            module without ``get_input_embeddings``), before any engine runs.
+    """
+    if isinstance(model, torch.nn.Module) and not hasattr(model, "tail_logits"):
+        return HFProbeModel(model)
+    probe_capabilities(model)
+    return model
 
 
 def gather_probe_logits(window: torch.Tensor, probe_start: torch.Tensor, k_max: int) -> torch.Tensor:
