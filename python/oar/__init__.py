@@ -12,6 +12,7 @@ Entry points:
     oar.Pipeline, oar.RolloutBatch  the one method pipeline every trainer adapter uses (oar.pipeline)
     oar.baselines      entropy shaping, KTAE, IRPO rewards (oar.irpo_rewards)
     oar.build_info()   what this build contains; oar.has_cuda_kernels()
+    oar.set_log_level("debug")  C++ planner + Python engine logging (or OAR_LOG_LEVEL=debug)
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from oar import _lib
 __version__ = "0.1.0"
 
 _C = _lib.load_extension()
+from oar._logging import log_level, set_log_level  # noqa: E402
+
+_logging._apply_environment()  # OAR_LOG_LEVEL, read once
 # An OAR_CPU_ISA that this machine cannot run is refused here, at import, rather than by the first op.
 _C.cpu_isa()
 from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.oar.*)
@@ -93,4 +97,6 @@ __all__ = [
     "build_info",
     "has_cuda_kernels",
     "cmake_prefix_path",
+    "set_log_level",
+    "log_level",
 ]

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "oar/core/common.h"
+#include "oar/core/log.h"
 
 namespace oar::core {
 
@@ -36,6 +37,41 @@ namespace {
 
 void require_non_negative(int64_t v, const std::string& name) {
   if (v < 0) throw InvalidArgument(name + " must be >= 0, got " + std::to_string(v));
+}
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Debug line of a masked plan: what a user tuning memory_budget_mb / max_variants_per_chunk needs to see.
+void log_masked_plan(const MaskedPlanRequest& req, const std::vector<MaskedChunk>& plan) {
+  int64_t variants = 0, most = 0, narrow = 0, wide = 0;
+  for (const auto& c : plan) {
+    variants += c.end - c.begin;
+    most = std::max(most, c.end - c.begin);
+    narrow = narrow == 0 ? c.max_context_len : std::min(narrow, c.max_context_len);
+    wide = std::max(wide, c.max_context_len);
+  }
+  log::debug("plan_masked_chunks: " + str(variants) + " variants of " + str(int64_t(req.context_len.size())) +
+             " rollouts -> " + str(int64_t(plan.size())) + " chunks, at most " + str(most) +
+             " variants per chunk, padded widths " + str(narrow) + ".." + str(wide) + " tokens; budget " +
+             str(req.memory_budget_bytes) + " B, " + str(req.bytes_per_token) + " B/token, " +
+             str(req.bytes_per_variant) + " B/variant, variant cap " + str(req.max_variants_per_chunk) +
+             " (0 = none)");
+}
+
+// Debug line of a prefix plan: chunk count and sizes, and the prefixes the chunks reuse.
+void log_prefix_plan(const PrefixPlanRequest& req, const std::vector<PrefixChunk>& plan) {
+  int64_t most = 0, shortest = plan.empty() ? 0 : plan.front().prefix_len, longest = 0;
+  for (const auto& c : plan) {
+    most = std::max(most, c.end - c.begin);
+    shortest = std::min(shortest, c.prefix_len);
+    longest = std::max(longest, c.prefix_len);
+  }
+  log::debug("plan_prefix_chunks: " + str(int64_t(req.columns.size())) + " variants, width " + str(req.width) +
+             " -> " + str(int64_t(plan.size())) + " chunks, at most " + str(most) +
+             " variants per chunk, prefix lengths " + str(shortest) + ".." + str(longest) + " tokens; budget " +
+             str(req.memory_budget_bytes) + " B, " + str(req.bytes_per_token) + " B/token, " +
+             str(req.kv_bytes_per_token) + " B/cached token, " + str(req.bytes_per_variant) + " B/variant, variant cap " +
+             str(req.max_variants_per_chunk) + " (0 = none), max_prefix_waste " + std::to_string(req.max_prefix_waste));
 }
 
 }  // namespace
@@ -89,6 +125,7 @@ std::vector<MaskedChunk> plan_masked_chunks(const MaskedPlanRequest& req) {
     }
   }
   if (open) plan.push_back(cur);
+  if (log::enabled(log::Level::kDebug)) log_masked_plan(req, plan);
   return plan;
 }
 
@@ -136,6 +173,7 @@ std::vector<PrefixChunk> plan_prefix_chunks(const PrefixPlanRequest& req) {
     plan.push_back(c);
     i = c.end;
   }
+  if (log::enabled(log::Level::kDebug)) log_prefix_plan(req, plan);
   return plan;
 }
 

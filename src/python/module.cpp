@@ -66,14 +66,24 @@ PYBIND11_MODULE(_C, m) {
         "How the ISA level was chosen: \"auto\", \"OAR_CPU_ISA\" or \"set_cpu_isa\".");
   // ---- end ISA level ----
 
-  m.def("set_log_level", [](const std::string& lvl) {
-    static const std::pair<const char*, log::Level> table[] = {
-        {"trace", log::Level::kTrace}, {"debug", log::Level::kDebug}, {"info", log::Level::kInfo},
-        {"warn", log::Level::kWarn}, {"error", log::Level::kError}, {"off", log::Level::kOff}};
-    for (const auto& [k, v] : table)
-      if (lvl == k) return log::set_level(v);
-    throw InvalidArgument("level must be one of {trace, debug, info, warn, error, off}, got \"" + lvl + "\"");
-  }, py::arg("level"), "Sets the level of oar's C++ logger (spdlog 'oar'; initial level from OAR_LOG_LEVEL).");
+  // ---- log level (oar/core/log.h; Python: oar.set_log_level sets this and the "oar" logging logger) ----
+  m.def("set_log_level", [](const std::string& level) {
+    const auto lvl = log::parse_level(level);
+    if (!lvl) throw InvalidArgument(std::string("level must be one of ") + log::level_names() + ", got \"" + level + "\"");
+    log::set_level(*lvl);
+  }, py::arg("level"),
+        "Sets the level of oar's C++ logger (spdlog \"oar\", stderr): trace | debug | info | warn | error | off. "
+        "Raises ValueError for another name.");
+  m.def("log_level", [] { return std::string(log::to_string(log::level())); },
+        "Level of oar's C++ logger; the first call reads OAR_LOG_LEVEL (default \"warn\").");
+  {
+    py::list names;
+    for (auto l : {log::Level::kTrace, log::Level::kDebug, log::Level::kInfo, log::Level::kWarn, log::Level::kError,
+                   log::Level::kOff})
+      names.append(log::to_string(l));
+    m.attr("LOG_LEVELS") = py::tuple(names);  // most verbose first
+  }
+  // ---- end log level ----
 
   py::class_<ReshapeOptions>(m, "ReshapeOptions", "Bi-level reshaping parameters (method.md section 6).")
       .def(py::init<>())

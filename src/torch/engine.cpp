@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "oar/core/log.h"
 #include "oar/core/masked_batch.h"
 #include "oar/torch/ops.h"
 
@@ -138,7 +139,9 @@ at::Tensor oar_p_scores(ProbeModel& model, const ProbeBatch& batch, const OarPOp
   core::MaskedPlanRequest req;
   req.context_len = widths;
   req.num_variants = counts;
-  req.bytes_per_token = model.activation_bytes_per_token();
+  req.bytes_per_token = model.activation_bytes_per_token(*std::max_element(widths.begin(), widths.end()));
+  TORCH_CHECK_VALUE(req.bytes_per_token >= 0, "ProbeModel::activation_bytes_per_token() must be >= 0, got ",
+                    req.bytes_per_token);
   req.bytes_per_variant = 8 * batch.keep * V;
   req.memory_budget_bytes = options.memory_budget_mb * (int64_t{1} << 20);
   req.max_variants_per_chunk = options.max_variants_per_chunk;
@@ -172,6 +175,10 @@ at::Tensor oar_p_scores(ProbeModel& model, const ProbeBatch& batch, const OarPOp
     if (joint) d = d.clamp_min(0.0);  // method.md section 2: I = max(0, phi_clean - phi_masked)
     scores.index_put_({ri, j_t.slice(0, ch.begin, ch.end)}, d.to(at::kFloat));
   }
+  if (core::log::enabled(core::log::Level::kInfo))
+    core::log::info("oar_p_scores (C++ engine, batched masking): " + std::to_string(rows.size()) + " rows, " +
+                    std::to_string(var_row.size()) + " variants in " + std::to_string(plan.size()) + " chunks, " +
+                    std::to_string(plan.size() + 1) + " forwards, probe " + options.probe);
   return scores;
 }
 

@@ -16,13 +16,15 @@ namespace {
 // (replacing its id by pad) changes every later position, like a transformer.
 class ToyModel : public oar::ProbeModel {
  public:
-  ToyModel(int64_t V, int64_t H, int64_t max_pos) : V_(V) {
+  ToyModel(int64_t V, int64_t H, int64_t max_pos) : V_(V), H_(H) {
     at::manual_seed(0);
     emb_ = at::randn({V, H}, at::kDouble);
     pos_ = at::randn({max_pos, H}, at::kDouble) * 0.1;
     w_ = at::randn({H, V}, at::kDouble) * 2.0;
   }
   int64_t vocab_size() const override { return V_; }
+  // embedding, position embedding and running mean: three (H,) double vectors per token
+  int64_t activation_bytes_per_token(int64_t /*width*/) const override { return 3 * H_ * 8; }
   at::Tensor tail_logits(const at::Tensor& ids, const at::Tensor& attn, const at::Tensor& pos,
                          int64_t keep) override {
     ++calls;
@@ -35,7 +37,7 @@ class ToyModel : public oar::ProbeModel {
   int calls = 0;
 
  private:
-  int64_t V_;
+  int64_t V_, H_;
   at::Tensor emb_, pos_, w_;
 };
 

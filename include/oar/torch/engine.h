@@ -1,12 +1,13 @@
 // The OAR-P attribution engine for C++ users (method.md section 3), over the small model interface that
 // Python adapters implement for Hugging Face models (python/oar/attribution/model.py, `ProbeModel`).
 //
-// A C++ trainer implements oar::ProbeModel for its own module (one call: the logits of the last `keep`
-// positions), builds an oar::ProbeBatch (the same left-padded layout as Python's
+// A C++ trainer implements oar::ProbeModel for its own module (three calls: the vocabulary size, the logits of
+// the last `keep` positions and the activation memory one token costs), builds an oar::ProbeBatch (the same left-padded layout as Python's
 // oar.attribution.ProbeBatch) and calls oar::oar_p_scores. The engine plans chunks of masked variants in
 // C++ under a memory budget (oar::core::plan_masked_chunks), builds each chunk with the build_masked_batch
 // op, runs the model once per chunk and scores each variant with the fused probe_divergence op, on the
-// device of the batch tensors. Link oar::torch.
+// device of the batch tensors. Link oar::torch. The planner's decisions are logged at debug level
+// (OAR_LOG_LEVEL=debug, oar/core/log.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,9 +30,11 @@ class ProbeModel {
   virtual at::Tensor tail_logits(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                                  const at::Tensor& position_ids, int64_t keep) = 0;
 
-  /// Activation bytes one context token needs in a forward, for chunk planning (an estimate is enough;
-  /// the default suits ~100M-parameter models).
-  virtual int64_t activation_bytes_per_token() const { return 16384; }
+  /// Peak activation bytes one context token costs in a forward over contexts of `width` tokens (without
+  /// grad), for chunk planning: the engine keeps variants x padded width x this + variants x 8 x keep x V under
+  /// the memory budget. An estimate is enough (too small risks running out of memory, too large runs smaller
+  /// chunks); Python's HFProbeModel uses bytes_per_element x (4 hidden + 2 intermediate) + 4 x heads x width.
+  virtual int64_t activation_bytes_per_token(int64_t width) const = 0;
 };
 
 /// Left-padded probe contexts: prompt + reasoning + conclude + answer tokens (method.md section 2).
