@@ -463,10 +463,20 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     assert fast.stats["forward_passes"] == 2 + draws  # prefix + clean suffix + one suffix pass per draw
     assert plain.stats["forward_passes"] == 1 + draws  # one clean pass over all rows + one pass per draw
     assert plain.scores.abs().max() > 1e-4
-    # Rule 1: the prefix path is as close to the float64 model's OAR-G as the plain path is.
-    truth = oar_g_scores(HFProbeModel(_float64_model(model)), batch, probe=probe, sigma=1e-2, noise_draws=draws,
+    # The two paths on the float64 model (logits rounded once to float32) agree far below the float32 model's own
+    # error (rule 1, k = 2): the prefix path computes the same scores.
+    m64 = HFProbeModel(_float64_model(model))
+    truth = oar_g_scores(_NoPrefixGrad(m64), batch, probe=probe, sigma=1e-2, noise_draws=draws,
                          generator=torch.Generator().manual_seed(7))
-    assert_close_to_reference(fast.scores, truth.scores, plain.scores, what=f"{probe}, {draws} draws")
+    fast64 = oar_g_scores(m64, batch, probe=probe, sigma=1e-2, noise_draws=draws,
+                          generator=torch.Generator().manual_seed(7))
+    assert fast64.stats["forward_passes"] == fast.stats["forward_passes"]  # the prefix path ran on it too
+    assert_close_to_reference(fast64.scores, truth.scores, plain.scores, what=f"{probe}, {draws} draws, float64")
+    # On the float32 model both paths carry the float32 error of OAR-G: the rounding of the clean vs noisy logits,
+    # which sets the tiny divergence's gradient. Neither path is a naive yardstick and which one rounds closer to
+    # the float64 model depends on the kernels (ratios 1.0-1.4 with torch's and MKL's AVX-512 kernels, up to 3.3
+    # with their AVX2 kernels): k = 4.
+    assert_close_to_reference(fast.scores, truth.scores, plain.scores, k=4.0, what=f"{probe}, {draws} draws")
     assert torch.equal(fast.mask, plain.mask)
 
 
