@@ -2,6 +2,7 @@
 // (noted next to each) or from the defining formulas written out in the test, never from the code under test.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -12,6 +13,9 @@
 #include "test_util.h"
 
 using oar::testing::error_of;
+using oar::testing::gamma;
+using oar::testing::kU32;
+using oar::testing::ulps_f32;
 
 namespace oar::core {
 namespace {
@@ -45,10 +49,12 @@ TEST(GroupAdvantages, GrpoUnbiasedHandComputed) {
   const std::vector<float> r{1, 0, 1, 0};
   const auto a = run(r, {0, 4}, opts_of(Estimator::kGrpo, 1e-6));
   const double d = 0.5 / (std::sqrt(1.0 / 3.0) + 1e-6);
-  EXPECT_NEAR(a[0], d, 1e-6);
-  EXPECT_NEAR(a[1], -d, 1e-6);
-  EXPECT_NEAR(a[2], d, 1e-6);
-  EXPECT_NEAR(a[3], -d, 1e-6);
+  // Statistics in float64, one rounding to float32: within an ulp (half for the rounding, half for a float64
+  // value that differs from this one by float64 rounding on a float32 boundary).
+  EXPECT_NEAR(a[0], d, ulps_f32(1, d));
+  EXPECT_NEAR(a[1], -d, ulps_f32(1, d));
+  EXPECT_NEAR(a[2], d, ulps_f32(1, d));
+  EXPECT_NEAR(a[3], -d, ulps_f32(1, d));
 }
 
 TEST(GroupAdvantages, GrpoBiasedHandComputed) {
@@ -56,16 +62,16 @@ TEST(GroupAdvantages, GrpoBiasedHandComputed) {
   const std::vector<double> r{2, 4, 9};
   const auto a = run(r, {0, 3}, opts_of(Estimator::kGrpo, 0.0, StdKind::kBiased));
   const double sd = std::sqrt(26.0 / 3.0);
-  EXPECT_NEAR(a[0], -3 / sd, 1e-6);
-  EXPECT_NEAR(a[1], -1 / sd, 1e-6);
-  EXPECT_NEAR(a[2], 4 / sd, 1e-6);
+  EXPECT_NEAR(a[0], -3 / sd, ulps_f32(1, 3 / sd));  // as above
+  EXPECT_NEAR(a[1], -1 / sd, ulps_f32(1, 1 / sd));
+  EXPECT_NEAR(a[2], 4 / sd, ulps_f32(1, 4 / sd));
 }
 
 TEST(GroupAdvantages, DrGrpoIsCentredReward) {
   const std::vector<float> r{3, 1, 2, 10, 20};
   const auto a = run(r, {0, 3, 5}, opts_of(Estimator::kDrGrpo));
-  const std::vector<float> want{1, -1, 0, -5, 5};  // means 2 and 15
-  for (size_t i = 0; i < r.size(); ++i) EXPECT_FLOAT_EQ(a[i], want[i]) << i;
+  const std::vector<float> want{1, -1, 0, -5, 5};  // means 2 and 15: exact in float64
+  for (size_t i = 0; i < r.size(); ++i) EXPECT_EQ(a[i], want[i]) << i;
 }
 
 TEST(GroupAdvantages, RlooLeaveOneOut) {
@@ -73,8 +79,8 @@ TEST(GroupAdvantages, RlooLeaveOneOut) {
   // {4, 2}:    A0 = 4 - 2 = 2,       A1 = 2 - 4 = -2.
   const std::vector<float> r{1, 0, 0, 4, 2};
   const auto a = run(r, {0, 3, 5}, opts_of(Estimator::kRloo));
-  const std::vector<float> want{1, -0.5f, -0.5f, 2, -2};
-  for (size_t i = 0; i < r.size(); ++i) EXPECT_FLOAT_EQ(a[i], want[i]) << i;
+  const std::vector<float> want{1, -0.5f, -0.5f, 2, -2};  // dyadic: exact
+  for (size_t i = 0; i < r.size(); ++i) EXPECT_EQ(a[i], want[i]) << i;
 }
 
 TEST(GroupAdvantages, BatchUsesBatchStdAndGroupMean) {
@@ -83,8 +89,8 @@ TEST(GroupAdvantages, BatchUsesBatchStdAndGroupMean) {
   const std::vector<float> r{1, 0, 1, 1};
   GroupAdvantageStats st;
   const auto a = run(r, {0, 2, 4}, opts_of(Estimator::kBatch, 0.0), &st);
-  EXPECT_FLOAT_EQ(a[0], 1.0f);
-  EXPECT_FLOAT_EQ(a[1], -1.0f);
+  EXPECT_EQ(a[0], 1.0f);  // 0.5 / sqrt(0.25): exact
+  EXPECT_EQ(a[1], -1.0f);
   EXPECT_EQ(a[2], 0.0f);
   EXPECT_EQ(a[3], 0.0f);
   EXPECT_EQ(st.zero_std_groups, 1);
@@ -110,26 +116,26 @@ TEST(GroupAdvantages, SingletonZeroAndVerlQuirk) {
   EXPECT_EQ(st.singleton_groups, 1);
   // verl: mean 0, std 1 -> 3 / (1 + eps) for grpo, 3 for dr_grpo and rloo.
   const double eps = 1e-6;
-  EXPECT_FLOAT_EQ(run(r, off, opts_of(Estimator::kGrpo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0],
-                  static_cast<float>(3 / (1 + eps)));
-  EXPECT_FLOAT_EQ(run(r, off, opts_of(Estimator::kDrGrpo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0], 3.0f);
-  EXPECT_FLOAT_EQ(run(r, off, opts_of(Estimator::kRloo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0], 3.0f);
+  EXPECT_NEAR(run(r, off, opts_of(Estimator::kGrpo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0],
+              3 / (1 + eps), ulps_f32(1, 3.0));  // one division in float64, rounded once
+  EXPECT_EQ(run(r, off, opts_of(Estimator::kDrGrpo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0], 3.0f);
+  EXPECT_EQ(run(r, off, opts_of(Estimator::kRloo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0], 3.0f);
   // batch: batch std of {3, 1, 0}: mean 4/3, ssq = (5/3)^2 + (1/3)^2 + (4/3)^2 = 42/9, var 7/3.
   const double bstd = std::sqrt(7.0 / 3.0);
   EXPECT_NEAR(run(r, off, opts_of(Estimator::kBatch, eps, StdKind::kUnbiased, SingletonPolicy::kVerl))[0],
-              3 / (bstd + eps), 1e-6);
+              3 / (bstd + eps), ulps_f32(1, 3 / bstd));
   // The regular group is unaffected by the policy: {1, 0} -> +-0.5 / (sqrt(0.5) + eps).
   const auto a = run(r, off, opts_of(Estimator::kGrpo, eps, StdKind::kUnbiased, SingletonPolicy::kVerl));
-  EXPECT_NEAR(a[1], 0.5 / (std::sqrt(0.5) + eps), 1e-6);
-  EXPECT_NEAR(a[2], -0.5 / (std::sqrt(0.5) + eps), 1e-6);
+  EXPECT_NEAR(a[1], 0.5 / (std::sqrt(0.5) + eps), ulps_f32(1, 0.71));
+  EXPECT_NEAR(a[2], -0.5 / (std::sqrt(0.5) + eps), ulps_f32(1, 0.71));
 }
 
 TEST(GroupAdvantages, EmptyGroupsAndEmptyInput) {
   const std::vector<float> r{1, 0};
   GroupAdvantageStats st;
   const auto a = run(r, {0, 0, 2, 2}, opts_of(Estimator::kDrGrpo), &st);
-  EXPECT_FLOAT_EQ(a[0], 0.5f);
-  EXPECT_FLOAT_EQ(a[1], -0.5f);
+  EXPECT_EQ(a[0], 0.5f);  // exact
+  EXPECT_EQ(a[1], -0.5f);
   EXPECT_EQ(st.num_groups, 3);
   EXPECT_EQ(st.empty_groups, 2);
 
@@ -147,9 +153,9 @@ TEST(GroupAdvantages, NanRaisesUnlessSkipped) {
   GroupAdvantageStats st;
   const auto a = run(r, {0, 3}, opts_of(Estimator::kGrpo, 0.0, StdKind::kUnbiased, SingletonPolicy::kZero, true), &st);
   // The NaN row is excluded: {1, 0}, unbiased std sqrt(0.5), A = +-0.5 / sqrt(0.5) = +-sqrt(0.5).
-  EXPECT_NEAR(a[0], std::sqrt(0.5), 1e-6);
+  EXPECT_NEAR(a[0], std::sqrt(0.5), ulps_f32(1, 0.71));
   EXPECT_EQ(a[1], 0.0f);
-  EXPECT_NEAR(a[2], -std::sqrt(0.5), 1e-6);
+  EXPECT_NEAR(a[2], -std::sqrt(0.5), ulps_f32(1, 0.71));
   EXPECT_EQ(st.nan_rows, 1);
 
   // A group left with one valid reward is a singleton; an all-NaN group is empty.
@@ -248,19 +254,31 @@ TEST(GroupAdvantages, RandomInvariants) {
     const auto dr = run(r, off, opts_of(Estimator::kDrGrpo));
     const auto rl = run(r, off, opts_of(Estimator::kRloo));
     for (size_t g = 0; g + 1 < off.size(); ++g) {
-      double s0 = 0, sd = 0, sr = 0;
+      double s0 = 0, sd = 0, sr = 0, a0 = 0, ad = 0, ar = 0;
       const int64_t m = off[g + 1] - off[g];
+      // Every output is a float64 statistic rounded once to float32 (half an ulp). The float64 statistics
+      // themselves are off by at most gamma_{4m+8} of the inputs' scale (|r| <= 3, shifted by 5, scaled by 3),
+      // divided by the group's std for grpo.
+      double mean = 0, ssq = 0;
+      for (int64_t i = off[g]; i < off[g + 1]; ++i) mean += r[i] / m;
+      for (int64_t i = off[g]; i < off[g + 1]; ++i) ssq += (r[i] - mean) * (r[i] - mean);
+      const double sdev = m > 1 ? std::sqrt(ssq / (m - 1)) : 1.0;
+      const double f64 = gamma(4 * m + 8, 0x1p-53) * 24.0 / (sdev > 0 ? std::min(sdev, 1.0) : 1.0);
       for (int64_t i = off[g]; i < off[g + 1]; ++i) {
-        s0 += g0[i];
-        sd += dr[i];
-        sr += rl[i];
-        EXPECT_NEAR(g0[i], g1[i], 1e-5);
-        EXPECT_NEAR(g0[i], g2[i], 1e-5);
-        if (m >= 2) EXPECT_NEAR(rl[i], dr[i] * m / (m - 1.0), 1e-5);
+        s0 += g0[i], sd += dr[i], sr += rl[i];
+        a0 += std::fabs(g0[i]), ad += std::fabs(dr[i]), ar += std::fabs(rl[i]);
+        EXPECT_NEAR(g0[i], g1[i], ulps_f32(1, std::fabs(g0[i]) + f64) + 2 * f64);
+        EXPECT_NEAR(g0[i], g2[i], ulps_f32(1, std::fabs(g0[i]) + f64) + 2 * f64);
+        if (m >= 2) {  // rl = r - (S - r) / (m - 1) = m / (m - 1) (r - S / m): both rounded once, dr scaled exactly
+          const double want = static_cast<double>(dr[i]) * m / (m - 1.0);
+          EXPECT_NEAR(rl[i], want, ulps_f32(0.5, rl[i]) + ulps_f32(0.5, want) + 2 * f64);
+        }
       }
-      EXPECT_NEAR(s0, 0.0, 1e-5);
-      EXPECT_NEAR(sd, 0.0, 1e-5);
-      EXPECT_NEAR(sr, 0.0, 1e-5);
+      // The exact statistics sum to 0 over a group: what is left is one float32 rounding per term (u |A_i|), the
+      // float64 errors, and the float64 sum of at most 9 terms here.
+      EXPECT_LE(std::fabs(s0), (kU32 + gamma(m, 0x1p-53)) * a0 + m * f64);
+      EXPECT_LE(std::fabs(sd), (kU32 + gamma(m, 0x1p-53)) * ad + m * f64);
+      EXPECT_LE(std::fabs(sr), (kU32 + gamma(m, 0x1p-53)) * ar + m * f64);
     }
   }
 }

@@ -124,7 +124,8 @@ TEST(NormalizeImportance, HandValues) {
   std::vector<float> out(12, -1.0f);
   normalize_importance(I.data(), bp(m), 3, 4, out.data());
   const std::vector<float> want{0, 0.5f, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < 12; ++i) EXPECT_NEAR(out[i], want[i], 1e-7) << i;
+  // float64 path: a float64 value rounded once (an ulp covers the rounding and the float64 log1p error).
+  for (int i = 0; i < 12; ++i) EXPECT_NEAR(out[i], want[i], oar::testing::ulps_f32(1, want[i])) << i;
 }
 
 TEST(NormalizeImportance, RangeAndOrder) {
@@ -163,6 +164,10 @@ TEST(NormalizeImportance, BadScoresNameTheArgumentAndPosition) {
 
 // --- reshape_span_weights --------------------------------------------------------------------------------
 
+
+// Three float32 roundings relative to the exact weight (tier weight stored, sum, scaled weight stored).
+const double kW3 = oar::testing::gamma(3);
+
 TEST(SpanWeights, HandComputedBothTiers) {
   // s = {0, 0.5, 1, 0.25}, q = 0.5: sorted {0, .25, .5, 1}, h = 1.5 -> tau = 0.25 + 0.5 * 0.25 = 0.375.
   // s=0   : max(0 / tau, 0.1) = 0.1          s=0.25: 0.25 / 0.375 = 2/3
@@ -174,8 +179,11 @@ TEST(SpanWeights, HandComputedBothTiers) {
   const double tau = 0.375;
   const double raw[4] = {0.1, 1 + 0.125 / (1 - tau + kE), 1 + 0.625 / (1 - tau + kE), 0.25 / (tau + kE)};
   const double sum = raw[0] + raw[1] + raw[2] + raw[3];
-  for (int i = 0; i < 4; ++i) EXPECT_NEAR(w[i], raw[i] * 4 / sum, 1e-6) << i;
-  EXPECT_NEAR(w[0] + w[1] + w[2] + w[3], 4.0, 1e-5);
+  // Tier weights computed in float64 and stored as float32 (one rounding, which also moves their float64 sum by
+  // at most u), then scaled in float64 and rounded once more: 3 roundings relative to the exact weight.
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(w[i], raw[i] * 4 / sum, kW3 * raw[i] * 4 / sum) << i;
+  // The four weights sum to 4 up to their own roundings (u each) and 3 float32 additions here.
+  EXPECT_NEAR(w[0] + w[1] + w[2] + w[3], 4.0, (oar::testing::gamma(3) + oar::testing::kU32) * 4.0);
   // The input is left untouched (the quantile works on scratch).
   EXPECT_EQ(s[1], 0.5f);
 }
@@ -186,17 +194,17 @@ TEST(SpanWeights, BoostOnlyAndSuppressOnly) {
   // Boost only: below tau -> 1; raw {1, 1.2, 2, 1}, sum 5.2.
   reshape_span_weights(s.data(), 4, opts_of(0.5, 1.0, 0.1, Tiers::kBoostOnly), w.data(), scratch.data());
   const double b1 = 1 + 0.125 / (0.625 + kE), b2 = 1 + 0.625 / (0.625 + kE), sb = 2 + b1 + b2;
-  EXPECT_NEAR(w[0], 4 / sb, 1e-6);
-  EXPECT_NEAR(w[1], b1 * 4 / sb, 1e-6);
-  EXPECT_NEAR(w[2], b2 * 4 / sb, 1e-6);
-  EXPECT_NEAR(w[3], 4 / sb, 1e-6);
+  EXPECT_NEAR(w[0], 4 / sb, kW3 * 4 / sb);  // 3 roundings, as above
+  EXPECT_NEAR(w[1], b1 * 4 / sb, kW3 * b1 * 4 / sb);
+  EXPECT_NEAR(w[2], b2 * 4 / sb, kW3 * b2 * 4 / sb);
+  EXPECT_NEAR(w[3], 4 / sb, kW3 * 4 / sb);
   // Suppress only: at/above tau -> 1; raw {0.1, 1, 1, 2/3}, sum 2.766667.
   reshape_span_weights(s.data(), 4, opts_of(0.5, 1.0, 0.1, Tiers::kSuppressOnly), w.data(), scratch.data());
   const double s3 = 0.25 / (0.375 + kE), ss = 0.1 + 2 + s3;
-  EXPECT_NEAR(w[0], 0.1 * 4 / ss, 1e-6);
-  EXPECT_NEAR(w[1], 4 / ss, 1e-6);
-  EXPECT_NEAR(w[2], 4 / ss, 1e-6);
-  EXPECT_NEAR(w[3], s3 * 4 / ss, 1e-6);
+  EXPECT_NEAR(w[0], 0.1 * 4 / ss, kW3 * 0.1 * 4 / ss);
+  EXPECT_NEAR(w[1], 4 / ss, kW3 * 4 / ss);
+  EXPECT_NEAR(w[2], 4 / ss, kW3 * 4 / ss);
+  EXPECT_NEAR(w[3], s3 * 4 / ss, kW3 * s3 * 4 / ss);
 }
 
 TEST(SpanWeights, AllEqualScoresGiveExactlyOne) {
@@ -216,8 +224,8 @@ TEST(SpanWeights, BetaZeroFloorZeroAndEmpty) {
   reshape_span_weights(s.data(), 4, opts_of(0.5, 0.0, 0.0), w.data(), scratch.data());
   const double s3 = 0.25 / (0.375 + kE), sum = 2 + s3;
   EXPECT_EQ(w[0], 0.0f);
-  EXPECT_NEAR(w[1], 4 / sum, 1e-6);
-  EXPECT_NEAR(w[3], s3 * 4 / sum, 1e-6);
+  EXPECT_NEAR(w[1], 4 / sum, kW3 * 4 / sum);
+  EXPECT_NEAR(w[3], s3 * 4 / sum, kW3 * s3 * 4 / sum);
   EXPECT_NO_THROW(reshape_span_weights(s.data(), 0, opts_of(0.5, 1, 0.1), w.data(), scratch.data()));
 }
 
@@ -290,7 +298,7 @@ TEST(ReshapeAdvantages, RandomInvariants) {
       std::vector<float> ta(B * T), w(B * T);
       reshape_advantages(adv.data(), s.data(), bp(rm), bp(pm), B, T, o, false, ta.data(), w.data());
       for (int b = 0; b < B; ++b) {
-        double sum_ta = 0, sum_span = 0;
+        double sum_ta = 0, sum_span = 0, abs_ta = 0;
         int n_resp = 0, n_span = 0;
         for (int t = 0; t < T; ++t) {
           const int i = b * T + t;
@@ -305,10 +313,14 @@ TEST(ReshapeAdvantages, RandomInvariants) {
           EXPECT_GE(static_cast<double>(ta[i]) * adv[b], 0.0);  // sign never flips
           if (adv[b] == 0.0f) EXPECT_EQ(ta[i], 0.0f);
           sum_ta += ta[i];
+          abs_ta += std::fabs(ta[i]);
           n_resp += pm[i];
         }
-        EXPECT_NEAR(sum_span, n_span, 1e-5 * std::max(1, n_span));
-        EXPECT_NEAR(sum_ta, n_resp * static_cast<double>(adv[b]), 1e-5 * std::max(1, n_resp) * (1 + std::fabs(adv[b])));
+        // The op scales the span's weights in float64 so that they sum to its length, then rounds each to float32
+        // (u w_i), and each w_i * A once more (u |ta_i|); these sums run in float64.
+        const double f64 = oar::testing::gamma(T, 0x1p-53);
+        EXPECT_NEAR(sum_span, n_span, (oar::testing::kU32 + f64) * sum_span);
+        EXPECT_NEAR(sum_ta, n_resp * static_cast<double>(adv[b]), (oar::testing::gamma(2) + f64) * abs_ta);
       }
     }
   }
