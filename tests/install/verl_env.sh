@@ -12,7 +12,8 @@
 #   WHEEL   the oar wheel to install (default: $OAR_BUILD_DIR/dist/oar-*.whl, which ./setup.sh builds; no build here)
 # Environment: OAR_VENV (venv whose base interpreter creates the test venv, default .venv), OAR_BUILD_DIR (build),
 #   OAR_INSTALL_TEST_KEEP=1 keeps the temporary folder (printed) for inspection.
-# Takes 2-4 minutes (the packages come from pip's cache once setup.sh has run; transformers 5.10.4 from PyPI).
+# About 4 CPU-minutes, most of it unpacking torch (pip's cache holds the wheels once setup.sh has run;
+# transformers 5.10.4 comes from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD

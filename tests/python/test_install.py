@@ -2,7 +2,8 @@
 fresh verl 0.9.1 environment and checks that nothing the trainer installed moved (pip freeze before/after), that
 `import oar` works and that `import verl` registers the OAR estimators (docs/install.md).
 
-It builds a 5 GB virtual environment (3-6 minutes), so it runs only with OAR_INSTALL_TEST=1, which .ci/run sets.
+It builds a 5 GB virtual environment (about 4 CPU-minutes, 7-12 minutes of wall time on 2 busy cores), so it runs only
+with OAR_INSTALL_TEST=1, which .ci/run sets.
 """
 
 import glob
@@ -16,7 +17,7 @@ SCRIPT = os.path.join(ROOT, "tests", "install", "verl_env.sh")
 
 
 @pytest.mark.skipif(os.environ.get("OAR_INSTALL_TEST") != "1",
-                    reason="OAR_INSTALL_TEST=1 runs it (CI does): a fresh verl venv, 3-6 minutes")
+                    reason="OAR_INSTALL_TEST=1 runs it (CI does): a fresh verl venv, about 4 CPU-minutes")
 def test_oar_installs_beside_verl_without_moving_its_packages():
     build = os.environ.get("OAR_BUILD_DIR") or os.path.join(ROOT, "build")
     wheel = os.environ.get("OAR_WHEEL") or next(iter(sorted(glob.glob(os.path.join(build, "dist", "oar-*.whl")))), None)
