@@ -156,3 +156,46 @@ def test_random_baseline_advances_between_calls(tiny):
     a, _ = _call(tiny, method="random", seed=11)
     b, _ = _call(tiny, method="random", seed=11)
     assert not torch.equal(a.scores, b.scores)  # one cached hook per (tokenizer, config): the generator advances
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+def _batch4(tok, C=20):
+    # Only the tokenizer enters these cases (no model is passed): the "minimal" tokenizer of ``tiny``.
+    return completion_batch(tok, ["so 2 and 3 \\boxed{5}", "hmm 9", "5 \\boxed{5}", "4 4 \\boxed{8}"], C, eos=False)
+
+
+# (rewards and config given to token_advantages with _batch4's completions and group_size=2, exception, message regex)
+BAD_INPUT = [
+    # A dict or JSON string used to fail with AttributeError: 'dict' object has no attribute 'method'.
+    pytest.param(dict(rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), config={"method": "grpo"}), ValueError,
+                 r"config must be an oar\.OARConfig or None, got (dict|str)", id="config_dict"),
+    pytest.param(dict(rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), config='{"method": "grpo"}'), ValueError,
+                 r"config must be an oar\.OARConfig or None, got (dict|str)", id="config_json_str"),
+    # Used to raise NotImplementedError: Cannot copy out of meta tensor; no data!
+    pytest.param(dict(rewards=torch.ones(4, device="meta"), config=_cfg(method="grpo")), ValueError,
+                 r"rewards must hold data, got a tensor on the meta device", id="meta_rewards"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", BAD_INPUT)
+def test_bad_input(tiny, kwargs, exc, match):
+    _, tok = tiny
+    _, ids, mask = _batch4(tok)
+    with pytest.raises(exc, match=match):
+        oar.token_advantages(completion_ids=ids, completion_mask=mask, group_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_token_advantages_ktae_skip_nan_and_bool_rewards(tiny, with_tokenizer):
+    # skip_nan gives NaN rows A = 0 for every method; ktae used to raise "rewards must be finite" for them, and
+    # refused bool rewards that every other method accepts.
+    _, tok = tiny
+    _, ids, mask = _batch4(tok)
+    kw = dict(completion_ids=ids, completion_mask=mask, group_size=2, tokenizer=tok if with_tokenizer else None)
+    out = oar.token_advantages(torch.tensor([float("nan"), 0.0, 1.0, 0.0]), config=_cfg(method="ktae", skip_nan=True),
+                               **kw)
+    assert torch.isfinite(out.advantages).all() and out.sequence_advantages[0] == 0
+    b = oar.token_advantages(torch.tensor([True, False, True, False]), config=_cfg(method="ktae"), **kw)
+    f = oar.token_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), config=_cfg(method="ktae"), **kw)
+    torch.testing.assert_close(b.advantages, f.advantages)

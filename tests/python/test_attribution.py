@@ -4,13 +4,20 @@ Uses a tiny random Llama with the character-level tokenizer (oar.models), so tok
 every expected value is computed here with plain PyTorch on unpadded single sequences.
 """
 
+import contextlib
+import math
+import os
+
+import numpy as np
 import pytest
 import torch
 
 import oar
+from oar import ops
 from oar.attribution import (
     HFProbeModel,
     ProbeContextBuilder,
+    as_probe_model,
     entropy_scores,
     oar_g_scores,
     oar_p_scores,
@@ -504,3 +511,201 @@ def test_shared_prefix_attention_under_bf16_autocast(tiny):
     w = truth.shape[1]
     for got in (new.scores, old.scores):
         assert_close_to_reference(got[:, :w], truth, plain[:, :w], atol=float(ulp(truth.abs().max(), torch.bfloat16)))
+
+
+# ---- bad input, on one-layer models --------------------------------------------------------------------------------
+# Every engine argument either raises a ValueError that names it, the expected and the actual value, or gives a
+# finite, well-formed result.
+
+@pytest.fixture(scope="module")
+def tiny_1layer():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal")
+
+
+@pytest.fixture(scope="module")
+def tiny_1layer_seed3():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=3)
+
+
+@pytest.fixture(scope="module")
+def probe_batch(tiny_1layer):
+    model, tok = tiny_1layer
+    b = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{")
+    P = tok.encode("Q: 2+3?", add_special_tokens=False)
+    batch = b.build([P, P], [tok.encode("so 2 and 3 ", add_special_tokens=False), tok.encode("hmm", add_special_tokens=False)],
+                    ["5", "15"])
+    return as_probe_model(model), batch, b
+
+
+@pytest.fixture(scope="module")
+def probe_batch_seed3(tiny_1layer_seed3):
+    model, tok = tiny_1layer_seed3
+    b = ProbeContextBuilder(tok, CONCLUDE, "}")
+    P = tok.encode("Q: 2+3?", add_special_tokens=False)
+    batch = b.build([P, P], [tok.encode("so 2 and 3 ", add_special_tokens=False),
+                             tok.encode("hmm 9 x", add_special_tokens=False)], ["5", "9"], [6, 5])
+    return as_probe_model(model), batch
+
+
+_EVERY_ENGINE_BAD = [
+    (dict(rows=[0.5]), r"rows\[i\] must be an int, got float 0\.5", "rows_float"),
+    (dict(rows=[True]), r"rows\[i\] must be an int, got bool True", "rows_bool"),
+    (dict(rows="0"), r"rows must be a sequence of row indices", "rows_str"),
+    (dict(memory_budget_mb=0), r"memory_budget_mb must be an int >= 1, got 0", "budget_0"),
+    (dict(memory_budget_mb=0.5), r"memory_budget_mb must be an int >= 1, got 0\.5", "budget_float"),
+    (dict(memory_budget_mb=None), r"memory_budget_mb must be an int >= 1, got None", "budget_none"),
+    (dict(clean_logits=torch.zeros(1, 1, 1)),
+     r"clean_logits must be \(B, K_max, V\) with \(B, K_max\) = \(2, 2\), got \(1, 1, 1\)", "clean_logits_shape"),
+]
+
+# (engine, keyword arguments, exception, message regex), on probe_batch
+ENGINE_BAD_INPUT = [
+    pytest.param(engine, kwargs, ValueError, match, id=f"{engine.__name__}-{name}")
+    for engine in (oar_p_scores, oar_g_scores) for kwargs, match, name in _EVERY_ENGINE_BAD
+] + [
+    pytest.param(oar_p_scores, dict(max_variants_per_chunk=1.5), ValueError,
+                 r"max_variants_per_chunk must be an int, got float 1\.5", id="oar_p_scores-max_variants_float"),
+    pytest.param(oar_p_scores, dict(max_variants_per_chunk=-1), ValueError, r"max_variants_per_chunk must be >= 0",
+                 id="oar_p_scores-max_variants_negative"),
+    pytest.param(oar_g_scores, dict(sigma=float("inf")), ValueError, r"sigma must be > 0 and finite, got inf",
+                 id="oar_g_scores-sigma_inf"),
+    pytest.param(oar_g_scores, dict(noise_draws=1.5), ValueError, r"noise_draws must be an int, got float 1\.5",
+                 id="oar_g_scores-noise_draws_float"),
+]
+
+
+@pytest.mark.parametrize("engine, kwargs, exc, match", ENGINE_BAD_INPUT)
+def test_engine_bad_input(probe_batch, engine, kwargs, exc, match):
+    pm, batch, _ = probe_batch
+    with pytest.raises(exc, match=match):
+        engine(pm, batch, **kwargs)
+
+
+# max_prefix_waste used to be ignored by the batched engine (and "auto" when it picks it), TypeError for None.
+_WASTE_BAD = [
+    (0.0, r"max_prefix_waste must be in \(0, 1\], got 0\.0", "0"),
+    (1.5, r"max_prefix_waste must be in \(0, 1\], got 1\.5", "1.5"),
+    (float("nan"), r"max_prefix_waste must be in \(0, 1\], got nan", "nan"),
+    ("0.2", r"max_prefix_waste must be a real number, got str '0.2'", "str"),
+    (None, r"max_prefix_waste must be a real number, got NoneType None", "none"),
+]
+# positions: rows not requested (or -1, "0") used to be ignored silently (scores 0), out-of-range keys IndexError,
+# floats truncated, strings iterated as digits.
+_POSITIONS_BAD = [
+    ({5: [0]}, None, r"positions has row 5, which is not among the rows scored \(\[0, 1\]\)", "row_5"),
+    ({-1: [0]}, None, r"positions has row -1, which is not among the rows scored", "row_-1"),
+    ({1: [0]}, [0], r"positions has row 1, which is not among the rows scored \(\[0\]\)", "row_not_requested"),
+    ([[0]], None, r"positions must be a mapping \{row: reasoning indices\} or None, got list", "list"),
+    ({0: 1}, None, r"positions\[0\] must be a sequence of reasoning indices, got int 1", "int_value"),
+    ({0: "01"}, None, r"positions\[0\] must be a sequence of reasoning indices, got str '01'", "str_value"),
+    ({0: [1.5]}, None, r"positions\[0\]\[i\] must be an int, got float 1\.5", "float_index"),
+    ({0: [True]}, None, r"positions\[0\]\[i\] must be an int, got bool True", "bool_index"),
+    ({"0": [1]}, None, r"positions key must be an int, got str '0'", "str_key"),
+]
+
+# (keyword arguments of oar_p_scores, exception, message regex), on probe_batch_seed3
+OAR_P_BAD_INPUT = [
+    pytest.param(dict(engine=engine, max_prefix_waste=waste), ValueError, match, id=f"{engine}-max_prefix_waste_{name}")
+    for engine in ("auto", "prefix", "batched") for waste, match, name in _WASTE_BAD
+] + [
+    pytest.param(dict(engine=engine, positions=positions, rows=rows), ValueError, match,
+                 id=f"{engine}-positions_{name}")
+    for engine in ("prefix", "batched") for positions, rows, match, name in _POSITIONS_BAD
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", OAR_P_BAD_INPUT)
+def test_oar_p_bad_input(probe_batch_seed3, kwargs, exc, match):
+    pm, batch = probe_batch_seed3
+    with pytest.raises(exc, match=match):
+        oar_p_scores(pm, batch, **kwargs)
+
+
+def test_oar_p_positions_accept_tensors_and_arrays(probe_batch_seed3):
+    pm, batch = probe_batch_seed3
+    ref = oar_p_scores(pm, batch, positions={0: [0, 2]}).scores
+    for js in (torch.tensor([0, 2]), np.array([0, 2]), (2, 0)):
+        torch.testing.assert_close(oar_p_scores(pm, batch, positions={0: js}).scores, ref)
+    assert os.environ.get("OAR_CONFIG") is None
+
+
+def test_engine_budget_extremes_plan_correctly(tiny_1layer, probe_batch):
+    import copy
+
+    from oar import reference
+
+    pm, batch, _ = probe_batch
+    # A sharpened copy of the tiny model, whose divergences (~1e-2) stand far above float32 rounding (the default
+    # init gives ~1e-6, at the rounding level), and the float64 truth of its scores.
+    sharp = copy.deepcopy(tiny_1layer[0])
+    with torch.no_grad():
+        for prm in sharp.parameters():
+            if prm.dim() > 1:
+                prm.mul_(6.0)
+    spm = as_probe_model(sharp)
+    truth = torch.zeros(batch.batch_size, int(batch.reasoning_len.max()), dtype=torch.float64)
+    for r, scores in reference.oar_p_naive(copy.deepcopy(sharp).double(), batch, mode="batched").items():
+        for j, v in scores.items():
+            truth[r, j] = v
+    w = truth.shape[1]
+    ref = oar_p_scores(spm, batch).scores[:, :w]
+    for kw in (dict(memory_budget_mb=1), dict(memory_budget_mb=2**50), dict(max_variants_per_chunk=1)):
+        got = oar_p_scores(spm, batch, **kw).scores[:, :w]
+        assert_close_to_reference(got, truth, ref, what=str(kw))  # rule 1: every plan as accurate as the default
+    assert torch.isfinite(oar_g_scores(pm, batch, memory_budget_mb=2**50).scores).all()
+
+
+def test_pad_id_must_be_a_valid_token(tiny_1layer, probe_batch):
+    model, tok = tiny_1layer
+    pm, _, _ = probe_batch
+    with pytest.raises(ValueError, match=r"pad_id must be a token id \(an int >= 0\), got -1"):
+        ProbeContextBuilder(tok, "x", pad_id=-1)
+    big = ProbeContextBuilder(tok, "x", pad_id=10**6).build([[5, 6]], [[7, 8]], ["5"])
+    with pytest.raises(ValueError, match=r"pad_id must be a token id in \[0, vocab_size=\d+\), got 1000000"):
+        oar_p_scores(pm, big)
+
+
+def test_build_reasoning_lens_must_be_integers(probe_batch):
+    _, _, b = probe_batch
+    with pytest.raises(ValueError, match=r"reasoning_lens\[0\] must be an int, got float 1\.5"):
+        b.build([[5]], [[6, 7]], ["5"], reasoning_lens=[1.5])
+
+
+class _ZeroProbModel:
+    """A ProbeModel whose logits put -inf on token 0 whenever a real (attended) position holds PAD: every OAR-P
+    variant then gives zero probability where the clean distribution has mass (KL = +inf)."""
+
+    vocab_size = 8
+    hidden_size = 4
+    device = torch.device("cpu")
+
+    def __init__(self, pad_id):
+        self.pad_id = pad_id
+
+    def embed(self, input_ids):
+        return torch.zeros(*input_ids.shape, self.hidden_size)
+
+    def activation_bytes_per_token(self, width, backward=False):
+        return 4 * self.hidden_size
+
+    def eval_mode(self):
+        return contextlib.nullcontext()
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        out = torch.zeros(input_ids.shape[0], keep, self.vocab_size)
+        masked = ((input_ids == self.pad_id) & (attention_mask == 1)).any(1)
+        out[masked, :, 0] = float("-inf")
+        return out
+
+
+def test_oar_p_infinite_divergence_is_an_error():
+    b = ProbeContextBuilder(type("Tok", (), {"pad_token_id": 7, "eos_token_id": 7,
+                                             "encode": lambda self, s, add_special_tokens=False: [1] * len(s),
+                                             "decode": lambda self, ids, skip_special_tokens=False: "x" * len(ids)})(),
+                            "c", answer_suffix="")
+    batch = b.build([[2, 3]], [[4, 5, 6]], ["a"], reasoning_lens=[3])
+    with pytest.raises(ValueError, match=r"oar_p_scores: masking reasoning token 0 of row 0 gives a non-finite "
+                                         r"divergence \(inf\)"):
+        oar_p_scores(_ZeroProbModel(7), batch)
+    assert math.isinf(float(ops.probe_divergence(torch.zeros(1, 1, 3), torch.tensor([[[-math.inf, 0.0, 0.0]]]),
+                                                 probe="last")))  # the op itself documents +inf

@@ -1,12 +1,13 @@
 """oar eval-attribution: recall metric, bootstrap, oracle and the whole command on a tiny model."""
 
 import json
+import re
 import types
 
 import pytest
 import torch
 
-from oar.eval_attribution import bootstrap_ci, oracle_causal, recall_at
+from oar.eval_attribution import bootstrap_ci, oracle_causal, recall_at, write_outputs
 
 
 def test_recall_at_hand_values():
@@ -53,3 +54,70 @@ def test_oracle_marks_tokens_whose_masking_flips_the_answer(monkeypatch):
     assert ok and causal == [False, True, False]
     ok, causal = oracle_causal(None, None, _Task(), None, [5], [11, 12], [3], pad_id=0)
     assert not ok and causal == []  # the clean trace itself does not decode to the right answer
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+# (function, keyword arguments, exception, message regex)
+BAD_INPUT = [
+    # NaN keys made the ranking (and so the recall) depend on their position.
+    pytest.param(recall_at, dict(scores=[1.0, float("nan"), 0.5], causal=[True, False, False], percent=10), ValueError,
+                 r"scores must not contain NaN .* positions \[1\]", id="recall_at_nan_scores"),
+    pytest.param(recall_at, dict(scores=[1.0], causal=[True], percent="10"), ValueError,
+                 r"percent must be in \(0, 100\] \(a real number\), got '10'", id="recall_at_percent_str"),
+    # reps=0 used to be IndexError; level=1.5 a silently wrong interval.
+    pytest.param(bootstrap_ci, dict(values=[0.5], reps=0), ValueError, r"reps must be an int >= 1, got 0",
+                 id="bootstrap_ci_reps_0"),
+    pytest.param(bootstrap_ci, dict(values=[0.5], level=1.5), ValueError,
+                 r"level must be a real number in \(0, 1\), got 1\.5", id="bootstrap_ci_level"),
+    pytest.param(bootstrap_ci, dict(values=[0.5, float("nan")]), ValueError,
+                 r"values must be finite, got nan at index 1", id="bootstrap_ci_nan"),
+]
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
+def test_bad_input(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+def test_write_outputs_with_no_trace_kept(tmp_path):
+    # Plotting zero tasks used to raise after the table was written.
+    write_outputs([], [], str(tmp_path / "r"), {})
+    assert (tmp_path / "r.json").exists() and (tmp_path / "r.md").exists()
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Fails the test if the command gets as far as loading a model or running the evaluation."""
+    import oar.eval_attribution as ea
+
+    def boom(*a, **k):
+        raise AssertionError("eval-attribution ran past its argument checks")
+
+    monkeypatch.setattr(ea, "run", boom)
+    monkeypatch.setattr("oar.models.load_by_name", boom)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tasks", "math500"], r"data file not found: .*math500"),
+    (["--max-new-tokens", "0"], r"--max-new-tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], r"--temperature must be finite and > 0, got -1\.0"),
+    (["--temperature", "nan"], r"--temperature must be finite and > 0, got nan"),
+    (["--out", "/proc/oar-nonexistent/recall"], r"--out: cannot create the output directory '/proc/oar-nonexistent'"),
+    (["--out", "DIR/"], r"--out must be a file prefix .* got '.*/'"),
+])
+def test_cli_eval_attribution_fails_fast(tmp_path, monkeypatch, capsys, no_model, argv, match):
+    # Each of these used to load the model (and for --out, run to the end before failing to write the results).
+    from oar.cli import main
+
+    monkeypatch.setenv("OAR_DATA_DIR", str(tmp_path / "no-data"))
+    argv = [a.replace("DIR", str(tmp_path)) for a in argv]
+    if "--tasks" not in argv:
+        argv = ["--tasks", "arithmetic"] + argv
+    with pytest.raises(SystemExit) as e:
+        main(["eval-attribution"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("oar eval-attribution: error:")
+    assert re.search(match, err)

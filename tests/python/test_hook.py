@@ -114,3 +114,80 @@ def test_skipped_groups_metric(tiny):
     assert "oar/skipped_groups_frac" not in hook.compute(model, prompts, ids, mask, adv, ["5"] * 4).metrics
     with pytest.raises(ValueError, match=r"group_size must divide the number of rewards N = 4, got group_size = 3"):
         hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=3)
+
+
+# ---- bad input and degenerate batches, on a one-layer model ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_1layer():
+    return tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal")
+
+
+def _hook_batch(tok, C=12):
+    return completion_batch(tok, ["so 2 and 3 \\boxed{5}", "hmm 9"], C, eos=False)
+
+
+def _hook(tok, method="oar_p"):
+    return TokenAdvantageHook(oar.OARConfig.from_json(json.dumps({"method": method})), tok)
+
+
+# (arguments of compute that replace the valid ones: prompt_ids / completion_ids / completion_mask of _hook_batch,
+# advantages [1, -1], answers ["5", "5"]; a callable builds them from the valid (prompt_ids, completion_ids),
+# exception, message regex)
+HOOK_BAD_INPUT = [
+    pytest.param(dict(advantages=[1.0, -1.0]), ValueError,
+                 r"advantages must be a \(B,\) tensor of sequence advantages, got list", id="advantages_list"),
+    pytest.param(dict(completion_ids=None), ValueError, r"completion_ids must be a \(B, C\) tensor, got NoneType",
+                 id="completion_ids_none"),
+    pytest.param(lambda P, ids: dict(completion_ids=ids.float()), ValueError,
+                 r"completion_ids must be an integer tensor of token ids, got dtype torch\.float32",
+                 id="completion_ids_float"),
+    pytest.param(lambda P, ids: dict(completion_ids=ids + 100000), ValueError,
+                 r"completion_ids must be token ids in \[0, \d+\), got \d+ at \[0, 0\]", id="completion_ids_too_large"),
+    pytest.param(lambda P, ids: dict(completion_ids=ids - 100000), ValueError,
+                 r"completion_ids must be token ids in \[0, \d+\), got -\d+", id="completion_ids_negative"),
+    pytest.param(dict(prompt_ids=[[10**6], [1]]), ValueError,
+                 r"prompt_ids\[0\] must be token ids in \[0, \d+\), got 1000000 at position 0",
+                 id="prompt_ids_too_large"),
+    pytest.param(lambda P, ids: dict(prompt_ids=[torch.tensor([P[0]])] * 2), ValueError,
+                 r"prompt_ids\[0\] must be a 1-D integer tensor of token ids", id="prompt_ids_2d_tensor"),
+    pytest.param(dict(prompt_ids=[[1.5], [1]]), ValueError, r"prompt_ids\[0\] must hold integer token ids, got 1\.5",
+                 id="prompt_ids_float"),
+    pytest.param(dict(advantages=torch.tensor([3e38, -1.0])), ValueError,
+                 r"advantages\[0\] = 3e\+38 times its weight .* overflows float32", id="advantages_weight_overflow"),
+    pytest.param(dict(advantages=torch.tensor([1e300, -1.0], dtype=torch.float64)), ValueError,
+                 r"advantages must fit in float32", id="advantages_beyond_float32"),
+    pytest.param(dict(advantages=torch.ones(2, device="meta")), ValueError,
+                 r"advantages must hold data, got a tensor on the meta device", id="advantages_meta"),
+]
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+@pytest.mark.parametrize("over, exc, match", HOOK_BAD_INPUT)
+def test_hook_bad_input(tiny_1layer, method, over, exc, match):
+    model, tok = tiny_1layer
+    P, ids, mask = _hook_batch(tok)
+    h = _hook(tok, method)
+    args = dict(prompt_ids=P, completion_ids=ids, completion_mask=mask, advantages=torch.tensor([1.0, -1.0]),
+                answers=["5", "5"])
+    args.update(over(P, ids) if callable(over) else over)
+    with pytest.raises(exc, match=match):
+        h.compute(model, **args)
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g", "entropy", "random"])
+def test_hook_degenerate_batches_are_well_formed(tiny_1layer, method):
+    model, tok = tiny_1layer
+    P, ids, mask = _hook_batch(tok)
+    h = _hook(tok, method)
+    A2 = torch.tensor([1.0, -1.0])
+    for p, i, m, a, ans in [
+        ([], ids[:0], mask[:0], A2[:0], []),                       # B = 0
+        (P, ids[:, :0], mask[:, :0], A2, ["5", "5"]),              # completions of length 0
+        (P, ids, torch.zeros_like(mask), A2, ["5", "5"]),          # all-padding rows
+    ]:
+        out = h.compute(model, p, i, m, a, ans)
+        assert out.advantages.shape == i.shape and torch.isfinite(out.advantages).all()
+        assert (out.advantages[~m.bool()] == 0).all()
+    with pytest.raises(ValueError, match=r"answers: reference answer '' encodes to no tokens"):
+        h.compute(model, P, ids, mask, A2, ["", "5"])

@@ -121,6 +121,35 @@ def test_refuses_incompatible_settings(tmp_path, bad, match):
                        processing_class=tok)
 
 
+# (OARGRPOTrainer's own keyword arguments, exception, message regex). These used to fail after TRL had built the
+# trainer (AttributeError), or at the first step (missing column).
+OAR_ARGS_BAD_INPUT = [
+    pytest.param(dict(oar_config={"method": "grpo"}), ValueError,
+                 r"oar_config must be an oar\.OARConfig or None, got dict", id="oar_config_dict"),
+    pytest.param(dict(answer_column=None), ValueError, r"answer_column must be a non-empty str .* got None",
+                 id="answer_column_none"),
+    pytest.param(dict(oar_config="oar_g"), ValueError, r"oar_config must be an oar\.OARConfig or None, got str",
+                 id="oar_config_str"),
+    pytest.param(dict(answer_column="solution"), KeyError,
+                 r"needs the reference answer in dataset column 'solution'; "
+                 r"train_dataset has columns \['prompt', 'answer'\]", id="answer_column_missing"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", OAR_ARGS_BAD_INPUT)
+def test_trainer_checks_oar_arguments_before_building(tiny_trl, tmp_path, kwargs, exc, match):
+    # The checks run before TRL's __init__, so the shared model is never touched.
+    from oar.integrations.trl import OARGRPOTrainer
+
+    model, tok = tiny_trl
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "1+2?"}], "answer": "3"}] * 4)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, max_steps=1, report_to="none", save_strategy="no", use_cpu=True)
+    with pytest.raises(exc, match=match):
+        OARGRPOTrainer(model=model, reward_funcs=[lambda completions, **k: [0.0] * len(completions)], args=args,
+                       train_dataset=ds, processing_class=tok, **kwargs)
+
+
 # ---- loss types, every method, warnings, the mixin (issue 5) ------------------------------------------------
 
 def _loss_of(trainer):

@@ -26,6 +26,8 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
+from _completions import completion_batch  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -272,3 +274,108 @@ def test_tool_outputs_stay_in_the_context_but_are_never_scored(tiny, monkeypatch
         assert pb.input_ids[i, s0: s0 + L].tolist() == b["responses"][i][b["attention_mask"][i, -10:].bool()].tolist()
     seq = _run(data, "oar_grpo")[:, 0]
     torch.testing.assert_close(adv.sum(1), seq * eligible.sum(1), rtol=1e-5, atol=1e-5)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def configure_reset():
+    yield
+    oar_verl.configure(None, None)
+
+
+# (keyword arguments of configure, exception, message regex). A dict/str config used to be stored and fail at the
+# first training step with AttributeError.
+CONFIGURE_BAD_INPUT = [
+    pytest.param(dict(config={"method": "grpo"}), ValueError, r"config must be an oar\.OARConfig or None, got dict",
+                 id="config_dict"),
+    pytest.param(dict(config='{"method": "grpo"}'), ValueError, r"config must be an oar\.OARConfig or None, got str",
+                 id="config_str"),
+    pytest.param(dict(scorer=3), ValueError, r"scorer must be callable .* got int", id="scorer_int"),
+    pytest.param(dict(ignore_ids=None), ValueError, r"ignore_ids must be a sequence of int token ids, got NoneType",
+                 id="ignore_ids_none"),
+    pytest.param(dict(ignore_ids=["a"]), ValueError, r"ignore_ids\[i\] must be an int, got str 'a'",
+                 id="ignore_ids_str"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", CONFIGURE_BAD_INPUT)
+def test_configure_bad_input(configure_reset, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        oar_verl.configure(**kwargs)
+
+
+def _verl_data(B=4, R=3):
+    return DataProto.from_dict(tensors={"responses": torch.zeros(B, R, dtype=torch.long)})
+
+
+# (scores, reasoning_mask, exception, message regex) for attach_scores on _verl_data(). These used to be attached
+# as-is (NaN/negative failing only at compute_advantage, complex silently cast).
+ATTACH_SCORES_BAD_INPUT = [
+    pytest.param(torch.full((4, 3), float("nan")), torch.ones(4, 3, dtype=torch.bool), ValueError,
+                 r"scores must be finite and >= 0 on reasoning_mask, got scores\[0, 0\] = nan", id="nan"),
+    pytest.param(-torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool), ValueError,
+                 r"scores must be finite and >= 0 on reasoning_mask", id="negative"),
+    pytest.param(torch.ones(4, 3, dtype=torch.complex64), torch.ones(4, 3, dtype=torch.bool), ValueError,
+                 r"scores must be real .*, got dtype torch.complex64", id="complex"),
+    pytest.param(torch.ones(4, 3), torch.full((4, 3), 0.5), ValueError, r"reasoning_mask must be bool or 0/1",
+                 id="mask_fractional"),
+    pytest.param(torch.ones(4, 3, device="meta"), torch.ones(4, 3, dtype=torch.bool), ValueError,
+                 r"scores must hold data", id="meta"),
+]
+
+
+@pytest.mark.parametrize("scores, mask, exc, match", ATTACH_SCORES_BAD_INPUT)
+def test_attach_scores_bad_input(configure_reset, scores, mask, exc, match):
+    data = _verl_data()
+    with pytest.raises(exc, match=match):
+        oar_verl.attach_scores(data, scores, mask)
+    assert "oar_scores" not in data.batch.keys()
+
+
+def test_attach_scores_without_responses_is_a_key_error(configure_reset):
+    with pytest.raises(KeyError, match=r"data must be a verl DataProto with batch\['responses'\]"):
+        oar_verl.attach_scores(DataProto.from_dict(tensors={"x": torch.zeros(4, 3)}), torch.ones(4, 3),
+                               torch.ones(4, 3, dtype=torch.bool))
+
+
+# (call of the registered "oar_grpo" estimator on token_level_rewards (4, 3) and response_mask (4, 3), exception,
+# message regex). A wrong-length index used to raise RuntimeError: shape mismatch from an index_put.
+ESTIMATOR_BAD_INPUT = [
+    pytest.param(lambda est, t, m: est(t, m, index=np.array(["a", "a", "b"], dtype=object)), ValueError,
+                 r"index must hold one group id per row: \(bs,\) = \(4,\), got 3 ids", id="index_short"),
+    pytest.param(lambda est, t, m: est(t, m, index=np.array(["a", "a", "b", "b", "c"], dtype=object)), ValueError,
+                 r"index must hold one group id per row: \(bs,\) = \(4,\), got 5 ids", id="index_long"),
+    pytest.param(lambda est, t, m: est(t[:, 0], m, index=np.array(["a", "a", "b", "b"], dtype=object)), ValueError,
+                 r"token_level_rewards must be a \(bs, R\) tensor, got \(4,\)", id="rewards_1d"),
+    pytest.param(lambda est, t, m: est(t, m, index=np.array(["a", "a", "b", "b"], dtype=object), epsilon="x"),
+                 ValueError, r"epsilon must be a real number, got str 'x'", id="epsilon_str"),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", ESTIMATOR_BAD_INPUT)
+def test_estimator_bad_input(configure_reset, call, exc, match):
+    oar_verl.register()
+    est = oar_verl._REGISTERED["oar_grpo"]
+    tlr = torch.zeros(4, 3)
+    tlr[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(exc, match=match):
+        call(est, tlr, torch.ones(4, 3))
+
+
+def test_hfscorer_missing_ground_truth_is_refused(configure_reset, tiny):
+    # A row without reward_model.ground_truth used to be KeyError('ground_truth'), and None was probed as "None".
+    # The answers are checked before the model runs.
+    model, tok = tiny
+    P, ids, mask = completion_batch(tok, ["so 2 and 3 \\boxed{5}", "hmm 9", "5 \\boxed{5}", "4 4 \\boxed{8}"], 20,
+                                    eos=False)
+    prompts = torch.tensor(P)
+    data = DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": ids, "response_mask": mask,
+                 "attention_mask": torch.cat([torch.ones_like(prompts), mask], 1)},
+        non_tensors={"reward_model": np.array([{"ground_truth": "5"}, {"ground_truth": None}, {}, {"ground_truth": "8"}],
+                                              dtype=object)})
+    scorer = oar_verl.HFScorer(tok, model)
+    with pytest.raises(KeyError, match=r"needs the reference answers in non_tensor_batch\['reward_model'\]\[i\]"
+                                       r"\['ground_truth'\]; rows \[1, 2\] have none"):
+        scorer(data, oar.OARConfig.from_json(json.dumps({"method": "oar_p"})), torch.tensor([1.0, -1.0, 1.0, -1.0]))
