@@ -128,3 +128,14 @@ def assert_close_to_rounded(out: torch.Tensor, ref64: torch.Tensor, *, k: float 
     the float64 reference itself rounded to that dtype (the best any ``out``-dtype result can be), so ``out`` is
     within ``k`` times that rounding plus one ulp of the largest value (about 2 ulps of the largest ``|ref64|``)."""
     assert_close_to_reference(out, ref64, ref64.to(out.dtype), k=k, what=what)
+
+
+def mass_bound(advantages: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rule 2 for the mass identity of a reshaped row, ``sum_t A_t == A * L`` over its L eligible tokens: the
+    weights are renormalized to sum L by a sum of L terms (``gamma_L``), each token advantage ``w_t * A`` is
+    rounded once, and the check's own sum adds L terms (``gamma_L``): ``(2 gamma_L + gamma_3) |A| L`` per row,
+    plus the ulp floor of the smallest normal. ``advantages`` (B,), ``lengths`` (B,) integer; returns (B,)."""
+    L = lengths.detach().double().cpu()
+    a = advantages.detach().double().cpu().abs()
+    n = max(int(L.max()), 1) if L.numel() else 1
+    return (2 * gamma(n, dtype) + gamma(3, dtype)) * a * L + ulp(0.0, dtype)

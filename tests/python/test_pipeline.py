@@ -15,7 +15,7 @@ from oar.attribution import engines
 from oar.models import tiny_random_llama
 from oar.pipeline import METHOD_TABLE, Pipeline, RolloutBatch, method_spec, with_method
 from _completions import completion_batch
-from _tolerance import assert_close_to_reference
+from _tolerance import assert_close_to_reference, assert_within, mass_bound
 
 TEXTS = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5", "4 4 4 \\boxed{8}",
          "5 \\boxed{5}"]
@@ -169,7 +169,7 @@ def test_oar_p_masks_only_eligible_tokens(tiny, monkeypatch):
     assert {r: sorted(v) for r, v in got.items()} == {r: want[r] for r in (0, 1, 2)}  # row 3: A = 0, not scored
     assert (res.scores[~eligible] == 0).all() and not res.reasoning_mask[~eligible].any()
     assert (res.advantages[~eligible] == 0).all()
-    torch.testing.assert_close(res.advantages.sum(1), adv * eligible.sum(1), rtol=1e-5, atol=1e-6)
+    assert_within(res.advantages.sum(1), adv * eligible.sum(1), mass_bound(adv, eligible.sum(1)), "mass")
 
 
 def test_oar_g_perturbs_only_eligible_tokens(tiny):
