@@ -116,7 +116,7 @@ def with_method(config, method: str):
     obj["method"] = method
     if method == "dr_grpo":
         obj["estimator"] = "dr_grpo"
-    return OARConfig.from_json(json.dumps(obj))
+    return OARConfig(**obj)
 
 
 # ==== inputs and outputs ==================================================================================
@@ -746,7 +746,7 @@ def pipeline_for(config=None, tokenizer=None) -> Pipeline:
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig.from_json(...))")
+                         "(build one with oar.OARConfig(method=..., ...))")
     cfg = config if config is not None else OARConfig()
     key = cfg.to_json()
     if tokenizer is None:

@@ -63,7 +63,7 @@ def _check_config(config) -> None:
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig.from_json(...))")
+                         "(build one with oar.OARConfig(method=..., ...))")
 
 
 def install(config=None, *, model=None) -> None:

@@ -11,7 +11,7 @@ Usage (one changed import, one extra argument)::
 
     from oar.integrations.trl import OARGRPOTrainer
     trainer = OARGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=ds,
-                             oar_config=oar.OARConfig.from_json('{"method": "oar_g"}'))
+                             oar_config=oar.OARConfig(method="oar_g"))
 
 Every method of :data:`oar.METHODS` works: ``grpo``, ``dr_grpo`` (sets TRL's ``scale_rewards="none"``),
 ``random``, ``entropy``, ``entropy_shaping``, ``ktae``, ``oar_p``, ``oar_g``. The dataset rows must carry

@@ -78,7 +78,7 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig.from_json(...))")
+                         "(build one with oar.OARConfig(method=..., ...))")
     if scorer is not None and not callable(scorer):
         raise ValueError(f"scorer must be callable (data, config, seq_adv) -> (scores, reasoning_mask) or None, "
                          f"got {type(scorer).__name__}")
@@ -334,7 +334,7 @@ def register() -> list[str]:
         import verl
         from verl.trainer.ppo import core_algos
     except ImportError as e:
-        raise ImportError("oar.integrations.verl needs the `verl` package (pip install -r requirements/trainers.txt)") from e
+        raise ImportError("oar.integrations.verl needs the `verl` package (pip install "oar[verl]")") from e
     version = getattr(verl, "__version__", "?")
     for attr in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY"):
         if not hasattr(core_algos, attr):
