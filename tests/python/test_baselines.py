@@ -3,8 +3,15 @@
 Independent references: exact rational arithmetic (fractions + math.comb) for the Fisher p-value, plain
 Python loops over tokens and rollouts for KTAE, a per-row unpadded forward for the entropies, and the
 O(n_c * n_r) definition for IRPO.
+
+Error budgets (tests/python/_tolerance.py): every function here computes in float64 and rounds its result once
+to float32, so a float64 reference is matched within one float32 rounding (half an ulp) plus the two float64
+errors, which are far below the other half ulp (:func:`assert_rounded_once`) -- or, where the float64 work
+cancels (scores near 0), by rule 1 against the float64 reference (:func:`assert_close_to_rounded`, about 2 ulps
+of the largest value).
 """
 
+import copy
 import math
 from fractions import Fraction
 
@@ -16,6 +23,16 @@ from hypothesis import strategies as st
 import oar
 from oar import baselines, ops
 from oar.models import tiny_random_llama
+from _tolerance import assert_close_to_reference, assert_close_to_rounded, assert_within, gamma, ulp
+
+
+def assert_rounded_once(out, ref64, what=""):
+    """Rule 2 per element for a positive quantity computed in float64 without cancellation (sums of positive
+    terms) and rounded once to float32, against an independent float64 value of it: the rounding costs half an
+    ulp; both float64 errors (< 1e-10 relative in these tests) fit in the other half (6e-8 relative)."""
+    out = torch.as_tensor(out).detach()
+    ref64 = torch.as_tensor(ref64, dtype=torch.float64)
+    assert_within(out, ref64, ulp(ref64), what)
 
 
 # ---- Fisher exact test / information gain ---------------------------------------------------------------
@@ -47,13 +64,16 @@ def info_gain_py(a, b, c, d):
 def test_fisher_matches_exact_rationals(table):
     got = float(baselines.fisher_exact_pvalue(torch.tensor([table], dtype=torch.float32))[0])
     if sum(table) == 0:
-        assert got == pytest.approx(1.0)
+        assert got == 1.0  # exact: the only table of the support, P = exp(0) = 1
         return
-    assert got == pytest.approx(fisher_exact_rational(*table), rel=1e-6, abs=1e-12)
+    # n <= 27: lgamma of arguments <= 28 and a sum of <= 28 positive probabilities in float64, rounded once
+    assert_rounded_once(got, fisher_exact_rational(*table), str(table))
 
 
 def test_fisher_known_value():
-    # scipy.stats.fisher_exact([[1, 9], [11, 3]]) -> 0.002759... (classic tea-tasting style table)
+    # scipy.stats.fisher_exact([[1, 9], [11, 3]]) -> 0.002759... (classic tea-tasting style table). A literature
+    # value quoted to 5 significant digits, compared at that precision (not a rounding budget: the exact value
+    # is checked against exact rationals in test_fisher_matches_exact_rationals).
     assert float(baselines.fisher_exact_pvalue(torch.tensor([[1, 9, 11, 3]]))[0]) == pytest.approx(0.0027594, rel=1e-4)
 
 
@@ -66,9 +86,17 @@ def test_fisher_and_ig_property(tables):
     for k, row in enumerate(tables):
         if sum(row) == 0:
             continue
-        assert float(p[k]) == pytest.approx(fisher_exact_rational(*row), rel=1e-5, abs=1e-9)
-        assert float(ig[k]) == pytest.approx(info_gain_py(*row), rel=1e-5, abs=1e-6)
-        assert 0 < float(p[k]) <= 1 and 0 <= float(ig[k]) <= 1 + 1e-6
+        # p: n <= 36: lgamma of arguments <= 37, a sum of <= 37 positive probabilities in float64, rounded once
+        assert_rounded_once(p[k], fisher_exact_rational(*row), f"p {row}")
+        # IG = H(Y) - H(Y|X) cancels (0 for proportional rows), so besides the rounding (an ulp, as above) the float64
+        # errors are absolute: H(Y) and H(Y|X) are <= 1 bit, built from terms p log2 p of a few float64 operations
+        # each (division, log2 within an ulp, product, weighted two-term sums, the difference): within gamma_20
+        # bits for the op and again for info_gain_py.
+        ref = torch.tensor(info_gain_py(*row), dtype=torch.float64)
+        assert_within(ig[k], ref, ulp(ref) + 2 * gamma(20, torch.float64), f"IG {row}")
+        # exact bounds: p is clamped to [0, 1]; IG is clamped >= 0 and is <= H(Y) <= 1 in float64 (H(Y|X) >= 0; for
+        # n <= 36 only the 1/2 split reaches 1, exactly, the others are > 5e-4 below), and rounding is monotone
+        assert 0 < float(p[k]) <= 1 and 0 <= float(ig[k]) <= 1
 
 
 @pytest.mark.parametrize("bad, match", [(torch.zeros(3, 3), r"\(N, 4\)"), (torch.tensor([[1.5, 1, 1, 1]]), "integer"),
@@ -120,7 +148,7 @@ def ktae_reference(ids, mask, rewards, sizes, alpha=1.0, beta=1.0, tf=True, scal
             for t in range(ids.shape[1]):
                 if mask[r, t]:
                     out[r, t] = score[int(ids[r, t])]
-    return out.float()
+    return out  # float64: the reference of rule 1
 
 
 def _ktae_batch(seed, sizes=(6, 5), T=9, vocab=7):
@@ -141,7 +169,9 @@ def test_ktae_matches_loop_reference(seed, kw):
     ignore = kw.pop("ignore", ())
     got = baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11], ignore_ids=ignore, **kw)
     exp = ktae_reference(ids, mask, rewards, (6, 5), ignore=ignore, **kw)
-    torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+    # float64 scores rounded once; 2 sigmoid(s) - 1 and the direction h cancel near 0, so their float64 errors are
+    # absolute (~1e-16 of scale): rule 1 on the whole tensor (2 float32 roundings + an ulp of the largest score)
+    assert_close_to_rounded(got, exp, what=str(kw))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -153,7 +183,11 @@ def test_ktae_group_ids_in_any_row_order(seed):
     g = torch.tensor([0] * 6 + [1] * 5)
     p = torch.randperm(11, generator=torch.Generator().manual_seed(seed))
     got = baselines.ktae_token_scores(ids[p], mask[p], rewards[p], group_ids=[f"uid-{v}" for v in g[p].tolist()])
-    torch.testing.assert_close(got, want[p], rtol=1e-5, atol=1e-6)
+    assert_close_to_rounded(got, want[p], what="shuffled rows")  # float64 scores rounded once, as above
+    # exact: a group's scores depend on its rows only through integer counts (tables, histograms, lengths) and
+    # the sorted token ids, so the shuffled group runs the same float64 operations as the contiguous one
+    same = baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11])
+    torch.testing.assert_close(got, same[p], rtol=0, atol=0)
 
 
 def test_ktae_invariants():
@@ -163,7 +197,10 @@ def test_ktae_invariants():
     assert (s.abs() < 0.7).all() and (s[~mask] == 0).all()
     # swapping correct and wrong flips every score (the statistics are symmetric, the direction antisymmetric)
     flipped = baselines.ktae_token_scores(ids, mask, 1 - rewards, group_size=8, scale=0.7)
-    torch.testing.assert_close(flipped, -s, rtol=1e-5, atol=1e-6)
+    # The transposed tables run the same float64 formulas with sums in another order and lgamma at other
+    # arguments (float64 differences < 1e-10 of scale); each score is then rounded once to float32 (half an ulp
+    # each): within one float32 ulp of the largest score.
+    assert_within(flipped, -s, ulp(s.abs().max()), "flipped correct/wrong")
     # a group with only correct (or only wrong) rollouts scores 0
     assert (baselines.ktae_token_scores(ids, mask, torch.ones(8), group_size=8) == 0).all()
     # a token present in every correct rollout and in no wrong one is a positive key token
@@ -180,7 +217,9 @@ def test_ktae_advantages_add_scores_and_keep_padding_zero():
     adv = ops.group_advantages(rewards, [0, 6, 11])
     tok = baselines.ktae_advantages(adv, ids, mask, rewards, [0, 6, 11])
     bonus = baselines.ktae_token_scores(ids, mask, rewards, [0, 6, 11])
-    torch.testing.assert_close(tok, (adv[:, None] + bonus) * mask)
+    # exact: A + bonus of two float32 values rounded to float32 directly or through float64 (53 >= 2 * 24 + 2 bits:
+    # the double rounding is innocuous) gives the same float32; * mask multiplies by 1 or 0
+    torch.testing.assert_close(tok, (adv[:, None] + bonus) * mask, rtol=0, atol=0)
     assert (tok[~mask] == 0).all()
 
 
@@ -219,11 +258,15 @@ def test_entropy_shaping_formula_and_invariants():
         for t in range(7):
             if mask[i, t]:
                 exp[i, t] = adv[i] + min(0.4 * ent[i, t], abs(adv[i]) / 2.0)
-    torch.testing.assert_close(out, exp.float())
+    # exact: the same float64 operations (a product, a halving, a min, a sum; each correctly rounded, no
+    # reduction) on the same float64 inputs, rounded once to float32
+    torch.testing.assert_close(out, exp.float(), rtol=0, atol=0)
     assert out.dtype == torch.float32
     assert (out[2] == 0).all() and (out[~mask] == 0).all()
     assert (out[1][mask[1]] < 0).all()  # kappa > 1: a negative advantage stays negative
-    assert ((out - adv[:, None].float() * mask) <= (adv.abs()[:, None].float() / 2 + 1e-6)).all()
+    # the bonus out - A is at most the cap |A| / kappa, up to out's own rounding to float32 (half an ulp of out;
+    # the other half covers the float64 subtraction of this check)
+    assert ((out.double() - adv[:, None] * mask) <= adv.abs()[:, None] / 2 + ulp(out)).all()
 
 
 @pytest.mark.parametrize("kw, match", [({"alpha": -1}, "alpha"), ({"kappa": 0}, "kappa"), ({"kappa": "2"}, "kappa")])
@@ -242,7 +285,8 @@ def test_entropy_shaping_bad_input():
     # values off the mask are ignored
     out = baselines.entropy_shaping_advantages(torch.ones(1), torch.tensor([[1.0, float("nan")]]),
                                                torch.tensor([[True, False]]))
-    assert out.tolist() == [[pytest.approx(1.4), 0.0]]
+    # exact: 1 + min(0.4 * 1, 1 / 2) in float64, rounded once to float32
+    assert out.tolist() == [[torch.tensor(1.0 + 0.4, dtype=torch.float64).float().item(), 0.0]]
 
 
 def test_policy_entropies_match_unpadded_forward():
@@ -252,17 +296,21 @@ def test_policy_entropies_match_unpadded_forward():
     ids = torch.tensor([[20, 21, 22, 23, 0, 0], [30, 31, 32, 33, 34, 35], [40, 41, 0, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
     got = baselines.policy_entropies(model, prompts, ids, mask, memory_budget_mb=1)
+    # rule 1: the unpadded per-row forward in float64 (the truth) and in float32 (what float32 loses); the padded
+    # batched forward under test may lose twice as much
+    model64 = copy.deepcopy(model).double()
     exp = torch.zeros(3, C)
+    exp64 = torch.zeros(3, C, dtype=torch.float64)
     with torch.no_grad():
         for i in range(3):
             L = int(mask[i].sum())
             seq = torch.tensor([prompts[i] + ids[i, :L].tolist()])
-            logits = model(seq).logits[0].float()
-            logp = torch.log_softmax(logits, -1)
-            H = -(logp.exp() * logp).sum(-1)
             P = len(prompts[i])
-            exp[i, :L] = H[P - 1: P - 1 + L]
-    torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+            for m, e in ((model, exp), (model64, exp64)):
+                logp = torch.log_softmax(m(seq).logits[0], -1)
+                H = -(logp.exp() * logp).sum(-1)
+                e[i, :L] = H[P - 1: P - 1 + L]
+    assert_close_to_reference(got, exp64, exp, what="policy entropies")
     assert (got[~mask] == 0).all()
 
 
@@ -278,7 +326,7 @@ def test_policy_entropies_bad_input():
 
 def irpo_quadratic(sc, sr):
     sig = torch.sigmoid(sc.double()[:, None] - sr.double()[None, :])
-    return sig.mean(1).float(), sig.mean(0).float()
+    return sig.mean(1), sig.mean(0)  # float64
 
 
 @pytest.mark.parametrize("n_c, n_r", [(1, 1), (3, 5), (8, 8), (47, 3)])
@@ -287,8 +335,8 @@ def test_irpo_matches_quadratic_definition(n_c, n_r):
     sc, sr = torch.randn(n_c, generator=g) * 3, torch.randn(n_r, generator=g) * 3
     got = oar.irpo_rewards(sc, sr)
     exp = irpo_quadratic(sc, sr)
-    for a, b in zip(got, exp):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got, exp):  # means of <= 47 positive sigmoids in float64, rounded once
+        assert_rounded_once(a, b, f"{n_c} x {n_r}")
 
 
 @settings(max_examples=50, deadline=None)
@@ -298,11 +346,15 @@ def test_irpo_discrete_scores_property(c, r, chunk):
     sc, sr = torch.tensor(c, dtype=torch.float32), torch.tensor(r, dtype=torch.float32)
     r_c, r_r = baselines.irpo_rewards(sc, sr, chunk=chunk)
     e_c, e_r = irpo_quadratic(sc, sr)
-    torch.testing.assert_close(r_c, e_c, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(r_r, e_r, rtol=1e-6, atol=1e-7)
+    assert_rounded_once(r_c, e_c, "r_c")  # means of <= 30 positive sigmoids in float64, rounded once
+    assert_rounded_once(r_r, e_r, "r_r")
     assert ((r_c > 0) & (r_c < 1)).all() and ((r_r > 0) & (r_r < 1)).all()
-    # Bradley-Terry identity: mean_i r_c[i] = mean_j r_r[j] (both are the mean of all n_c * n_r sigmoids)
-    assert float(r_c.double().mean()) == pytest.approx(float(r_r.double().mean()), abs=1e-6)
+    # Bradley-Terry identity: mean_i r_c[i] = mean_j r_r[j] (both are the mean M of all n_c * n_r sigmoids). Each
+    # reward is rounded once to float32 (u M per mean: ulp(M) for both); the float64 work (the op's dot products
+    # and divisions, this check's means) is within gamma_{n_c + n_r + 4} of M for each of the 4.
+    mc, mr = float(r_c.double().mean()), float(r_r.double().mean())
+    M = max(mc, mr)
+    assert abs(mc - mr) <= ulp(M) + 4 * gamma(len(c) + len(r) + 4, torch.float64) * M
 
 
 def test_irpo_large_discrete_groups_are_not_quadratic():
@@ -312,16 +364,21 @@ def test_irpo_large_discrete_groups_are_not_quadratic():
     sr = torch.randint(1, 11, (200_000,), generator=g).float()
     r_c, r_r = oar.irpo_rewards(sc, sr)
     for i in (0, 17, 199_999):  # the definition, row by row (O(n) each)
-        assert float(r_c[i]) == pytest.approx(float(torch.sigmoid(sc[i].double() - sr.double()).mean()), rel=1e-6)
-        assert float(r_r[i]) == pytest.approx(float(torch.sigmoid(sc.double() - sr[i].double()).mean()), rel=1e-6)
+        # float64 means of 2e5 positive sigmoids (error < gamma_2e5(float64) = 2e-11 relative), rounded once
+        assert_rounded_once(r_c[i], torch.sigmoid(sc[i].double() - sr.double()).mean(), f"r_c[{i}]")
+        assert_rounded_once(r_r[i], torch.sigmoid(sc.double() - sr[i].double()).mean(), f"r_r[{i}]")
 
 
 def test_irpo_advantages_normalize_each_group():
     sc, sr = torch.tensor([7.0, 8.0, 7.0, 9.0]), torch.tensor([3.0, 7.0, 5.0])
     a_c, a_r = oar.irpo_advantages(sc, sr, preset="trl")
-    r_c, r_r = irpo_quadratic(sc, sr)
-    torch.testing.assert_close(a_c, ops.group_advantages(r_c, group_size=4, preset="trl"))
-    torch.testing.assert_close(a_r, ops.group_advantages(r_r, group_size=3, preset="trl"))
+    r_c, r_r = oar.irpo_rewards(sc, sr)
+    e_c, e_r = irpo_quadratic(sc, sr)
+    assert_rounded_once(r_c, e_c, "r_c")  # the rewards: the definition in float64, rounded once
+    assert_rounded_once(r_r, e_r, "r_r")
+    # exact: the same op on the same rewards (the grpo statistics of a group read that group's rows only)
+    torch.testing.assert_close(a_c, ops.group_advantages(r_c, group_size=4, preset="trl"), rtol=0, atol=0)
+    torch.testing.assert_close(a_r, ops.group_advantages(r_r, group_size=3, preset="trl"), rtol=0, atol=0)
     # the judgment that ranks the chosen response highest gets the largest advantage
     assert int(a_c.argmax()) == 3 and int(a_r.argmax()) == 0
 
@@ -380,4 +437,5 @@ def test_bad_input(fn, kwargs, exc, match):
 
 def test_ktae_ignore_ids_accepts_an_integer_tensor():
     torch.testing.assert_close(baselines.ktae_token_scores(_IDS, _M, _R, group_size=2, ignore_ids=torch.tensor([1, 2])),
-                               baselines.ktae_token_scores(_IDS, _M, _R, group_size=2, ignore_ids=[1, 2]))
+                               baselines.ktae_token_scores(_IDS, _M, _R, group_size=2, ignore_ids=[1, 2]),
+                               rtol=0, atol=0)  # exact: the same computation on the same inputs
