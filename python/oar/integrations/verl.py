@@ -334,7 +334,7 @@ def register() -> list[str]:
         import verl
         from verl.trainer.ppo import core_algos
     except ImportError as e:
-        raise ImportError("oar.integrations.verl needs the `verl` package (pip install "oar[verl]")") from e
+        raise ImportError("oar.integrations.verl needs the `verl` package (pip install 'oar[verl]')") from e
     version = getattr(verl, "__version__", "?")
     for attr in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY"):
         if not hasattr(core_algos, attr):
