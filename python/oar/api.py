@@ -11,46 +11,9 @@ from typing import Sequence
 
 import torch
 
-from oar.pipeline import METHODS, RolloutBatch, TokenAdvantages, group_ids_from, pipeline_for
+from oar.pipeline import METHODS, RolloutBatch, TokenAdvantages, group_ids_from, pipeline_for, sequence_advantages
 
 __all__ = ["token_advantages", "sequence_advantages", "METHODS"]
-
-
-def sequence_advantages(rewards: torch.Tensor, config=None, *, offsets=None, group_ids=None,
-                        group_size: int | None = None, preset: str | None = None) -> torch.Tensor:
-    """(N,) float32 group advantages with the estimator and conventions of ``config`` (method.md section 1).
-
-    Args:
-        rewards: (N,) real rewards (NaN only with ``config.advantages.skip_nan``).
-        config: ``oar.OARConfig``: ``advantages.estimator`` (``dr_grpo`` for method ``dr_grpo``), ``std``, ``eps``,
-            ``singleton``, ``skip_nan``.
-        offsets / group_ids / group_size: the groups, exactly one (``group_ids`` in any row order).
-        preset: ``"trl"``, ``"verl"``, ``"openrlhf"`` or ``"default"``: decides std, eps and singleton as
-            :func:`oar.ops.group_advantages` does, instead of the config's.
-
-    Returns:
-        (N,) float32 on ``rewards.device``, in the caller's row order.
-
-    Raises:
-        ValueError: as :func:`oar.ops.group_advantages`; a NaN reward without ``skip_nan`` names its group.
-    """
-    from oar import OARConfig, ops
-
-    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
-        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
-        raise ValueError(f"rewards must be a 1-D (N,) tensor, got {got}")
-    cfg = config if config is not None else OARConfig()
-    groups = group_ids_from(rewards.shape[0], offsets=offsets, group_ids=group_ids, group_size=group_size)
-    if groups is None:
-        raise ValueError("pass exactly one of offsets, group_ids, group_size; got none")
-    a = cfg.advantages
-    if rewards.is_floating_point() and not a.skip_nan and rewards.device.type != "meta" and bool(rewards.isnan().any()):
-        from oar.pipeline import _nan_reward_error
-
-        raise _nan_reward_error(rewards.detach().cpu(), groups)
-    kw = dict(estimator=a.estimator, skip_nan=a.skip_nan)
-    kw.update(dict(preset=preset) if preset is not None else dict(std=a.std, eps=a.eps, singleton=a.singleton))
-    return ops.group_advantages(rewards, offsets, group_ids=group_ids, group_size=group_size, **kw)
 
 
 def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, completion_mask: torch.Tensor,

@@ -35,7 +35,7 @@ _C = load_extension()
 METHODS: tuple[str, ...] = tuple(_C.METHOD_NAMES)
 
 __all__ = [
-    "METHODS", "METHOD_TABLE", "MethodSpec", "method_spec", "with_method", "RolloutBatch", "TokenAdvantages",
+    "METHODS", "METHOD_TABLE", "MethodSpec", "sequence_advantages", "method_spec", "with_method", "RolloutBatch", "TokenAdvantages",
     "TokenScores", "Pipeline", "compute", "scores", "group_ids_from",
 ]
 
@@ -383,16 +383,39 @@ def _sequence_advantages(b: _Batch, batch: RolloutBatch, config, preset: str | N
         return adv
     if b.rewards is None or b.group_ids is None:
         raise ValueError("the batch needs sequence_advantages, or rewards and group_ids to compute them")
-    a = config.advantages
-    r = b.rewards.cpu()
-    if r.is_floating_point() and not a.skip_nan and bool(torch.isnan(r).any()):
-        raise _nan_reward_error(r, b.group_ids)
+    return sequence_advantages(b.rewards.cpu(), config, group_ids=b.group_ids, preset=preset)
+
+
+def sequence_advantages(rewards: torch.Tensor, config=None, *, offsets=None, group_ids=None,
+                        group_size: int | None = None, preset: str | None = None) -> torch.Tensor:
+    """(N,) float32 group advantages with the estimator and conventions of ``config`` (method.md section 1).
+
+    Args:
+        rewards: (N,) real rewards (NaN only with ``config.advantages.skip_nan``).
+        config: ``oar.OARConfig``: ``advantages.estimator`` (``dr_grpo`` for method ``dr_grpo``), ``std``, ``eps``,
+            ``singleton``, ``skip_nan``.
+        offsets / group_ids / group_size: the groups, exactly one (``group_ids`` in any row order).
+        preset: ``"trl"``, ``"verl"``, ``"openrlhf"`` or ``"default"``: decides std, eps and singleton as
+            :func:`oar.ops.group_advantages` does, instead of the config's.
+
+    Returns:
+        (N,) float32 on ``rewards.device``, in the caller's row order.
+
+    Raises:
+        ValueError: as :func:`oar.ops.group_advantages`; a NaN reward without ``skip_nan`` names its group.
+    """
+    from oar import OARConfig
+
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a 1-D (N,) tensor, got {got}")
+    a = (config if config is not None else OARConfig()).advantages
+    if rewards.is_floating_point() and not a.skip_nan and rewards.device.type != "meta" and bool(rewards.isnan().any()):
+        groups = group_ids_from(rewards.shape[0], offsets=offsets, group_ids=group_ids, group_size=group_size)
+        raise _nan_reward_error(rewards.detach().cpu(), groups)
     kw = dict(estimator=a.estimator, skip_nan=a.skip_nan)
-    if preset is None:
-        kw.update(std=a.std, eps=a.eps, singleton=a.singleton)
-    else:
-        kw.update(preset=preset)
-    return ops.group_advantages(r, group_ids=b.group_ids, **kw)
+    kw.update(dict(preset=preset) if preset is not None else dict(std=a.std, eps=a.eps, singleton=a.singleton))
+    return ops.group_advantages(rewards, offsets, group_ids=group_ids, group_size=group_size, **kw)
 
 
 # ==== the pipeline ==========================================================================================
@@ -528,16 +551,19 @@ class Pipeline:
         dev = b.out_device
         return TokenScores(sc.to(dev), reasoning.to(dev), dict(run.stats))
 
-    def reasoning_lengths(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[int]:
+    def reasoning_lengths(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                          rows: Sequence[int] | None = None) -> list[int]:
         """L_i of each completion row (right-padded completions, mask True on real tokens): the number of
-        leading completion tokens before the final-answer marker (method.md section 2)."""
+        leading completion tokens before the final-answer marker (method.md section 2). With ``rows``, only those
+        rows are decoded and the others get 0."""
         from oar.attribution import reasoning_length
 
         b = self._need_builder("reasoning_lengths")
         cmask = completion_mask.detach().bool().cpu()
         cids = completion_ids.detach().cpu()
-        return [reasoning_length(cids[i][cmask[i]].tolist(), self.tokenizer, b.markers, b.stop_ids)
-                for i in range(cids.shape[0])]
+        want = range(cids.shape[0]) if rows is None else set(rows)
+        return [reasoning_length(cids[i][cmask[i]].tolist(), self.tokenizer, b.markers, b.stop_ids) if i in want
+                else 0 for i in range(cids.shape[0])]
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -633,7 +659,7 @@ class Pipeline:
         row r is the caller's row r) and each row's completion columns (reasoning token j = column cols[i][j])."""
         cols = [torch.nonzero(b.cmask[i]).flatten() for i in range(b.B)]
         responses = [b.cids[i][b.cmask[i]] for i in range(b.B)]
-        lens = self.reasoning_lengths(b.cids, b.cmask)
+        lens = self.reasoning_lengths(b.cids, b.cmask, active)  # decode the scored rows only
         on = set(active)
         answers = b.answers if b.answers is not None else ["0"] * b.B  # random / entropy never read the answer
         ps, rs, ans, ls = [], [], [], []
@@ -657,7 +683,7 @@ class Pipeline:
         return out if restricted else None
 
     def _reasoning_mask(self, b: _Batch, active: list[int]) -> torch.Tensor:
-        lens = self.reasoning_lengths(b.cids, b.cmask)
+        lens = self.reasoning_lengths(b.cids, b.cmask, active)
         reasoning = torch.zeros((b.B, b.C), dtype=torch.bool)
         for i in active:
             reasoning[i, torch.nonzero(b.cmask[i]).flatten()[: lens[i]]] = True

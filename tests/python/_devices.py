@@ -73,3 +73,22 @@ def to_device(kwargs: dict, device) -> dict:
     """The keyword arguments of a bad-input table row on ``device``: tensors moved, meta tensors and the rest kept."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
             for k, v in kwargs.items()}
+
+
+def bad_input_tests(table: list, cpu_table: list):
+    """The two bad-input tests of an op's file, from its tables of ``(fn, kwargs, exception, message regex)`` rows:
+    ``table`` runs on every device of :data:`DEVICES` (CUDA with eager checks), ``cpu_table`` on the CPU only.
+    Use as ``test_bad_input, test_bad_input_cpu = bad_input_tests(BAD_INPUT, BAD_INPUT_CPU)``."""
+
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("fn, kwargs, exc, match", table)
+    def test_bad_input(device, fn, kwargs, exc, match, eager_checks):
+        with pytest.raises(exc, match=match):
+            fn(**to_device(kwargs, device))
+
+    @pytest.mark.parametrize("fn, kwargs, exc, match", cpu_table)
+    def test_bad_input_cpu(fn, kwargs, exc, match):
+        with pytest.raises(exc, match=match):
+            fn(**kwargs)
+
+    return test_bad_input, test_bad_input_cpu

@@ -13,7 +13,7 @@ import oar  # noqa: F401  (loads the op library)
 from oar import ops
 from oar import reference as ref
 
-from _devices import DEVICES, eager_checks, gen, no_pending_device_errors, on, to_device  # noqa: F401
+from _devices import DEVICES, eager_checks, gen, no_pending_device_errors, on, bad_input_tests, to_device  # noqa: F401
 from _tolerance import assert_within, sum_bound, ulp
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -134,17 +134,7 @@ BAD_INPUT_CPU = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT)
-def test_bad_input(device, fn, kwargs, exc, match, eager_checks):
-    with pytest.raises(exc, match=match):
-        fn(**to_device(kwargs, device))
-
-
-@pytest.mark.parametrize("fn, kwargs, exc, match", BAD_INPUT_CPU)
-def test_bad_input_cpu(fn, kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        fn(**kwargs)
+test_bad_input, test_bad_input_cpu = bad_input_tests(BAD_INPUT, BAD_INPUT_CPU)
 
 
 # ---- every device (CUDA: parity with the CPU op; moved from test_cuda.py) ------------------------------------------
