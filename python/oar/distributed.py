@@ -15,10 +15,13 @@ unchanged, and the plan never has to be known in advance. Engines call forwards 
 (no-grad clean logits first, then forward + backward for OAR-G), which keeps the dummies few.
 
 The gate implements the whole protocol explicitly: every member of :class:`~oar.attribution.ProbeModel` and of
-the optional capabilities (:class:`~oar.attribution.PrefixCacheModel`, :class:`~oar.attribution.SharedPrefixModel`)
-that runs the model is gated (``embed``; ``tail_logits``; ``tail_logits_and_cache``, ``tail_logits_cached``,
-``tail_logits_shared_prefix``), the others (sizes, cost declarations, ``eval_mode``) are forwarded as they are, and
-nothing else is reachable through the gate (an ungated model call would desynchronize the ranks).
+the optional capabilities (:class:`~oar.attribution.PrefixCacheModel`, :class:`~oar.attribution.SharedPrefixModel`,
+:class:`~oar.attribution.EmbeddingNoiseModel`) that runs the model is gated (``embed``; ``tail_logits``;
+``tail_logits_and_cache``, ``tail_logits_cached``, ``tail_logits_shared_prefix``; a forward under
+``noised_embeddings`` counts as a forward + backward), the others (sizes, cost declarations, ``eval_mode``) are
+forwarded as they are, and nothing else is reachable through the gate (an ungated model call would desynchronize
+the ranks). With a model that takes its embeddings inside the forward (``HFProbeModel``), OAR-P and OAR-G never
+call ``embed``: every call is a root forward, as FSDP1/FSDP2 (root-module parameter gathering) and ZeRO-3 need.
 
 Cost: one scalar all-reduce per model call, plus the dummy calls (each a one-token lookup or forward).
 Without ``torch.distributed`` (or with a world of one process) nothing is wrapped: :func:`gate_model`
@@ -27,9 +30,12 @@ returns the model unchanged and :func:`distributed_world` returns False.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
-from oar.attribution.model import probe_capabilities
+from oar.attribution.model import NoisedEmbeddings, probe_capabilities
 
 __all__ = ["distributed_world", "ForwardGate", "gate_model"]
 
@@ -96,6 +102,7 @@ class ForwardGate:
         self._group = group
         self._finished = False
         self._one_embedding = None  # (1, 1, H) embedding of one token: the input of kind-2 dummies
+        self._noise = None  # (perturb, record) of an open noised_embeddings context, until its forward runs
         self.real_calls = {KIND_FORWARD: 0, KIND_FORWARD_BACKWARD: 0}
         self.dummy_calls = {KIND_FORWARD: 0, KIND_FORWARD_BACKWARD: 0}
         self.real_embeds = 0
@@ -130,9 +137,42 @@ class ForwardGate:
         return out
 
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep: int):
-        self._gate(_forward_kind(inputs_embeds))
-        return self._model.tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                       attention_mask=attention_mask, position_ids=position_ids, keep=keep)
+        return self._run(self._model.tail_logits, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                         attention_mask=attention_mask, position_ids=position_ids, keep=keep)
+
+    # ---- EmbeddingNoiseModel (offered when the wrapped model declares it) ---------------------------------
+    @property
+    def supports_embedding_noise(self) -> bool:
+        return self._caps.embedding_noise
+
+    @contextlib.contextmanager
+    def noised_embeddings(self, perturb):
+        """The wrapped model's :meth:`~oar.attribution.EmbeddingNoiseModel.noised_embeddings`, entered around the
+        one forward of the context only after the ranks agreed on it (a forward + backward when grad is enabled),
+        so that the dummy calls run before it see no perturbation."""
+        if self._noise is not None:
+            raise RuntimeError("ForwardGate.noised_embeddings: contexts do not nest")
+        rec = NoisedEmbeddings()
+        self._noise = (perturb, rec)
+        try:
+            yield rec
+        finally:
+            pending, self._noise = self._noise, None
+        if pending is not None:
+            raise RuntimeError("noised_embeddings: expected one forward under the context, got 0")
+
+    def _run(self, fn, **kwargs):
+        """One gated model call: its kind is agreed first (dummies run meanwhile), then ``fn(**kwargs)`` runs,
+        under the wrapped model's embedding perturbation when a noised_embeddings context is open."""
+        if self._noise is None:
+            self._gate(_forward_kind(kwargs.get("inputs_embeds")))
+            return fn(**kwargs)
+        (perturb, rec), self._noise = self._noise, None
+        self._gate(KIND_FORWARD_BACKWARD if torch.is_grad_enabled() else KIND_FORWARD)
+        with self._model.noised_embeddings(perturb) as inner:
+            out = fn(**kwargs)
+        rec.clean, rec.noised = inner.clean, inner.noised
+        return out
 
     # ---- PrefixCacheModel / SharedPrefixModel (used only when the wrapped model declares them) -------------
     @property
@@ -153,9 +193,9 @@ class ForwardGate:
 
     def tail_logits_cached(self, prefix_kv, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids,
                            keep: int):
-        self._gate(_forward_kind(inputs_embeds))
-        return self._model.tail_logits_cached(prefix_kv, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                              attention_mask=attention_mask, position_ids=position_ids, keep=keep)
+        return self._run(functools.partial(self._model.tail_logits_cached, prefix_kv), input_ids=input_ids,
+                         inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                         position_ids=position_ids, keep=keep)
 
     def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
         self._gate(KIND_FORWARD)
@@ -199,7 +239,8 @@ class ForwardGate:
     def _dummy(self, kind: int) -> None:
         """The collectives of a real call of ``kind`` with no effect on parameters or their ``.grad``: a one-token
         embedding lookup (kind 0), a one-token forward (kind 1), or a one-token forward + backward w.r.t. its input
-        embedding (kind 2; the embedding is the one kept from an earlier lookup, so no extra lookup runs)."""
+        embedding (kind 2: taken inside the forward for an EmbeddingNoiseModel, else the one kept from an earlier
+        lookup, so no extra lookup runs)."""
         m = self._model
         dev = torch.device(m.device)
         ids = torch.full((1, 1), self._pad_id, dtype=torch.long, device=dev)
@@ -215,6 +256,11 @@ class ForwardGate:
         if kind == KIND_FORWARD:
             with torch.no_grad():
                 m.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=1)
+        elif self._caps.embedding_noise:  # the embeddings are taken inside the forward: no lookup of its own
+            with torch.enable_grad():
+                with m.noised_embeddings(lambda e: e) as rec:
+                    out = m.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=1)
+                torch.autograd.grad(out.float().sum(), rec.noised)
         else:
             e = self._one_embedding
             if e is None:

@@ -487,6 +487,44 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     assert torch.equal(fast.mask, plain.mask)
 
 
+class _EmbedCall:
+    """A ProbeModel view of HFProbeModel that does not take the embeddings inside the forward (OAR-G then calls
+    ``embed`` and runs the forward on ``inputs_embeds``, as for models without the capability)."""
+
+    supports_embedding_noise = False
+
+    def __init__(self, pm):
+        self._pm = pm
+
+    def __getattr__(self, name):
+        return getattr(self._pm, name)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_oar_g_embeddings_taken_in_the_forward_equal_an_embed_call(tiny, prefix):
+    """OAR-G through noised_embeddings (every call a forward on ids, as FSDP / ZeRO-3 need) runs the same
+    arithmetic on the same numbers as through embed + inputs_embeds: the scores are identical, on both paths."""
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model) if prefix else _NoPrefixGrad(HFProbeModel(model))
+    calls = {"embed": 0}
+    emb = model.get_input_embeddings()
+    handle = emb.register_forward_hook(lambda *a: calls.__setitem__("embed", calls["embed"] + 1))
+    try:
+        hooked = oar_g_scores(pm, batch, sigma=1e-2, noise_draws=2, generator=torch.Generator().manual_seed(3))
+        n_hooked = calls["embed"]
+        looked_up = oar_g_scores(_EmbedCall(pm), batch, sigma=1e-2, noise_draws=2,
+                                 generator=torch.Generator().manual_seed(3))
+    finally:
+        handle.remove()
+    assert hooked.scores.abs().max() > 1e-4
+    assert torch.equal(hooked.scores, looked_up.scores)
+    # every embedding-module call of the hooked run came from a forward of the model
+    assert n_hooked == hooked.stats["forward_passes"]
+    assert hooked.stats["forward_passes"] == looked_up.stats["forward_passes"]
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" and torch.cpu._is_amx_tile_supported(),
                     reason="torch 2.14's CPU attention packs bfloat16 for AMX from its AVX2 kernels and fails "
                            "(ATEN_CPU_CAPABILITY below an AMX CPU's level)")

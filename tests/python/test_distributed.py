@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import oar
-from oar.attribution.model import PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS, SHARED_PREFIX_MEMBERS
+from oar.attribution.model import (EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS,
+                                   SHARED_PREFIX_MEMBERS, NoisedEmbeddings)
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
 from _tolerance import assert_close_to_reference
@@ -133,6 +134,74 @@ def test_gate_aligns_ranks_with_different_work(tmp_path):
     assert r1["embeds"] == [0, 2]  # the kind-2 dummies reuse the dummy lookups' embedding: no extra lookup
 
 
+class NoisingModel(LoggingModel):
+    """LoggingModel that takes its embeddings inside the forward (EmbeddingNoiseModel): a forward on ids under
+    ``noised_embeddings`` runs on ``perturb(embeddings)`` made a leaf, and is logged as kind 2 when grad is on."""
+
+    supports_embedding_noise = True
+
+    def __init__(self, collective=True):
+        super().__init__(collective)
+        self._pending = None
+
+    @contextlib.contextmanager
+    def noised_embeddings(self, perturb):
+        rec = NoisedEmbeddings()
+        self._pending = (perturb, rec)
+        try:
+            yield rec
+        finally:
+            self._pending = None
+
+    def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep):
+        if self._pending is None:
+            return super().tail_logits(input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                       attention_mask=attention_mask, position_ids=position_ids, keep=keep)
+        (perturb, rec), self._pending = self._pending, None
+        self._call(2 if torch.is_grad_enabled() else 1)
+        rec.clean = torch.ones(*input_ids.shape, 3)
+        rec.noised = perturb(rec.clean).requires_grad_(torch.is_grad_enabled())
+        return (rec.noised @ self.w)[:, -keep:]
+
+
+def _noise_worker(rank, world, port, out_dir):
+    _init(rank, world, port)
+    m = NoisingModel()
+    gate = gate_model(m, pad_id=0)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    attn = torch.ones(2, 4, dtype=torch.long)
+    pos = torch.arange(4).expand(2, 4)
+    grads = []
+    with torch.no_grad():  # rank 0: a clean forward and two noised forward + backward; rank 1: nothing
+        for _ in range(1 - rank):
+            gate.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
+    for _ in range(2 * (1 - rank)):
+        with gate.noised_embeddings(lambda e: 2 * e) as rec:
+            out = gate.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
+        (g,) = torch.autograd.grad(out.sum(), rec.noised)
+        grads.append((rec.clean.sum().item(), rec.noised.sum().item(), g.shape == rec.noised.shape))
+    gate.finish()
+    assert m.w.grad is None
+    with open(os.path.join(out_dir, f"noise{rank}.json"), "w") as f:
+        json.dump({"log": m.log, "mismatches": m.mismatches, "dummy": gate.dummy_calls, "grads": grads,
+                   "embeds": [gate.real_embeds, gate.dummy_embeds]}, f)
+    dist.destroy_process_group()
+
+
+def test_gate_with_embeddings_taken_in_the_forward(tmp_path):
+    """A model that takes its embeddings inside the forward is never asked for a lookup of its own: the
+    forward under noised_embeddings counts as forward + backward, the other rank's dummies of that kind are
+    forwards on ids under the identity perturbation, and the record reaches the caller through the gate."""
+    mp.spawn(_noise_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "noise0.json").read_text())
+    r1 = json.loads((tmp_path / "noise1.json").read_text())
+    assert r0["log"] == r1["log"] == [1, 2, 2]  # no kind 0: no embedding lookup on either rank
+    assert r0["mismatches"] == r1["mismatches"] == 0
+    assert r0["embeds"] == r1["embeds"] == [0, 0]
+    assert r0["dummy"] == {"1": 0, "2": 0} and r1["dummy"] == {"1": 1, "2": 2}
+    assert r0["grads"] == [[8 * 3, 16 * 3, True]] * 2  # clean = ones (2, 4, 3), noised = 2 x clean
+
+
 def test_no_gate_without_distributed():
     assert not distributed_world()
     m = LoggingModel()
@@ -143,10 +212,12 @@ def test_gate_is_the_protocol_and_nothing_else():
     """Every ProbeModel / capability member is the gate's own (a model call cannot reach the model ungated), and
     the gate offers nothing beyond them but finish()."""
     public = {n for n in dir(ForwardGate) if not n.startswith("_")}
-    assert public == set(PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS) | {"finish"}
+    members = PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS + EMBEDDING_NOISE_MEMBERS
+    assert public == set(members) | {"finish"}
     gate = ForwardGate(LoggingModel(collective=False))
     assert gate.supports_prefix_cache and not gate.supports_prefix_grad  # OAR-G keeps its plain path under a gate
     assert not gate.supports_shared_prefix_attention  # LoggingModel does not declare it
+    assert not gate.supports_embedding_noise and ForwardGate(NoisingModel(collective=False)).supports_embedding_noise
     with pytest.raises(AttributeError):
         gate.model  # noqa: B018  (no pass-through to the wrapped object)
     with pytest.raises(TypeError, match=r"lacks embed, tail_logits, activation_bytes_per_token, eval_mode"):

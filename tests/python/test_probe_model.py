@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oar.attribution import (
+    EmbeddingNoiseModel,
     HFProbeModel,
     PrefixCacheModel,
     ProbeCapabilities,
@@ -128,9 +129,12 @@ def test_capabilities_of_a_plain_model_and_of_hf_models(tiny):
     assert probe_capabilities(Toy(10)) == ProbeCapabilities(False, False, False)
     pm = HFProbeModel(model)
     assert isinstance(pm, ProbeModel) and isinstance(pm, PrefixCacheModel) and isinstance(pm, SharedPrefixModel)
-    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=True)
+    assert isinstance(pm, EmbeddingNoiseModel)
+    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=True,
+                                                       embedding_noise=True)
     pm.shared_prefix_attention = False
-    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=False)
+    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=False,
+                                                       embedding_noise=True)
     assert as_probe_model(model).model is model and as_probe_model(pm) is pm
 
 
@@ -146,6 +150,38 @@ def test_a_declared_capability_must_be_complete():
         probe_capabilities(m)
     m.supports_prefix_cache = False  # declared off: the members are not needed
     assert probe_capabilities(m) == ProbeCapabilities()
+    m.supports_embedding_noise = True
+    with pytest.raises(TypeError, match=r"model declares supports_embedding_noise = True but lacks noised_embeddings "
+                                        r"of oar\.attribution\.EmbeddingNoiseModel"):
+        probe_capabilities(m)
+
+
+def test_noised_embeddings_replace_the_embedding_output_of_one_forward(tiny):
+    """HFProbeModel.noised_embeddings: the forward runs on perturb(E) made a leaf (the gradient reaches it), the
+    record holds the clean E of that forward, the hook is gone afterwards, and a context without exactly one
+    forward is an error."""
+    model, _ = tiny
+    pm = HFProbeModel(model)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    attn, pos = torch.ones_like(ids), torch.arange(4).unsqueeze(0)
+    E = model.get_input_embeddings()(ids).detach()
+    with pm.noised_embeddings(lambda e: e * 2) as rec:
+        out = pm.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=2)
+    assert torch.equal(rec.clean, E) and torch.equal(rec.noised, 2 * E) and rec.noised.requires_grad
+    ref = pm.tail_logits(inputs_embeds=(2 * E).requires_grad_(True), attention_mask=attn, position_ids=pos, keep=2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same forward on the same numbers
+    (g,) = torch.autograd.grad(out.sum(), rec.noised)
+    assert g.shape == E.shape and g.abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.get_input_embeddings()._forward_hooks  # removed on exit
+    with pytest.raises(RuntimeError, match="expected one forward under the context, got 0"):
+        with pm.noised_embeddings(lambda e: e):
+            pass
+    with pytest.raises(RuntimeError, match="more than one forward under one context"):
+        with pm.noised_embeddings(lambda e: e):
+            for _ in range(2):
+                pm.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=1)
+    assert not model.get_input_embeddings()._forward_hooks
 
 
 def test_prefix_engine_needs_the_capability(tiny):

@@ -11,7 +11,9 @@ from oar.attribution.engines import (
     random_scores,
 )
 from oar.attribution.model import (
+    EmbeddingNoiseModel,
     HFProbeModel,
+    NoisedEmbeddings,
     PrefixCacheModel,
     ProbeCapabilities,
     ProbeModel,
@@ -24,5 +26,5 @@ __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
     "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "random_scores", "HFProbeModel",
     "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
-    "probe_capabilities",
+    "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings",
 ]

@@ -487,7 +487,9 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     be differentiated (``PrefixCacheModel.supports_prefix_grad``) and no ``clean_logits`` given, the columns
     before a chunk's first reasoning token run once without grad and their key/value cache is shared by the
     clean pass and the noisy passes, which then run and differentiate only the suffix (same scores within fp32
-    rounding).
+    rounding). For models that take the embeddings inside the forward
+    (:class:`~oar.attribution.model.EmbeddingNoiseModel`, e.g. HFProbeModel) ``embed`` is never called: every call
+    is a forward on ids, as FSDP and ZeRO-3 require (same numbers).
 
     Args:
         sigma: noise std (absolute, > 0). noise_draws: K >= 1.
@@ -554,8 +556,10 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             else:
                 noise_mask[i, [s + j for j in positions[r]]] = True
         noise_mask = noise_mask.to(dev).unsqueeze(-1)
-        with torch.no_grad():
-            E = model.embed(ids).detach()
+        E = None  # models with embedding noise hand the embeddings over inside each forward (no embed call)
+        if not caps.embedding_noise:
+            with torch.no_grad():
+                E = model.embed(ids).detach()
         # p: columns [0, p) of the window run once without grad (0: the plain path for this chunk).
         p = 0
         if use_prefix:
@@ -577,20 +581,35 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
         acc = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
         for _ in range(noise_draws):
-            # Noise is drawn over the whole window either way, so both paths use the same numbers.
-            delta = torch.randn(E.shape, generator=generator, dtype=torch.float32).to(dev, E.dtype) * sigma
-            Ek = (E[:, p:] + delta[:, p:] * noise_mask[:, p:]).requires_grad_(True)
-            if kv is not None:
-                window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn, position_ids=pos[:, p:],
-                                                  keep=batch.keep)
+            # Noise is drawn over the whole window either way, so every path uses the same numbers.
+            noise = torch.randn((len(chunk_rows), width, model.hidden_size), generator=generator, dtype=torch.float32)
+            if E is None:
+                def perturb(e, noise=noise):  # e: the embeddings of columns [p, width), inside the forward
+                    return e + (noise.to(dev, e.dtype) * sigma)[:, p:] * noise_mask[:, p:]
+
+                with model.noised_embeddings(perturb) as rec:
+                    if kv is not None:
+                        window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
+                                                          position_ids=pos[:, p:], keep=batch.keep)
+                    else:
+                        window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                                   keep=batch.keep)
+                Ek, Ep = rec.noised, rec.clean
             else:
-                window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos, keep=batch.keep)
+                Ep = E[:, p:]
+                Ek = (Ep + (noise.to(dev, E.dtype) * sigma)[:, p:] * noise_mask[:, p:]).requires_grad_(True)
+                if kv is not None:
+                    window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn,
+                                                      position_ids=pos[:, p:], keep=batch.keep)
+                else:
+                    window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos,
+                                               keep=batch.keep)
             pert = gather_probe_logits(window, batch.probe_start[idx], K)
             J = _divergence(clean, pert, batch, idx, probe).sum()
             (g,) = torch.autograd.grad(J, Ek)
             passes += 1
             backward += 1
-            acc[:, p:] += ops.grad_x_input(g.detach(), E[:, p:].contiguous())
+            acc[:, p:] += ops.grad_x_input(g.detach(), Ep.contiguous())
         acc /= noise_draws
         acc = acc.cpu()
         for i, r in enumerate(chunk_rows):

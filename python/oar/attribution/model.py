@@ -110,6 +110,42 @@ class SharedPrefixModel(PrefixCacheModel, Protocol):
         """See :meth:`HFProbeModel.tail_logits_shared_prefix`."""
 
 
+class NoisedEmbeddings:
+    """What :meth:`EmbeddingNoiseModel.noised_embeddings` records of the one forward run under it.
+
+    Attributes:
+        clean: (B, T, H) the embedding module's output, detached (None until the forward ran).
+        noised: (B, T, H) ``perturb(clean)``, a leaf that requires grad when grad is enabled: the tensor the rest
+            of the forward ran on, to differentiate the logits with respect to.
+    """
+
+    __slots__ = ("clean", "noised")
+
+    def __init__(self):
+        self.clean = None
+        self.noised = None
+
+
+@runtime_checkable
+class EmbeddingNoiseModel(ProbeModel, Protocol):
+    """Optional capability: the input embeddings of a forward on ids are taken inside that forward, perturbed and
+    made differentiable there (OAR-G without a separate :meth:`ProbeModel.embed` call).
+
+    Under FSDP, DeepSpeed ZeRO-3 and other wrappers that gather parameters in the root module's forward, calling
+    the embedding module on its own sees sharded weights (FSDP1: "'weight' must be 2-D"; FSDP2: DTensor
+    parameters; ZeRO-3: a gather of its own). With this capability every model call of OAR-G is a root forward on
+    ids. Declared by ``supports_embedding_noise``.
+    """
+
+    supports_embedding_noise: bool
+
+    def noised_embeddings(self, perturb) -> ContextManager[NoisedEmbeddings]:
+        """A context under which exactly one forward (:meth:`ProbeModel.tail_logits` or
+        :meth:`PrefixCacheModel.tail_logits_cached` on ``input_ids``) runs with its input embeddings E (B, T, H)
+        replaced by ``perturb(E.detach())``, made a leaf that requires grad (when grad is enabled); yields the
+        :class:`NoisedEmbeddings` record of that forward."""
+
+
 def _own_members(proto) -> tuple[str, ...]:
     """Members a protocol class declares itself (annotations, then methods, in definition order)."""
     names = list(proto.__dict__.get("__annotations__", {}))
@@ -121,6 +157,7 @@ def _own_members(proto) -> tuple[str, ...]:
 PROBE_MODEL_MEMBERS = _own_members(ProbeModel)
 PREFIX_CACHE_MEMBERS = _own_members(PrefixCacheModel)
 SHARED_PREFIX_MEMBERS = _own_members(SharedPrefixModel)
+EMBEDDING_NOISE_MEMBERS = _own_members(EmbeddingNoiseModel)
 
 
 @dataclass(frozen=True)
@@ -131,11 +168,13 @@ class ProbeCapabilities:
         prefix_cache: :class:`PrefixCacheModel` members usable (OAR-P ``engine="prefix"``).
         prefix_grad: OAR-G may differentiate :meth:`PrefixCacheModel.tail_logits_cached`.
         shared_prefix: :meth:`SharedPrefixModel.tail_logits_shared_prefix` usable.
+        embedding_noise: :meth:`EmbeddingNoiseModel.noised_embeddings` usable (OAR-G never calls ``embed``).
     """
 
     prefix_cache: bool = False
     prefix_grad: bool = False
     shared_prefix: bool = False
+    embedding_noise: bool = False
 
 
 def _type_name(model) -> str:
@@ -161,8 +200,8 @@ def probe_capabilities(model) -> ProbeCapabilities:
     """Checks that ``model`` implements :class:`ProbeModel` and returns the optional capabilities it declares.
 
     Computed once per engine call (and by :func:`as_probe_model`). A capability is declared by its flag
-    (``supports_prefix_cache``, ``supports_shared_prefix_attention``); a model that declares one must have all of
-    its members.
+    (``supports_prefix_cache``, ``supports_shared_prefix_attention``, ``supports_embedding_noise``); a model that
+    declares one must have all of its members.
 
     Raises:
         TypeError: ``model`` lacks members of :class:`ProbeModel` (all of them named in one message), a declared
@@ -185,7 +224,8 @@ def probe_capabilities(model) -> ProbeCapabilities:
     grad = prefix and _declared(model, "supports_prefix_grad", (), "PrefixCacheModel")
     shared = prefix and _declared(model, "supports_shared_prefix_attention", SHARED_PREFIX_MEMBERS,
                                   "SharedPrefixModel")
-    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared)
+    noise = _declared(model, "supports_embedding_noise", EMBEDDING_NOISE_MEMBERS, "EmbeddingNoiseModel")
+    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared, embedding_noise=noise)
 
 
 class HFProbeModel:
@@ -231,6 +271,38 @@ class HFProbeModel:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)
+
+    # ---- embeddings taken inside the root forward (OAR-G under FSDP / ZeRO-3: no call of the embedding alone) ----
+
+    #: Every forward of this model runs the embedding module inside the root module's forward.
+    supports_embedding_noise: bool = True
+
+    @contextlib.contextmanager
+    def noised_embeddings(self, perturb):
+        """See :meth:`EmbeddingNoiseModel.noised_embeddings`. A forward hook on ``get_input_embeddings()``
+        replaces its output; the hook is removed on exit. Raises RuntimeError when the context ends without
+        exactly one forward having run under it."""
+        rec = NoisedEmbeddings()
+        calls = [0]
+
+        def hook(module, args, output):
+            calls[0] += 1
+            if calls[0] > 1:
+                raise RuntimeError("noised_embeddings: more than one forward under one context")
+            rec.clean = output.detach()
+            noised = perturb(rec.clean).detach()
+            if torch.is_grad_enabled():
+                noised.requires_grad_(True)
+            rec.noised = noised
+            return noised
+
+        handle = self.model.get_input_embeddings().register_forward_hook(hook)
+        try:
+            yield rec
+        finally:
+            handle.remove()
+        if calls[0] != 1:
+            raise RuntimeError(f"noised_embeddings: expected one forward under the context, got {calls[0]}")
 
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep: int):
         if (input_ids is None) == (inputs_embeds is None):
@@ -353,7 +425,8 @@ class HFProbeModel:
         # transformers 5.x renames forward(past_key_values=...) to forward(cache=...) (deprecated until 5.40).
         import inspect
 
-        params = inspect.signature(self.model.forward).parameters
+        inner = getattr(self.model, "module", self.model)  # FSDP1 / DeepSpeed wrappers forward **kwargs
+        params = inspect.signature(inner.forward).parameters
         return "cache" if "cache" in params else "past_key_values"
 
     def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:

@@ -17,8 +17,10 @@ Every method of :data:`oar.METHODS` works: ``grpo``, ``dr_grpo`` (sets TRL's ``s
 ``random``, ``entropy``, ``entropy_shaping``, ``ktae``, ``oar_p``, ``oar_g``. The dataset rows must carry
 the reference answer in ``answer_column`` (default ``"answer"``) for ``oar_p`` / ``oar_g``.
 
-Multi-process (accelerate, DDP / DeepSpeed / FSDP): attribution runs on each process's own rows with the
-advantages TRL normalized over the gathered batch; the forwards are kept in step across ranks
+Multi-process (accelerate, DDP / DeepSpeed / FSDP1 / FSDP2): attribution runs on each process's own rows with the
+advantages TRL normalized over the gathered batch, on the policy being trained (the FSDP1 wrapper itself, else the
+unwrapped model: :meth:`OARTrainerMixin._oar_policy`). Every model call is a root forward on ids (OAR-G takes the
+embeddings through a hook inside the forward) and the forwards are kept in step across ranks
 (:mod:`oar.distributed`), which ZeRO-3 / FSDP require. KTAE needs whole groups, which may span processes: its
 token tables are built on the gathered completions and sliced back.
 """
@@ -204,6 +206,23 @@ class OARTrainerMixin:
                             rewards=None if rewards is None else rewards.cpu(),
                             group_ids=[i // G for i in range(ids.shape[0])], sequence_advantages=adv.cpu())
 
+    def _oar_policy(self):
+        """The module attribution runs forwards of: one whose forward is a root forward of the trained policy.
+
+        FSDP1 keeps the root module's own parameters (embedding, LM head) as flat shards that only the wrapper's
+        forward gathers, so the wrapper is used (its forward passes the keyword arguments through). DDP (whose
+        forward would prepare a gradient reduction), DeepSpeed (every submodule gathers its own ZeRO-3
+        parameters) and FSDP2 (the module itself gathers) give the unwrapped model."""
+        wrapped = getattr(self, "model_wrapped", self.model)
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+        except ImportError:  # pragma: no cover - torch without distributed
+            FullyShardedDataParallel = ()
+        for m in (wrapped, self.model):
+            if isinstance(m, FullyShardedDataParallel):
+                return m
+        return self.accelerator.unwrap_model(self.model)
+
     def _generate_and_score_completions(self, inputs):
         t0 = time.perf_counter()
         out = super()._generate_and_score_completions(inputs)
@@ -218,8 +237,7 @@ class OARTrainerMixin:
             rows = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
             tok = res.advantages[rows, :C]
         else:
-            model = self.accelerator.unwrap_model(self.model)
-            res = self.oar_pipeline.compute(batch, model)
+            res = self.oar_pipeline.compute(batch, self._oar_policy())
             tok = res.advantages
         out["advantages"] = tok.to(out["advantages"].device)
         t2 = time.perf_counter()

@@ -1,0 +1,91 @@
+"""OARGRPOTrainer under FSDP1 and FSDP2: 2 processes (accelerate launch, gloo, CPU), the real trl / accelerate /
+torch FSDP code, accelerate's FSDP plugin enabled on CPU by the test scaffold ``_cpu_fsdp`` (accelerate offers
+FSDP on accelerator devices only; the wrapping is the one GPUs get).
+
+Per FSDP version and method (oar_g, oar_p), checked on each rank (the worker is ``trl_fsdp_process.py``):
+- TRL's step finishes on both ranks although one rank has nothing to attribute and the other up to four rows;
+- both ranks ran the same number of policy forwards during attribution (a rank that ran fewer would leave the
+  other's parameter all-gathers waiting);
+- the scores equal those of the single-process pipeline on the same batch with the same (unsharded) weights:
+  rule 1 of ``_tolerance.py`` against the float64 model, i.e. the FSDP run loses no more than 2x the plain
+  float32 run's own rounding error; the advantages are exact where the scores are.
+Before the attribution used the wrapper and forwards on ids only, FSDP1 failed with "'weight' must be 2-D".
+"""
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+
+from oar.models import tiny_random_llama  # noqa: E402
+from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402
+
+from _tolerance import assert_close_to_reference  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import trl_fsdp_process as worker  # noqa: E402
+
+
+def _launch(version: int, out) -> list[dict]:
+    exe = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+    if exe is None:
+        pytest.skip("accelerate CLI not found")
+    cmd = [exe, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", "0", os.path.join(HERE, "trl_fsdp_process.py"),
+           str(version), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return [torch.load(out / f"rank{k}.pt", weights_only=False) for k in range(2)]
+
+
+def _single_process(method: str, batch: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The pipeline's scores of ``batch`` in one process, on the initial weights (float64: logits rounded once to
+    the float32 the probe ops take)."""
+    model, tok = tiny_random_llama(**worker.MODEL)
+    if dtype == torch.float64:
+        model = model.double()
+        forward = model.forward
+
+        @functools.wraps(forward)  # keeps the signature the engines inspect
+        def rounded(*a, **k):
+            out = forward(*a, **k)
+            out.logits = out.logits.float()
+            return out
+
+        model.forward = rounded
+    return Pipeline(worker.config(method), tok).compute(RolloutBatch(**batch), model)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_attribution_under_fsdp_matches_one_process(tmp_path, version):
+    ranks = _launch(version, tmp_path)
+    assert {r["oar_g"]["process_index"] for r in ranks} == {0, 1}
+    for method in ("oar_g", "oar_p"):
+        r = [ranks[0][method], ranks[1][method]]
+        for k in range(2):
+            assert r[k]["distributed_type"] == "DistributedType.FSDP" and r[k]["finished"], (method, k)
+            want = "FullyShardedDataParallel" if version == 1 else "FSDPLlamaForCausalLM"
+            assert r[k]["policy"] == want and r[k]["wrapped"] == want, (method, k, r[k]["policy"])
+        active = [int((x["batch"]["sequence_advantages"] != 0).sum()) for x in r]
+        assert sorted(active)[0] == 0 and sorted(active)[1] >= 2, (method, active)  # unequal work
+        assert r[0]["forwards"] == r[1]["forwards"] > 0, (method, r[0]["forwards"], r[1]["forwards"])
+        for k in range(2):
+            ref32 = _single_process(method, r[k]["batch"], torch.float32)
+            ref64 = _single_process(method, r[k]["batch"], torch.float64)
+            got = r[k]["scores"]
+            if active[k]:  # the budget (2x the float32 error) is well below the scores: a wrong result would fail
+                err32, scale = (ref32.scores - ref64.scores).abs().max(), ref64.scores.abs().max()
+                assert scale > 0 and 2 * err32 < 0.5 * scale, (method, float(err32), float(scale))
+            assert_close_to_reference(got, ref64.scores, ref32.scores, what=f"FSDP{version} {method} rank {k}")
+            same = (got == ref32.scores).all(dim=1)
+            torch.testing.assert_close(r[k]["advantages"][same], ref32.advantages[same], rtol=0, atol=0)

@@ -1,0 +1,91 @@
+"""Worker script of tests/python/test_trl_fsdp.py (not a test module): run by ``accelerate launch --multi_gpu
+--num_processes 2`` with ``use_cpu=True`` (two CPU processes on gloo) and ``TrainingArguments(fsdp=...)``, with
+accelerate's FSDP plugin enabled on CPU by :mod:`_cpu_fsdp` (the model is wrapped exactly as on GPUs).
+
+One optimizer step of OARGRPOTrainer per method (``oar_g``, ``oar_p``) on a tiny random Llama under FSDP version
+``argv[2]``. Two prompts, four completions each, one prompt's group per rank; the reward of the prompt whose answer
+is 7 is constant, so one rank holds no row with a non-zero advantage and the other up to four: the ranks have
+different attribution work. Each rank saves, per method, the batch it attributed (before any parameter update:
+attribution runs between generation and the step's update), the scores and advantages it computed, the number
+of policy forwards it ran during attribution and whether TRL's step finished, to ``<out_dir>/rank<k>.pt``.
+"""
+
+import dataclasses
+import sys
+
+import torch
+import trl
+from datasets import Dataset
+
+import _cpu_fsdp
+import oar
+from oar.integrations.trl import OARGRPOTrainer
+from oar.models import tiny_random_llama
+
+PROMPTS = [(1, 2), (3, 4)]
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, tokenizer="minimal", seed=0)
+
+
+def reward(prompts, completions, answer, **kw):
+    out = []
+    for c, a in zip(completions, answer):
+        text = c[-1]["content"] if isinstance(c, list) else c
+        out.append(1.0 if a == "7" else float(sum(ch in text for ch in a)) / len(a) + 0.1 * (len(text) % 5))
+    return out
+
+
+def config(method: str) -> "oar.OARConfig":
+    # sigma 0.05: OAR-G scores well above float32 rounding on this tiny model. A 1 MB budget: one OAR-G row / a few OAR-P variants per forward, so the active rank runs many forwards.
+    return oar.OARConfig.from_json(f'{{"method": "{method}", "seed": 3, "memory_budget_mb": 1, "sigma": 0.05, '
+                                   f'"max_variants_per_chunk": 4}}')
+
+
+def run(method: str, version: int, out_dir: str) -> dict:
+    model, tok = tiny_random_llama(**MODEL)
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
+                            for a, b in PROMPTS])
+    args = trl.GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=12, max_steps=1, learning_rate=1e-3, report_to="none",
+                          save_strategy="no", logging_steps=1, use_cpu=True, seed=0, temperature=1.0,
+                          disable_tqdm=True, bf16=False, gradient_checkpointing=False,
+                          fsdp="full_shard auto_wrap",
+                          fsdp_config={"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                       "sync_module_states": "false"})
+    trainer = OARGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds,
+                             processing_class=tok, oar_config=config(method))
+    rec: dict = {"forwards": 0}
+    counting = {"on": False}
+
+    def count(module, args, kwargs):
+        if counting["on"]:
+            rec["forwards"] += 1
+
+    model.register_forward_pre_hook(count, with_kwargs=True)  # the HF module inside every wrapper
+    orig_compute = trainer.oar_pipeline.compute
+
+    def compute(batch, policy=None):
+        rec["policy"] = type(policy).__name__
+        counting["on"] = True
+        try:
+            res = orig_compute(batch, policy)
+        finally:
+            counting["on"] = False
+        rec["batch"] = {k: v for k, v in dataclasses.asdict(batch).items()}
+        rec.update(scores=res.scores.detach().clone(), advantages=res.advantages.detach().clone())
+        return res
+
+    trainer.oar_pipeline.compute = compute
+    trainer.train()
+    rec.update(process_index=trainer.accelerator.process_index, distributed_type=str(trainer.accelerator.distributed_type),
+               wrapped=type(trainer.model_wrapped).__name__, finished=trainer.state.global_step == 1)
+    return rec
+
+
+def main(version: int, out_dir: str) -> None:
+    _cpu_fsdp.enable()
+    res = {m: run(m, version, out_dir) for m in ("oar_g", "oar_p")}
+    torch.save(res, f"{out_dir}/rank{res['oar_g']['process_index']}.pt")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
