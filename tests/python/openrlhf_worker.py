@@ -89,11 +89,47 @@ def make_experiences(tok):
 
 
 def maker(tok, estimator="group_norm", use_loss=True, kl=0.0):
-    args = NS(rollout=NS(n_samples_per_prompt=N, max_new_tokens=16),
+    args = NS(rollout=NS(n_samples_per_prompt=N, max_new_tokens=16, micro_batch_size=3),
+              train=NS(dynamic_batch_enable=False),
               algo=NS(advantage=NS(estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False),
                       kl=NS(use_loss=use_loss, estimator="k1")),
               reward=NS(clip_range=(-10.0, 10.0)), data=NS(max_len=64))
     return RemoteExperienceMaker(None, None, None, object(), NS(value=kl), NS(args=args), tok)
+
+
+REAL_REWARDS = [1, 0, 0, 1, 0.5, 0, 1, 0]
+
+
+def real_layout(tok):
+    """Experiences as OpenRLHF 0.11 builds them: fake vLLM outputs (prompt tokens + response tokens; rows 1 and 5
+    are multi-turn: response, environment observation, response) turned into single-rollout experiences by the
+    real ``SamplesGenerator._process_response_into_experience`` (one right-padded sequence, ``action_mask``
+    over the whole sequence shifted by one) and batched by the real ``split_rollout_samples`` (micro-batches of 3:
+    widths differ). Returns the experiences and, per rollout, the token lists they were made from."""
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    g = torch.Generator().manual_seed(1)
+    vocab = len(tok)
+    samples, truth = [], []
+    for i in range(2 * N):
+        q = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
+        a1 = torch.randint(3, vocab, (4 + i % 4,), generator=g).tolist()
+        obs, a2 = [], []
+        if i % N == 1:
+            obs = torch.randint(3, vocab, (3,), generator=g).tolist()
+            a2 = torch.randint(3, vocab, (2,), generator=g).tolist()
+        tokens = q + a1 + obs + a2
+        ranges = [(len(q), len(q) + len(a1))] + ([(len(tokens) - len(a2), len(tokens))] if a2 else [])
+        response = dict(observation_tokens=tokens, action_ranges=ranges, reward=float(REAL_REWARDS[i]), scores=None,
+                        rollout_log_probs=None, prompt="", label=str(3 + i // N), extra_logs={})
+        samples.append(SamplesGenerator._process_response_into_experience(None, response, max_len=64))
+        truth.append(dict(prompt=q, completion=a1 + obs + a2, eligible=[1] * len(a1) + [0] * len(obs) + [1] * len(a2),
+                          label=str(3 + i // N)))
+    experiences = maker(tok).split_rollout_samples(samples)
+    for e in experiences:  # what make_experience adds (no KL: --algo.kl.use_loss)
+        e.kl = torch.zeros(e.action_mask.shape)
+        e.action_log_probs = torch.zeros(e.action_mask.shape)
+    return experiences, truth
 
 
 def doc_namespace():
@@ -126,6 +162,12 @@ def main(out_path):
             res["errors"][key] = None
         except ValueError as e:
             res["errors"][key] = str(e)
+    real, truth = real_layout(tok)
+    res["real"] = {"truth": truth, "action_mask": [e.action_mask for e in real], "sequences": [e.sequences for e in real],
+                   "index": [e.index for e in real]}
+    for method in ("oar_p", "oar_g"):
+        oar_orl.install(oar.OARConfig.from_json(json.dumps({"method": method, "seed": 2})), model=model)
+        res["real"][method] = [e.advantages for e in maker(tok).compute_advantages_and_returns(copy.deepcopy(real))]
     oar_orl.install(oar.OARConfig.from_json('{"method": "oar_g"}'), model=None)
     try:
         maker(tok).compute_advantages_and_returns(copy.deepcopy(base))

@@ -122,3 +122,49 @@ def test_launcher_injects_the_worker_setup_hook():
     fake2.init = _patched_ray_init(fake2, "{}")
     with pytest.raises(RuntimeError, match="worker_process_setup_hook"):
         fake2.init(runtime_env={"worker_process_setup_hook": "other.hook"})
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+def test_real_experience_layout_keeps_the_question(res, method):
+    """Experiences made by OpenRLHF 0.11's own code (right-padded full sequences, action mask over the whole
+    sequence, multi-turn observations between responses): the patch attributes each response with its question
+    as the probe context and the observations as unscored context, exactly as the pipeline does on the token lists
+    the rollouts were made from; the advantages land on the action-mask columns of their tokens."""
+    from oar.models import tiny_random_llama
+    from oar.pipeline import Pipeline, RolloutBatch
+
+    import oar
+
+    real = res["real"]
+    truth = real["truth"]
+    B = len(truth)
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    C = max(len(t["completion"]) for t in truth)
+    ids = torch.full((B, C), tok.pad_token_id)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    elig = torch.zeros((B, C), dtype=torch.bool)
+    for i, t in enumerate(truth):
+        L = len(t["completion"])
+        ids[i, :L] = torch.tensor(t["completion"])
+        cmask[i, :L] = True
+        elig[i, :L] = torch.tensor(t["eligible"], dtype=torch.bool)
+    r = torch.tensor([1, 0, 0, 1, 0.5, 0, 1, 0], dtype=torch.float32).reshape(-1, N)
+    seq = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)  # OpenRLHF's group_norm
+    batch = RolloutBatch(ids, cmask, prompt_ids=[t["prompt"] for t in truth], eligible_mask=elig,
+                         group_ids=[i // N for i in range(B)], answers=[t["label"] for t in truth],
+                         sequence_advantages=seq)
+    want = Pipeline(oar.OARConfig.from_json(f'{{"method": "{method}", "seed": 2}}'), tok).compute(batch, model)
+    assert want.scores.abs().max() > 0 and (want.advantages[~elig] == 0).all()
+    got_rows = {}
+    for e_adv, amask, index in zip(real[method], real["action_mask"], real["index"]):
+        assert e_adv.shape == amask.shape  # OpenRLHF's (B, T - 1) layout
+        for b, i in enumerate(index):
+            got_rows[i] = (e_adv[b], amask[b].bool())
+    assert sorted(got_rows) == list(range(B))
+    for i, t in enumerate(truth):
+        adv, amask = got_rows[i]
+        col = len(t["prompt"]) - 1  # action-mask column of the first response token (token j <-> column j - 1)
+        L = len(t["completion"])
+        assert amask[col: col + L].tolist() == [bool(x) for x in t["eligible"]], i  # the layout is as described
+        torch.testing.assert_close(adv[col: col + L], want.advantages[i, :L], rtol=0, atol=0)
+        assert (adv[:col] == 0).all() and (adv[col + L:] == 0).all()

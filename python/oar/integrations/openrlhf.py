@@ -149,24 +149,10 @@ def _compute(self, experiences):
         return experiences
     n = int(args.rollout.n_samples_per_prompt)
     # One batch in prompt order (experience.index = original positions), as OpenRLHF's own group statistics.
-    widths = [int(e.action_mask.shape[1]) for e in experiences]
-    A_max = max(widths)
     pos = torch.tensor([int(i) for e in experiences for i in e.index])
     order = torch.argsort(pos)
-    rows = []
-    for e, w in zip(experiences, widths):
-        m = e.action_mask.detach().bool().cpu()
-        seqs = e.sequences.detach().cpu()
-        attn = e.attention_mask.detach().bool().cpu()
-        adv = e.advantages.detach().float().cpu()
-        seq_adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
-        labels = list(e.labels) if e.labels else [None] * m.shape[0]
-        for b in range(m.shape[0]):
-            rows.append(dict(
-                prompt=seqs[b, : seqs.shape[1] - w][attn[b, : seqs.shape[1] - w]],
-                ids=torch.nn.functional.pad(seqs[b, seqs.shape[1] - w:], (0, A_max - w)),
-                mask=torch.nn.functional.pad(m[b], (0, A_max - w)),
-                adv=float(seq_adv[b]), reward=float(e.rewards[b]), label=labels[b]))
+    rows = [r for e in experiences for r in _experience_rows(e)]
+    C = max(1, max(len(r["ids"]) for r in rows))
     rows = [rows[i] for i in order.tolist()]
     B = len(rows)
     if B % n:
@@ -180,20 +166,80 @@ def _compute(self, experiences):
             raise ValueError(f"oar method {method!r} needs the reference answers: pass --data.label_key so that "
                              "experience.labels holds them")
         answers = [str(r["label"]) for r in rows]
-    batch = RolloutBatch(torch.stack([r["ids"] for r in rows]), torch.stack([r["mask"] for r in rows]),
-                         prompt_ids=[r["prompt"] for r in rows], rewards=torch.tensor([r["reward"] for r in rows]),
+
+    def padded(key, value):  # (B, C): the rows' `key` tensors, right-padded with `value`
+        out = torch.full((B, C), value, dtype=rows[0][key].dtype)
+        for i, r in enumerate(rows):
+            out[i, : len(r[key])] = r[key]
+        return out
+
+    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
+    batch = RolloutBatch(padded("ids", pad), padded("completion", False), prompt_ids=[r["prompt"] for r in rows],
+                         eligible_mask=padded("eligible", False), rewards=torch.tensor([r["reward"] for r in rows]),
                          group_ids=[i // n for i in range(B)], answers=answers,
                          sequence_advantages=torch.tensor([r["adv"] for r in rows]))
     tok = _pipeline(cfg, tokenizer).compute(batch, model).advantages
     back = torch.empty_like(order)
     back[order] = torch.arange(B)
     start = 0
-    for e, w in zip(experiences, widths):
-        k = e.action_mask.shape[0]
-        sel = back[start: start + k]
+    for e in experiences:
+        k, w = e.action_mask.shape
+        adv = torch.zeros((k, w), dtype=torch.float32)
+        for b in range(k):
+            i = int(back[start + b])
+            r = rows[i]
+            L = len(r["ids"])
+            adv[b, r["column"]: r["column"] + L] = tok[i, :L]
         start += k
-        e.advantages = tok[sel, :w].to(device=e.advantages.device)
+        e.advantages = adv.to(device=e.advantages.device)
     return experiences
+
+
+def _experience_rows(e) -> list[dict]:
+    """The rows of one OpenRLHF ``Experience`` as prompt / completion / eligible tokens.
+
+    OpenRLHF 0.11 stores each rollout as one right-padded sequence (B, T) of observation tokens (prompt,
+    responses and, in multi-turn rollouts, environment observations between them) with ``attention_mask`` (B, T)
+    and ``action_mask`` (B, A): column c of ``action_mask`` is token c + T - A (A = T - 1: the mask of predicted
+    tokens). Earlier layouts (left-padded prompt, then A response columns) follow the same rule. A row's prompt is
+    every attended token before its first action token; its completion runs from there to its last attended token
+    (observations between turns included, as context); its eligible tokens are the action tokens (observations
+    are never masked, perturbed or scored). ``column`` is the action-mask column of the completion's first token.
+
+    Raises:
+        ValueError: an ``action_mask`` wider than ``sequences`` allows, action tokens on padding, advantages that
+            vary over a row's action tokens.
+    """
+    seqs = e.sequences.detach().cpu()
+    attn = e.attention_mask.detach().bool().cpu()
+    am = e.action_mask.detach().bool().cpu()
+    B, T = seqs.shape
+    if am.dim() != 2 or am.shape[0] != B or not 1 <= T - am.shape[1] < T:
+        raise ValueError(f"experience.action_mask must be (B, A) with B = {B} and 1 <= A < T = {T} "
+                         f"(sequences {tuple(seqs.shape)}), got {tuple(am.shape)}")
+    off = T - am.shape[1]
+    act = torch.zeros((B, T), dtype=torch.bool)
+    act[:, off:] = am
+    if bool((act & ~attn).any()):
+        b, j = (int(x) for x in torch.nonzero(act & ~attn)[0])
+        raise ValueError(f"experience.action_mask marks token {j} of row {b}, which attention_mask marks as padding")
+    adv = e.advantages.detach().float().cpu()
+    labels = list(e.labels) if e.labels else [None] * B
+    rows = []
+    for b in range(B):
+        acts = torch.nonzero(act[b]).flatten()
+        valid = torch.nonzero(attn[b]).flatten()
+        end = int(valid[-1]) + 1 if len(valid) else 0
+        first = int(acts[0]) if len(acts) else end
+        # OpenRLHF's group estimators give one value per response, constant over its action tokens.
+        vals = adv[b][am[b]]
+        if len(vals) and not bool((vals == vals[0]).all()):
+            raise ValueError(f"experience.advantages of row {b} vary over its action tokens ({float(vals.min())} .. "
+                             f"{float(vals.max())}): OAR reshapes one advantage per response")
+        rows.append(dict(prompt=seqs[b, :first][attn[b, :first]], ids=seqs[b, first:end],
+                         completion=attn[b, first:end], eligible=act[b, first:end], column=max(first - off, 0),
+                         adv=float(vals[0]) if len(vals) else 0.0, reward=float(e.rewards[b]), label=labels[b]))
+    return rows
 
 
 def _patched_ray_init(ray_mod, config_json: str):
