@@ -168,6 +168,7 @@ def main(out_path):
     for method in ("oar_p", "oar_g"):
         oar_orl.install(oar.OARConfig.from_json(json.dumps({"method": method, "seed": 2})), model=model)
         res["real"][method] = [e.advantages for e in maker(tok).compute_advantages_and_returns(copy.deepcopy(real))]
+    res["remote"] = remote_scores(tok, model, real)
     oar_orl.install(oar.OARConfig.from_json('{"method": "oar_g"}'), model=None)
     try:
         maker(tok).compute_advantages_and_returns(copy.deepcopy(base))
@@ -184,5 +185,119 @@ def main(out_path):
     torch.save(res, out_path)
 
 
+def remote_scores(tok, model, real):
+    """The experience maker's side of the actor-group path, in one process: no model installed, an actor group of
+    two policy actors (``args.actor``: 1 node x 2) whose ``async_run_method_batch`` runs OpenRLHF's own
+    ``BaseModelActor.execute_batch`` on in-process actors (``ray.get`` of the results is the identity here)."""
+    import ray
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+
+    class Actor(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+    actors = []
+    for k in range(2):
+        a = object.__new__(BaseModelActor)
+        a.actor, a.strategy = Actor(model), NS(is_rank_0=lambda: True)
+        actors.append(a)
+    seen = []
+
+    class Group:
+        def async_run_method_batch(self, method_name, **kwargs):
+            seen.append((method_name, [r["batch"] for r in kwargs["request"]]))
+            return [BaseModelActor.execute_batch(a, method_name, {"request": [r]}, 0, 1)
+                    for a, r in zip(actors, kwargs["request"])]
+
+    m = maker(tok)
+    m.strategy.args.ds = NS(ring_attn_size=1, tensor_parallel_size=1)
+    m.strategy.args.actor = NS(num_nodes=1, num_gpus_per_node=2)
+    m.actor_model_group = Group()
+    oar_orl.install(oar.OARConfig.from_json('{"method": "oar_p", "seed": 2}'))  # no model: the actors score
+    get, ray.get = ray.get, (lambda refs: refs)
+    try:
+        adv = [e.advantages for e in m.compute_advantages_and_returns(copy.deepcopy(real))]
+    finally:
+        ray.get = get
+    return {"advantages": adv, "calls": seen}
+
+
+def actor_request(tok, lo, hi, method):
+    """The request the experience maker sends to the actor holding rows [lo, hi) of the real-layout rollouts
+    (group 1's rewards made equal: its rows have advantage 0, so one actor has nothing to score)."""
+    from oar.pipeline import RolloutBatch
+
+    _, truth = real_layout(tok)
+    B = len(truth)
+    C = max(len(t["completion"]) for t in truth)
+    ids = torch.full((B, C), tok.pad_token_id)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    elig = torch.zeros((B, C), dtype=torch.bool)
+    for i, t in enumerate(truth):
+        L = len(t["completion"])
+        ids[i, :L] = torch.tensor(t["completion"])
+        cmask[i, :L] = True
+        elig[i, :L] = torch.tensor(t["eligible"], dtype=torch.bool)
+    r = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0], dtype=torch.float32).reshape(-1, N)
+    seq = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)
+    batch = RolloutBatch(ids, cmask, prompt_ids=[t["prompt"] for t in truth], eligible_mask=elig,
+                         group_ids=[i // N for i in range(B)], answers=[t["label"] for t in truth],
+                         sequence_advantages=seq)
+    # OAR-P: a 1 MB budget, so the scoring actor runs many forwards. OAR-G: one chunk (with a chunk per row, the
+    # plain path's batched clean logits round differently from each chunk's noisy pass, and on this tiny model
+    # that rounding is ~40% of the scores: the float64 comparison would say nothing).
+    cfg = oar.OARConfig.from_json(json.dumps({"method": method, "seed": 4, "sigma": 0.05, "max_variants_per_chunk": 3,
+                                              "memory_budget_mb": 1 if method == "oar_p" else 4096}))
+    return dict(config=cfg.to_json(), tokenizer=tok, batch=oar_orl._sub_batch(batch, lo, hi))
+
+
+def actor_rank(rank, world, port, out_dir):
+    """One policy actor of a 2-actor group on gloo: OpenRLHF's own ``BaseModelActor.execute_batch`` calls the
+    attached ``oar_scores`` with this actor's chunk, under ``torch.no_grad`` as in ``make_experience``."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+
+    class Actor(torch.nn.Module):  # openrlhf.models.Actor's shape: the policy in .model
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+    me = object.__new__(BaseModelActor)  # an actor as Ray builds it, without its DeepSpeed model set-up
+    me.actor = Actor(model)
+    me.strategy = NS(is_rank_0=lambda: rank == 0)
+    me.actor.train()
+    counter = {"n": 0}
+    model.register_forward_pre_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
+    out = {}
+    for method in ("oar_p", "oar_g"):
+        counter["n"] = 0
+        req = actor_request(tok, 4 * rank, 4 * rank + 4, method)
+        with torch.no_grad():
+            (res,) = BaseModelActor.execute_batch(me, oar_orl.ACTOR_METHOD, {"request": [req]}, 0, 1)
+        out[method] = dict(res, forwards=counter["n"], batch=req["batch"], config=req["config"],
+                           training=me.actor.training, grads=[p.grad is None for p in model.parameters()])
+    torch.save(out, os.path.join(out_dir, f"actor{rank}.pt"))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "actor":  # openrlhf_worker.py actor OUT_DIR
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            free = sk.getsockname()[1]
+        mp.spawn(actor_rank, args=(2, free, sys.argv[2]), nprocs=2, join=True)
+    else:
+        main(sys.argv[1])

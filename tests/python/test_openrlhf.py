@@ -168,3 +168,97 @@ def test_real_experience_layout_keeps_the_question(res, method):
         assert amask[col: col + L].tolist() == [bool(x) for x in t["eligible"]], i  # the layout is as described
         torch.testing.assert_close(adv[col: col + L], want.advantages[i, :L], rtol=0, atol=0)
         assert (adv[:col] == 0).all() and (adv[col + L:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def actors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("orl_actor")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_worker.py"), "actor", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return [torch.load(out / f"actor{k}.pt", weights_only=False) for k in range(2)]
+
+
+def _float64_policy(model):
+    """A float64 copy of ``model`` whose logits are rounded once to the float32 the probe ops take."""
+    import copy
+    import functools
+
+    m64 = copy.deepcopy(model).double()
+    forward = m64.forward
+
+    @functools.wraps(forward)  # keeps the signature the engines inspect
+    def rounded(*a, **k):
+        out = forward(*a, **k)
+        out.logits = out.logits.float()
+        return out
+
+    m64.forward = rounded
+    return m64
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+def test_actor_method_scores_on_the_policy_actors(actors, method):
+    """The ``oar_scores`` actor method, called by OpenRLHF's own ``BaseModelActor.execute_batch`` on two actors
+    (gloo) under ``torch.no_grad`` (as in make_experience), one actor with four rows to score and one with none:
+    both run the same number of policy forwards, OAR-G gets its gradients, no parameter ``.grad`` is written, the
+    actor is back in training mode, and the scores are the single-process pipeline's (rule 1 of _tolerance.py
+    against the float64 policy: the gate only adds dummy calls)."""
+    import oar
+    from oar.models import tiny_random_llama
+    from oar.pipeline import Pipeline
+
+    r = [actors[0][method], actors[1][method]]
+    assert r[0]["forwards"] == r[1]["forwards"] > 0
+    assert int((r[0]["batch"].sequence_advantages != 0).sum()) == 4
+    assert int((r[1]["batch"].sequence_advantages != 0).sum()) == 0
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    for k in range(2):
+        assert r[k]["training"] and all(r[k]["grads"])
+        cfg = oar.OARConfig.from_json(r[k]["config"])
+        alone = Pipeline(cfg, tok).scores(r[k]["batch"], model)
+        ref64 = Pipeline(cfg, tok).scores(r[k]["batch"], _float64_policy(model))
+        assert torch.equal(r[k]["reasoning_mask"], alone.reasoning_mask)
+        if k == 0:  # the budget (2x the float32 error) is well below the scores: a wrong result would fail
+            err32, scale = (alone.scores - ref64.scores).abs().max(), ref64.scores.abs().max()
+            assert scale > 0 and 2 * err32 < 0.5 * scale, (float(err32), float(scale))
+        else:
+            assert not r[k]["reasoning_mask"].any() and (r[k]["scores"] == 0).all()
+        assert_close_to_reference(r[k]["scores"], ref64.scores, alone.scores, what=f"{method} actor {k}")
+
+
+def test_experience_maker_folds_actor_group_scores(res):
+    """Without a model in its process, the experience maker sends one contiguous chunk of the prompt-ordered
+    rows to each data-parallel policy actor (method ``oar_scores``), and its advantages are the pipeline's on the
+    whole batch with the scores the actors returned, at the experiences' action-mask columns."""
+    import oar
+    from oar.models import tiny_random_llama
+    from oar.pipeline import Pipeline, RolloutBatch
+
+    remote, real = res["remote"], res["real"]
+    truth = real["truth"]
+    B = len(truth)
+    (name, chunks), = remote["calls"]  # one dispatch per step
+    assert name == "oar_scores" and [c.batch_size for c in chunks] == [B // 2, B // 2]
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    pipe = Pipeline(oar.OARConfig.from_json('{"method": "oar_p", "seed": 2}'), tok)
+    parts = [pipe.scores(c, model) for c in chunks]
+    whole = RolloutBatch(**{k: (None if getattr(chunks[0], k) is None else
+                                (torch.cat([getattr(c, k) for c in chunks]) if isinstance(getattr(chunks[0], k),
+                                                                                           torch.Tensor)
+                                 else list(getattr(chunks[0], k)) + list(getattr(chunks[1], k))))
+                            for k in RolloutBatch.__dataclass_fields__})
+    for i, t in enumerate(truth):  # chunk rows are the rollouts in prompt order
+        assert whole.prompt_ids[i].tolist() == t["prompt"]
+    whole.scores = torch.cat([p.scores for p in parts])
+    whole.reasoning_mask = torch.cat([p.reasoning_mask for p in parts])
+    assert whole.scores.abs().max() > 0
+    want = Pipeline(oar.OARConfig.from_json('{"method": "oar_p", "seed": 2}'), tok).compute(whole).advantages
+    got = {}
+    for e_adv, index in zip(remote["advantages"], real["index"]):
+        for b, i in enumerate(index):
+            got[i] = e_adv[b]
+    for i, t in enumerate(truth):
+        col, L = len(t["prompt"]) - 1, len(t["completion"])
+        torch.testing.assert_close(got[i][col: col + L], want[i, :L], rtol=0, atol=0)

@@ -15,11 +15,14 @@ mixed into the returns) or a zero KL coefficient; ``--algo.advantage.estimator``
 The experience maker lives in the ``PPOTrainer`` Ray actor, not in the driver. :func:`launch` (``python -m
 oar.integrations.openrlhf <train_ppo_ray arguments>``) therefore runs OpenRLHF's ``train_ppo_ray`` with
 ``ray.init(runtime_env={"worker_process_setup_hook": "oar.integrations.openrlhf.worker_setup_hook",
-"env_vars": {"OAR_CONFIG": ...}})``, which installs the patch in every Ray worker process. Methods that run
-the policy (``oar_p``, ``oar_g``, ``entropy``, ``entropy_shaping``) need a model in the process that makes the
-experience: pass ``install(model=...)`` (a Hugging Face causal LM or an :class:`oar.attribution.ProbeModel`);
-driving OpenRLHF's remote actor group for attribution forwards is not provided. ``grpo``, ``dr_grpo``,
-``random`` and ``ktae`` need none.
+"env_vars": {"OAR_CONFIG": ...}})``, which installs the patch in every Ray worker process, and attaches
+:func:`actor_scores` to OpenRLHF's model actors there. ``oar_p`` / ``oar_g`` scores are then computed on the
+policy actor group, with the weights that generated the rollouts: the experience maker sends each data-parallel
+actor one chunk of rows through ``actor_model_group.async_run_method_batch(method_name="oar_scores", ...)`` (the
+way it reaches the actors' own ``forward``) and folds the returned scores into the advantages. ``entropy`` /
+``entropy_shaping`` need a model in the process that makes the experience (``install(model=...)``, a Hugging Face
+causal LM or an :class:`oar.attribution.ProbeModel`; it also replaces the actor group for oar_p / oar_g).
+``grpo``, ``dr_grpo``, ``random`` and ``ktae`` need none.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def install(config=None, *, model=None) -> None:
     original = getattr(current, "__oar_original__", current)
     _check_signature(original)
     _STATE.update(config=config, model=model, original=original, pipelines={})
+    _attach_actor_method()
     if not getattr(current, "__oar_original__", None):
         def compute_advantages_and_returns(self, experiences):
             return _compute(self, experiences)
@@ -141,9 +145,14 @@ def _compute(self, experiences):
                          f"{estimator!r}")
     model = _STATE["model"]
     spec = method_spec(method)
-    if spec.needs_model and model is None:
+    # oar_p / oar_g run on the policy actor group (the weights that generated the rollouts) unless a model was
+    # installed in this process.
+    remote = (spec.needs_model and model is None and spec.credit == "reshape"
+              and getattr(self, "actor_model_group", None) is not None)
+    if spec.needs_model and model is None and not remote:
         raise ValueError(f"oar method {method!r} runs the policy: call oar.integrations.openrlhf.install(config, "
-                         "model=...) in the process that makes the experience")
+                         "model=...) in the process that makes the experience"
+                         + ("" if spec.credit != "reshape" else " (or make experiences with an actor_model_group)"))
     experiences = _STATE["original"](self, experiences)
     if not experiences:
         return experiences
@@ -178,6 +187,8 @@ def _compute(self, experiences):
                          eligible_mask=padded("eligible", False), rewards=torch.tensor([r["reward"] for r in rows]),
                          group_ids=[i // n for i in range(B)], answers=answers,
                          sequence_advantages=torch.tensor([r["adv"] for r in rows]))
+    if remote:
+        batch.scores, batch.reasoning_mask = _actor_group_scores(self, batch, cfg, tokenizer)
     tok = _pipeline(cfg, tokenizer).compute(batch, model).advantages
     back = torch.empty_like(order)
     back[order] = torch.arange(B)
@@ -193,6 +204,97 @@ def _compute(self, experiences):
         start += k
         e.advantages = adv.to(device=e.advantages.device)
     return experiences
+
+
+#: Name of the policy actor method that computes scores (attached to OpenRLHF's ``BaseModelActor`` by
+#: :func:`install`, reached through ``RayActorGroup.async_run_method_batch`` like the actor's own ``forward``).
+ACTOR_METHOD = "oar_scores"
+
+
+def _sub_batch(batch: RolloutBatch, lo: int, hi: int) -> RolloutBatch:
+    """Rows [lo, hi) of ``batch`` (a RolloutBatch whose fields are tensors / lists / None)."""
+    import dataclasses
+
+    return RolloutBatch(**{f.name: (None if getattr(batch, f.name) is None else getattr(batch, f.name)[lo:hi])
+                           for f in dataclasses.fields(RolloutBatch)})
+
+
+def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of ``batch`` computed on OpenRLHF's policy actor group: contiguous row chunks, one per data-parallel
+    actor (ring-attention / tensor-parallel duplicates get the same chunk, as in OpenRLHF's own dispatch), each
+    chunk one call of :func:`actor_scores` on its actor. Returns ((B, C) float32 scores, (B, C) bool reasoning
+    mask) on the CPU.
+
+    Raises:
+        ValueError: fewer rows than data-parallel actors.
+    """
+    import ray
+
+    args = maker.strategy.args
+    dup = int(args.ds.ring_attn_size) * int(args.ds.tensor_parallel_size)
+    actors = int(args.actor.num_nodes) * int(args.actor.num_gpus_per_node) // dup
+    B = batch.batch_size
+    if B < actors:
+        raise ValueError(f"oar: {B} responses cannot be split over {actors} data-parallel policy actors")
+    bounds = [round(k * B / actors) for k in range(actors + 1)]
+    requests = [dict(config=cfg.to_json(), tokenizer=tokenizer, batch=_sub_batch(batch, bounds[k], bounds[k + 1]))
+                for k in range(actors)]
+    refs = maker.actor_model_group.async_run_method_batch(method_name=ACTOR_METHOD, request=requests)
+    results = [r for per_actor in ray.get(refs)[::dup] for r in per_actor]
+    return torch.cat([r["scores"] for r in results]), torch.cat([r["reasoning_mask"] for r in results])
+
+
+def actor_scores(self, request: dict) -> dict:
+    """OpenRLHF policy actor method (``BaseModelActor.oar_scores``): importance scores of one chunk of rollouts,
+    computed with this actor's own policy (``self.actor.model``, the DeepSpeed engine's module).
+
+    Runs inside OpenRLHF's ``execute_batch`` (under ``make_experience``'s ``torch.no_grad``): the policy is put in
+    eval mode and gradients are enabled for OAR-G's backward w.r.t. the input embeddings (no parameter ``.grad`` is
+    written). Every actor of the group runs one call per step; their forwards are kept in step by the forward gate
+    (ZeRO-3 gathers parameters in every forward), and actors given the same chunk (tensor-parallel / ring-attention
+    duplicates) draw the same noise (same config seed, same data).
+
+    Args:
+        request: ``{"config": OARConfig JSON, "tokenizer": the policy's tokenizer, "batch": RolloutBatch}`` with
+            the chunk's rows (prompt ids, completions, eligible mask, answers, sequence advantages).
+
+    Returns:
+        ``{"scores": (b, C) float32, "reasoning_mask": (b, C) bool}`` on the CPU (rows with advantage 0 unscored).
+    """
+    from oar import OARConfig
+
+    cfg = OARConfig.from_json(request["config"])
+    tokenizer = request["tokenizer"]
+    # One pipeline per (config, tokenizer) for the actor's lifetime (the tokenizer arrives unpickled each step):
+    # its random draws advance from step to step.
+    key = (cfg.to_json(), getattr(tokenizer, "name_or_path", None), len(tokenizer), type(tokenizer).__name__)
+    pipe = _STATE["pipelines"].get(key)
+    if pipe is None:
+        pipe = _STATE["pipelines"][key] = Pipeline(cfg, tokenizer)
+    actor = self.actor
+    inner = getattr(actor, "model", actor)
+    policy = getattr(inner, "module", inner)  # DeepSpeedEngine -> the Hugging Face model
+    was_training = actor.training
+    actor.eval()
+    try:
+        with torch.enable_grad():
+            res = pipe.scores(request["batch"], policy)
+    finally:
+        if was_training:
+            actor.train()
+    return {"scores": res.scores.detach().float().cpu(), "reasoning_mask": res.reasoning_mask.detach().bool().cpu()}
+
+
+def _attach_actor_method() -> bool:
+    """Adds :func:`actor_scores` to OpenRLHF's ``BaseModelActor`` in this process as :data:`ACTOR_METHOD` (in a
+    Ray worker: before the actor class is instantiated, by the worker setup hook). False when the launcher module
+    cannot be imported here (e.g. without deepspeed)."""
+    try:
+        from openrlhf.trainer.ray.launcher import BaseModelActor
+    except ImportError:
+        return False
+    setattr(BaseModelActor, ACTOR_METHOD, actor_scores)
+    return True
 
 
 def _experience_rows(e) -> list[dict]:
