@@ -13,3 +13,25 @@ def completion_batch(tok, texts, C: int, prompt: str = "Q: 2+3?", eos: bool = Tr
         ids[i, : len(e)] = torch.tensor(e)
         mask[i, : len(e)] = 1
     return [tok.encode(prompt, add_special_tokens=False)] * len(texts), ids, mask
+
+
+def token_rollouts(tok, rollouts, sequence_advantages, group_size: int):
+    """A ``RolloutBatch`` of rollouts given as token lists: ``rollouts`` holds dicts with ``prompt``,
+    ``completion`` (token ids, observations of multi-turn rollouts included), ``eligible`` (0/1 per completion
+    token) and ``label`` (the reference answer); completions right-padded with ``pad_token_id`` to the longest;
+    groups of ``group_size`` consecutive rows."""
+    from oar.pipeline import RolloutBatch
+
+    B = len(rollouts)
+    C = max(len(t["completion"]) for t in rollouts)
+    ids = torch.full((B, C), tok.pad_token_id)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    elig = torch.zeros((B, C), dtype=torch.bool)
+    for i, t in enumerate(rollouts):
+        L = len(t["completion"])
+        ids[i, :L] = torch.tensor(t["completion"])
+        cmask[i, :L] = True
+        elig[i, :L] = torch.tensor(t["eligible"], dtype=torch.bool)
+    return RolloutBatch(ids, cmask, prompt_ids=[t["prompt"] for t in rollouts], eligible_mask=elig,
+                        group_ids=[i // group_size for i in range(B)], answers=[t["label"] for t in rollouts],
+                        sequence_advantages=sequence_advantages)

@@ -139,3 +139,23 @@ def mass_bound(advantages: torch.Tensor, lengths: torch.Tensor, dtype: torch.dty
     a = advantages.detach().double().cpu().abs()
     n = max(int(L.max()), 1) if L.numel() else 1
     return (2 * gamma(n, dtype) + gamma(3, dtype)) * a * L + ulp(0.0, dtype)
+
+
+def float64_model(model):
+    """A float64 copy of a Hugging Face ``model`` whose logits are rounded once to float32 (the probe ops take
+    float32): the engines run on it unchanged, so its results are the float64 reference (``ref64``) of rule 1 for
+    the float32 model's."""
+    import copy
+    import functools
+
+    m64 = copy.deepcopy(model).double()
+    forward = m64.forward
+
+    @functools.wraps(forward)  # keeps the signature the engines inspect
+    def rounded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits.float()
+        return out
+
+    m64.forward = rounded
+    return m64

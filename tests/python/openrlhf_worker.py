@@ -163,8 +163,8 @@ def main(out_path):
         except ValueError as e:
             res["errors"][key] = str(e)
     real, truth = real_layout(tok)
-    res["real"] = {"truth": truth, "action_mask": [e.action_mask for e in real], "sequences": [e.sequences for e in real],
-                   "index": [e.index for e in real]}
+    res["real"] = {"truth": truth, "action_mask": [e.action_mask for e in real],
+                   "sequences": [e.sequences for e in real], "index": [e.index for e in real]}
     for method in ("oar_p", "oar_g"):
         oar_orl.install(oar.OARConfig.from_json(json.dumps({"method": method, "seed": 2})), model=model)
         res["real"][method] = [e.advantages for e in maker(tok).compute_advantages_and_returns(copy.deepcopy(real))]
@@ -226,24 +226,12 @@ def remote_scores(tok, model, real):
 def actor_request(tok, lo, hi, method):
     """The request the experience maker sends to the actor holding rows [lo, hi) of the real-layout rollouts
     (group 1's rewards made equal: its rows have advantage 0, so one actor has nothing to score)."""
-    from oar.pipeline import RolloutBatch
+    from _completions import token_rollouts
 
     _, truth = real_layout(tok)
-    B = len(truth)
-    C = max(len(t["completion"]) for t in truth)
-    ids = torch.full((B, C), tok.pad_token_id)
-    cmask = torch.zeros((B, C), dtype=torch.bool)
-    elig = torch.zeros((B, C), dtype=torch.bool)
-    for i, t in enumerate(truth):
-        L = len(t["completion"])
-        ids[i, :L] = torch.tensor(t["completion"])
-        cmask[i, :L] = True
-        elig[i, :L] = torch.tensor(t["eligible"], dtype=torch.bool)
     r = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0], dtype=torch.float32).reshape(-1, N)
     seq = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)
-    batch = RolloutBatch(ids, cmask, prompt_ids=[t["prompt"] for t in truth], eligible_mask=elig,
-                         group_ids=[i // N for i in range(B)], answers=[t["label"] for t in truth],
-                         sequence_advantages=seq)
+    batch = token_rollouts(tok, truth, seq, N)
     # OAR-P: a 1 MB budget, so the scoring actor runs many forwards. OAR-G: one chunk (with a chunk per row, the
     # plain path's batched clean logits round differently from each chunk's noisy pass, and on this tiny model
     # that rounding is ~40% of the scores: the float64 comparison would say nothing).

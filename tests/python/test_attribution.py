@@ -26,7 +26,7 @@ from oar.attribution import (
 )
 from oar.models import tiny_random_llama
 
-from _tolerance import assert_close_to_reference, ulp
+from _tolerance import assert_close_to_reference, float64_model, ulp
 
 CONCLUDE = "\nTherefore, the final answer is \\boxed{"
 
@@ -423,25 +423,6 @@ def test_oar_p_positions_subset(tiny, engine):
         oar_p_scores(pm, batch, positions={0: [999]})
 
 
-def _float64_model(model):
-    """A float64 copy of ``model`` whose logits are rounded once to float32 (the probe ops take float32): the
-    engines run on it unchanged, so their results differ from the float32 model's by the model's rounding."""
-    import copy
-    import functools
-
-    m64 = copy.deepcopy(model).double()
-    forward = m64.forward
-
-    @functools.wraps(forward)  # keeps the signature the engines inspect
-    def rounded(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = out.logits.float()
-        return out
-
-    m64.forward = rounded
-    return m64
-
-
 class _NoPrefixGrad:
     """A ProbeModel view of HFProbeModel without the prefix path (forces OAR-G's plain path)."""
 
@@ -472,7 +453,7 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     assert plain.scores.abs().max() > 1e-4
     # The two paths on the float64 model (logits rounded once to float32) agree far below the float32 model's own
     # error (rule 1, k = 2): the prefix path computes the same scores.
-    m64 = HFProbeModel(_float64_model(model))
+    m64 = HFProbeModel(float64_model(model))
     truth = oar_g_scores(_NoPrefixGrad(m64), batch, probe=probe, sigma=1e-2, noise_draws=draws,
                          generator=torch.Generator().manual_seed(7))
     fast64 = oar_g_scores(m64, batch, probe=probe, sigma=1e-2, noise_draws=draws,

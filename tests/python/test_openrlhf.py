@@ -19,7 +19,8 @@ if importlib.util.find_spec("openrlhf") is None:
     pytest.skip("openrlhf not installed (pip install --no-deps openrlhf==0.11.2)", allow_module_level=True)
 
 from oar import baselines, ops  # noqa: E402
-from _tolerance import assert_close_to_reference, assert_within, gamma, mass_bound, ulp  # noqa: E402
+from _completions import token_rollouts  # noqa: E402
+from _tolerance import assert_close_to_reference, assert_within, float64_model, gamma, mass_bound, ulp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = 4
@@ -131,7 +132,7 @@ def test_real_experience_layout_keeps_the_question(res, method):
     as the probe context and the observations as unscored context, exactly as the pipeline does on the token lists
     the rollouts were made from; the advantages land on the action-mask columns of their tokens."""
     from oar.models import tiny_random_llama
-    from oar.pipeline import Pipeline, RolloutBatch
+    from oar.pipeline import Pipeline
 
     import oar
 
@@ -139,20 +140,10 @@ def test_real_experience_layout_keeps_the_question(res, method):
     truth = real["truth"]
     B = len(truth)
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
-    C = max(len(t["completion"]) for t in truth)
-    ids = torch.full((B, C), tok.pad_token_id)
-    cmask = torch.zeros((B, C), dtype=torch.bool)
-    elig = torch.zeros((B, C), dtype=torch.bool)
-    for i, t in enumerate(truth):
-        L = len(t["completion"])
-        ids[i, :L] = torch.tensor(t["completion"])
-        cmask[i, :L] = True
-        elig[i, :L] = torch.tensor(t["eligible"], dtype=torch.bool)
     r = torch.tensor([1, 0, 0, 1, 0.5, 0, 1, 0], dtype=torch.float32).reshape(-1, N)
     seq = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)  # OpenRLHF's group_norm
-    batch = RolloutBatch(ids, cmask, prompt_ids=[t["prompt"] for t in truth], eligible_mask=elig,
-                         group_ids=[i // N for i in range(B)], answers=[t["label"] for t in truth],
-                         sequence_advantages=seq)
+    batch = token_rollouts(tok, truth, seq, N)
+    elig = batch.eligible_mask
     want = Pipeline(oar.OARConfig.from_json(f'{{"method": "{method}", "seed": 2}}'), tok).compute(batch, model)
     assert want.scores.abs().max() > 0 and (want.advantages[~elig] == 0).all()
     got_rows = {}
@@ -180,24 +171,6 @@ def actors(tmp_path_factory):
     return [torch.load(out / f"actor{k}.pt", weights_only=False) for k in range(2)]
 
 
-def _float64_policy(model):
-    """A float64 copy of ``model`` whose logits are rounded once to the float32 the probe ops take."""
-    import copy
-    import functools
-
-    m64 = copy.deepcopy(model).double()
-    forward = m64.forward
-
-    @functools.wraps(forward)  # keeps the signature the engines inspect
-    def rounded(*a, **k):
-        out = forward(*a, **k)
-        out.logits = out.logits.float()
-        return out
-
-    m64.forward = rounded
-    return m64
-
-
 @pytest.mark.parametrize("method", ["oar_p", "oar_g"])
 def test_actor_method_scores_on_the_policy_actors(actors, method):
     """The ``oar_scores`` actor method, called by OpenRLHF's own ``BaseModelActor.execute_batch`` on two actors
@@ -218,7 +191,7 @@ def test_actor_method_scores_on_the_policy_actors(actors, method):
         assert r[k]["training"] and all(r[k]["grads"])
         cfg = oar.OARConfig.from_json(r[k]["config"])
         alone = Pipeline(cfg, tok).scores(r[k]["batch"], model)
-        ref64 = Pipeline(cfg, tok).scores(r[k]["batch"], _float64_policy(model))
+        ref64 = Pipeline(cfg, tok).scores(r[k]["batch"], float64_model(model))
         assert torch.equal(r[k]["reasoning_mask"], alone.reasoning_mask)
         if k == 0:  # the budget (2x the float32 error) is well below the scores: a wrong result would fail
             err32, scale = (alone.scores - ref64.scores).abs().max(), ref64.scores.abs().max()

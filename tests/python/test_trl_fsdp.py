@@ -12,7 +12,6 @@ Per FSDP version and method (oar_g, oar_p), checked on each rank (the worker is 
 Before the attribution used the wrapper and forwards on ids only, FSDP1 failed with "'weight' must be 2-D".
 """
 
-import functools
 import os
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ pytest.importorskip("accelerate")
 from oar.models import tiny_random_llama  # noqa: E402
 from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402
 
-from _tolerance import assert_close_to_reference  # noqa: E402
+from _tolerance import assert_close_to_reference, float64_model  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -53,16 +52,7 @@ def _single_process(method: str, batch: dict, dtype: torch.dtype) -> torch.Tenso
     the float32 the probe ops take)."""
     model, tok = tiny_random_llama(**worker.MODEL)
     if dtype == torch.float64:
-        model = model.double()
-        forward = model.forward
-
-        @functools.wraps(forward)  # keeps the signature the engines inspect
-        def rounded(*a, **k):
-            out = forward(*a, **k)
-            out.logits = out.logits.float()
-            return out
-
-        model.forward = rounded
+        model = float64_model(model)
     return Pipeline(worker.config(method), tok).compute(RolloutBatch(**batch), model)
 
 

@@ -35,7 +35,8 @@ def reward(prompts, completions, answer, **kw):
 
 
 def config(method: str) -> "oar.OARConfig":
-    # sigma 0.05: OAR-G scores well above float32 rounding on this tiny model. A 1 MB budget: one OAR-G row / a few OAR-P variants per forward, so the active rank runs many forwards.
+    # sigma 0.05: OAR-G scores well above float32 rounding on this tiny model. A 1 MB budget: one OAR-G row / a
+    # few OAR-P variants per forward, so the active rank runs many forwards.
     return oar.OARConfig.from_json(f'{{"method": "{method}", "seed": 3, "memory_budget_mb": 1, "sigma": 0.05, '
                                    f'"max_variants_per_chunk": 4}}')
 
@@ -76,7 +77,8 @@ def run(method: str, version: int, out_dir: str) -> dict:
 
     trainer.oar_pipeline.compute = compute
     trainer.train()
-    rec.update(process_index=trainer.accelerator.process_index, distributed_type=str(trainer.accelerator.distributed_type),
+    rec.update(process_index=trainer.accelerator.process_index,
+               distributed_type=str(trainer.accelerator.distributed_type),
                wrapped=type(trainer.model_wrapped).__name__, finished=trainer.state.global_step == 1)
     return rec
 
