@@ -114,8 +114,12 @@ def worker_setup_hook() -> None:
 
 
 def _pipeline(config, tokenizer) -> Pipeline:
-    """This process's pipeline of (``config``, ``tokenizer``) (cached: random draws advance from step to step)."""
-    key = (config.to_json(), id(tokenizer))
+    """This process's pipeline of (``config``, ``tokenizer``), cached for the process's lifetime so that random draws
+    advance from step to step. The tokenizer is keyed by what identifies it, not by object: a policy actor receives
+    it unpickled with every request."""
+    ident = None if tokenizer is None else (getattr(tokenizer, "name_or_path", None), len(tokenizer),
+                                            type(tokenizer).__name__)
+    key = (config.to_json(), ident)
     if key not in _STATE["pipelines"]:
         _STATE["pipelines"][key] = Pipeline(config, tokenizer)
     return _STATE["pipelines"][key]
@@ -264,13 +268,7 @@ def actor_scores(self, request: dict) -> dict:
     from oar import OARConfig
 
     cfg = OARConfig.from_json(request["config"])
-    tokenizer = request["tokenizer"]
-    # One pipeline per (config, tokenizer) for the actor's lifetime (the tokenizer arrives unpickled each step):
-    # its random draws advance from step to step.
-    key = (cfg.to_json(), getattr(tokenizer, "name_or_path", None), len(tokenizer), type(tokenizer).__name__)
-    pipe = _STATE["pipelines"].get(key)
-    if pipe is None:
-        pipe = _STATE["pipelines"][key] = Pipeline(cfg, tokenizer)
+    pipe = _pipeline(cfg, request["tokenizer"])
     actor = self.actor
     inner = getattr(actor, "model", actor)
     policy = getattr(inner, "module", inner)  # DeepSpeedEngine -> the Hugging Face model
