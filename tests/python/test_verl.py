@@ -92,9 +92,11 @@ def test_pyproject_declares_the_plugin_entry_point():
     assert eps == {"oar": "oar.integrations.verl_plugin"}
 
 
-def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path):
-    """`import verl` alone registers the OAR estimators, through importlib.metadata entry points (a dist-info
-    folder stands in for the installed oar distribution; its entry point is pyproject's)."""
+@pytest.mark.parametrize("opt_in", [True, False])
+def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path, opt_in):
+    """`import verl` loads oar's plugin through importlib.metadata entry points (a dist-info folder stands in for
+    the installed oar distribution; its entry point is pyproject's). Opt-in: with $OAR_VERL_PLUGIN=1 it registers
+    the OAR estimators, wraps compute_advantage and registers the OAR v1 trainers; without it, verl is untouched."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         proj = tomllib.load(f)["project"]
     dist = tmp_path / f"oar-{proj['version']}.dist-info"
@@ -103,18 +105,29 @@ def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path):
     lines = ["[verl.plugins]"] + [f"{k} = {v}" for k, v in proj["entry-points"]["verl.plugins"].items()]
     (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
     code = ("import json, sys; import verl; from verl.trainer.ppo import core_algos, ray_trainer; "
+            "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY; "
             "print(json.dumps({'names': sorted(k for k in core_algos.ADV_ESTIMATOR_REGISTRY if k.startswith('oar')), "
             "'wrapped': bool(getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)), "
+            "'init_workers': bool(getattr(ray_trainer.RayPPOTrainer.init_workers, '__oar_wrapped__', False)), "
+            "'trainers': sorted(k for k in TRAINER_REGISTRY if k.startswith('oar')), "
             "'plugin': 'oar.integrations.verl_plugin' in sys.modules}))")
     # The child imports the same oar as this process (installed package in CI, python/ + OAR_BUILD_DIR in a dev tree).
     oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), oar_parent, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
+    env.pop("OAR_VERL_PLUGIN", None)
+    if opt_in:
+        env["OAR_VERL_PLUGIN"] = "1"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["plugin"] and out["wrapped"]
-    assert out["names"] == sorted(oar_verl.ESTIMATORS)
+    assert out["plugin"]
+    if opt_in:
+        assert out["wrapped"] and out["init_workers"]
+        assert out["names"] == sorted(oar_verl.ESTIMATORS)
+        assert out["trainers"] == ["oar_colocate_async", "oar_separate_async", "oar_sync"]
+    else:
+        assert out == {"names": [], "wrapped": False, "init_workers": False, "trainers": [], "plugin": True}
 
 
 def test_registry_holds_every_method(registered):
@@ -238,7 +251,7 @@ def test_generic_estimator_takes_the_method_from_the_config(tiny, monkeypatch):
 
 def test_missing_scores_are_a_clear_error(tiny):
     _, tok = tiny
-    with pytest.raises(ValueError, match="needs per-token scores: attach them"):
+    with pytest.raises(ValueError, match="needs per-token scores: run verl with the OAR trainer .*attach them"):
         _run(_batch(tok), "oar_g")
 
 

@@ -1,16 +1,24 @@
-"""Entry point of the ``verl.plugins`` group (pyproject: ``oar = "oar.integrations.verl_plugin"``).
+"""Entry point of the ``verl.plugins`` group (pyproject: ``oar = "oar.integrations.verl_plugin"``), opt-in.
 
 verl imports every ``verl.plugins`` entry point at the end of ``import verl`` (verl/__init__.py, unless
-``VERL_USE_EXTERNAL_PLUGINS=none``) and logs a failure only at debug level; this module therefore registers the
-OAR estimators (:func:`oar.integrations.verl.register`) and turns a failure into a visible warning.
+``VERL_USE_EXTERNAL_PLUGINS=none``). Installing oar must not change every verl run of that environment, so this
+module does nothing unless ``$OAR_VERL_PLUGIN`` is ``1`` (set it in Ray's runtime env:
+``+ray_kwargs.ray_init.runtime_env.env_vars.OAR_VERL_PLUGIN=1``, so that verl's TaskRunner and workers load it).
+Then it registers the OAR estimators and trainers (:func:`oar.integrations.verl.register`) and turns a failure
+into a visible warning (verl logs a plugin's failure only at debug level).
 """
 
+import os
 import warnings
 
-try:
-    from oar.integrations.verl import register as _register
+#: Environment variable that enables the plugin ("1").
+ENV = "OAR_VERL_PLUGIN"
+REGISTERED: list = []
 
-    REGISTERED = _register()
-except Exception as _e:  # noqa: BLE001 - a plugin must never break `import verl`
-    REGISTERED = []
-    warnings.warn(f"oar verl plugin not loaded: {type(_e).__name__}: {_e}", RuntimeWarning, stacklevel=2)
+if os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    try:
+        from oar.integrations.verl import register as _register
+
+        REGISTERED = _register()
+    except Exception as _e:  # noqa: BLE001 - a plugin must never break `import verl`
+        warnings.warn(f"oar verl plugin not loaded: {type(_e).__name__}: {_e}", RuntimeWarning, stacklevel=2)

@@ -1,0 +1,371 @@
+"""verl integration, worker side: OAR scores computed on verl's actor workers (docs/trainers/verl.md).
+
+Tested against verl 0.9.1 (``verl/workers/engine_workers.py``, ``verl/trainer/ppo/v1/trainer_base.py``,
+``verl/trainer/ppo/ray_trainer.py``). Importing this module imports verl; :func:`oar.integrations.verl.register`
+imports it (opt-in, see docs/trainers/verl.md), nothing else does.
+
+* :class:`OARWorkerMixin` adds one worker method, ``oar_scores``, registered with verl's own dispatch
+  (``make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")``, like ``compute_log_prob``): the driver's
+  ``TensorDict`` of rows is split into one chunk per data-parallel rank, each rank scores its chunk with the
+  policy as verl's FSDP / FSDP2 engine holds it (inside the engine's ``eval_mode``: parameters reloaded if
+  offloaded, the root resharded after), and the chunks come back concatenated. The forward gate keeps the number of
+  policy forwards equal on every rank of the data-parallel group (FSDP gathers parameters in every forward).
+  :class:`OARActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker`` with the mixin.
+* :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on
+  :class:`OARActorRolloutRefWorker` and, in ``_compute_advantage``, hands the OAR estimator the rollouts (read from
+  the transfer queue) and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group. One
+  trainer is registered per verl trainer mode: ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
+* :func:`use_oar_workers` swaps verl's worker class in a trainer's ``role_worker_mapping`` (the legacy
+  ``RayPPOTrainer.init_workers`` wrapper of :func:`oar.integrations.verl.register` calls it).
+
+Refused with a clear error until supported: Ulysses sequence parallelism > 1 and the Megatron engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from oar.pipeline import Pipeline, RolloutBatch
+
+#: The actor roles whose worker computes the scores (verl's ``Role`` values as strings).
+ACTOR_ROLES = ("actor", "actor_rollout", "actor_rollout_ref")
+#: Keys of the request ``TensorDict`` (one row per rollout) and of the reply.
+REQUEST_KEYS = ("oar_prompt_ids", "oar_prompt_lengths", "oar_responses", "oar_completion_mask", "oar_eligible_mask",
+                "oar_sequence_advantages")
+_PIPELINES: dict[str, Pipeline] = {}
+
+
+def _dp_size(worker_group) -> int:
+    """Data-parallel size of the worker group's ``actor`` mesh, as verl's own dispatch computes it."""
+    info = worker_group._dispatch_info
+    if "actor" not in info:
+        info["actor"] = worker_group._query_dispatch_info("actor")
+    return max(info["actor"]) + 1
+
+
+def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_size: int) -> tuple[TensorDict, list[int]]:
+    """The ``oar_scores`` request: the rows with a non-zero sequence advantage, padded to a multiple of ``dp_size``.
+
+    Args:
+        rows: :func:`oar.integrations.verl.rollout_rows` of the batch (B rows, responses (B, R)).
+        config: ``oar.OARConfig`` (sent as JSON: the workers score with the driver's method and settings).
+        sequence_advantages: (B,) real.
+        dp_size: data-parallel size of the actor mesh (>= 1).
+
+    Returns:
+        ``(request, active)``: a ``TensorDict`` of n = ceil(len(active) / dp_size) * dp_size rows (the padding rows
+        repeat the first active row with advantage 0, so they are not scored) with :data:`REQUEST_KEYS`, the
+        answers (``oar_answers``, str) when the method needs them and the config (``oar_config``); ``active``, the
+        batch rows of the first len(active) request rows. Contiguous chunks go to the ranks (verl's dispatch).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    adv = sequence_advantages.detach().float().cpu().reshape(-1)
+    active = [i for i in range(adv.numel()) if float(adv[i]) != 0.0]
+    n = -(-len(active) // dp_size) * dp_size
+    pick = active + [active[0]] * (n - len(active))
+    lengths = torch.tensor([int(rows["prompt_ids"][i].numel()) for i in pick], dtype=torch.int64)
+    P = max(1, int(lengths.max()))
+    prompts = torch.zeros((n, P), dtype=torch.int64)
+    for k, i in enumerate(pick):
+        prompts[k, : lengths[k]] = rows["prompt_ids"][i].to(torch.int64)
+    seq = adv[pick].clone()
+    seq[len(active):] = 0.0
+    idx = torch.tensor(pick, dtype=torch.int64)
+    td = TensorDict({"oar_prompt_ids": prompts, "oar_prompt_lengths": lengths,
+                     "oar_responses": rows["responses"][idx].to(torch.int64),
+                     "oar_completion_mask": rows["completion_mask"][idx].bool(),
+                     "oar_eligible_mask": rows["eligible_mask"][idx].bool(), "oar_sequence_advantages": seq},
+                    batch_size=[n])
+    if rows["answers"] is not None:
+        td["oar_answers"] = NonTensorStack(*[rows["answers"][i] for i in pick])
+    tu.assign_non_tensor(td, oar_config=config.to_json())
+    return td, active
+
+
+def group_scores(worker_group, rows: dict, config, sequence_advantages: torch.Tensor,
+                 info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of ``rows`` computed by ``worker_group.oar_scores`` (see :class:`oar.integrations.verl.WorkerGroupScorer`).
+    ``info`` (optional dict) receives ``memory_budget_mb``: the budget the workers ran with (the config's, capped
+    by the trainer's own, :func:`trainer_memory_budget_mb`), None when nothing was sent.
+
+    Returns:
+        ``(scores (B, R) float32, reasoning_mask (B, R) bool)`` on the CPU; rows with advantage 0 are 0 / False.
+
+    Raises:
+        AttributeError: the worker group has no ``oar_scores`` (workers without :class:`OARWorkerMixin`).
+        RuntimeError: a reply of another shape than the request's.
+    """
+    B, R = rows["responses"].shape
+    scores = torch.zeros((B, R), dtype=torch.float32)
+    reasoning = torch.zeros((B, R), dtype=torch.bool)
+    if not hasattr(worker_group, "oar_scores"):
+        raise AttributeError("the actor worker group has no oar_scores method: run the actor role on "
+                             "oar.integrations.verl_workers.OARActorRolloutRefWorker (the OAR trainers do) or mix "
+                             "OARWorkerMixin into your worker class")
+    if not any(float(a) != 0.0 for a in sequence_advantages.reshape(-1)):
+        return scores, reasoning
+    td, active = scores_request(rows, config, sequence_advantages, _dp_size(worker_group))
+    out = worker_group.oar_scores(td)
+    if info is not None:
+        from verl.utils import tensordict_utils as tu
+
+        budget = tu.get(out, "oar_memory_budget_mb", default=None)
+        info["memory_budget_mb"] = max(budget) if isinstance(budget, (list, tuple)) else budget
+    got, mask = out["oar_scores"], out["oar_reasoning_mask"]
+    if tuple(got.shape) != (td.batch_size[0], R) or tuple(mask.shape) != tuple(got.shape):
+        raise RuntimeError(f"oar_scores replied {tuple(got.shape)} scores for a ({td.batch_size[0]}, {R}) request")
+    idx = torch.tensor(active, dtype=torch.int64)
+    scores[idx] = got[: len(active)].float().cpu()
+    reasoning[idx] = mask[: len(active)].bool().cpu()
+    return scores, reasoning
+
+
+def _request_batch(data: TensorDict) -> RolloutBatch:
+    """The :class:`RolloutBatch` of one rank's chunk of a :func:`scores_request`."""
+    lengths = data["oar_prompt_lengths"].tolist()
+    prompts = [row[:n] for row, n in zip(data["oar_prompt_ids"], lengths)]
+    answers = data["oar_answers"].tolist() if "oar_answers" in data.keys() else None
+    return RolloutBatch(data["oar_responses"].cpu(), data["oar_completion_mask"].bool().cpu(), prompt_ids=prompts,
+                        eligible_mask=data["oar_eligible_mask"].bool().cpu(), answers=answers,
+                        sequence_advantages=data["oar_sequence_advantages"].float().cpu())
+
+
+def _pipeline(config_json: str, tokenizer) -> Pipeline:
+    """This worker's pipeline of a config (cached: OAR-G's noise draws advance from step to step; every rank
+    draws the same sequence, so ranks given the same rows agree)."""
+    from oar import OARConfig
+
+    if config_json not in _PIPELINES:
+        _PIPELINES[config_json] = Pipeline(OARConfig.from_json(config_json), tokenizer)
+    return _PIPELINES[config_json]
+
+
+def worker_scores(worker, data: TensorDict) -> TensorDict:
+    """Body of ``oar_scores`` on one rank: the importance scores of this rank's chunk with the actor's policy.
+
+    Args:
+        worker: verl ``ActorRolloutRefWorker`` with an actor (``worker.actor.engine``: FSDP / FSDP2 engine).
+        data: this rank's chunk of a :func:`scores_request` (n rows, responses (n, R)).
+
+    Returns:
+        ``TensorDict`` of n rows: ``oar_scores`` (n, R) float32 and ``oar_reasoning_mask`` (n, R) bool, on the CPU.
+
+    Raises:
+        RuntimeError: a worker without an actor (role ``ref`` / ``rollout``).
+        NotImplementedError: the Megatron engine, or Ulysses sequence parallelism > 1 (each rank of a sequence-
+            parallel group holds a slice of every sequence; OAR's probes need whole sequences).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    actor = getattr(worker, "actor", None)
+    if actor is None:
+        raise RuntimeError(f"oar_scores runs on the actor: this worker's role is {getattr(worker, 'role', '?')!r}")
+    strategy = str(worker.config.actor.get("strategy", "fsdp"))
+    if strategy not in ("fsdp", "fsdp2"):
+        raise NotImplementedError(f"oar_scores supports verl's FSDP / FSDP2 engines, got actor.strategy={strategy!r} "
+                                  "(Megatron is not supported yet)")
+    engine = actor.engine
+    sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        raise NotImplementedError(f"oar_scores does not support Ulysses sequence parallelism yet "
+                                  f"(actor ulysses_sequence_parallel_size={sp}); set it to 1")
+    from oar import OARConfig
+    from oar.attribution import as_probe_model
+
+    cfg = OARConfig.from_json(tu.get(data, "oar_config"))
+    batch = _request_batch(data)
+    width = int(data["oar_prompt_ids"].shape[1] + data["oar_responses"].shape[1])
+    budget = trainer_memory_budget_mb(engine, as_probe_model(engine.module), width)
+    if budget is not None and budget < cfg.memory_budget_mb:
+        cfg = OARConfig.from_json(json.dumps(dict(json.loads(cfg.to_json()), memory_budget_mb=budget)))
+    pipe = _pipeline(cfg.to_json(), actor.model_config.tokenizer)
+    with engine.eval_mode(), torch.enable_grad():
+        res = pipe.scores(batch, engine.module)
+    n = batch.batch_size
+    out = TensorDict({"oar_scores": res.scores.detach().float().cpu(),
+                      "oar_reasoning_mask": res.reasoning_mask.detach().bool().cpu()}, batch_size=[n])
+    tu.assign_non_tensor(out, oar_memory_budget_mb=int(cfg.memory_budget_mb))
+    return out
+
+
+def trainer_memory_budget_mb(engine, probe_model, width: int) -> int | None:
+    """The activation memory (MiB, >= 1) verl lets one rank's old-log-prob pass use: its token budget times the
+    bytes one token costs in that forward (``probe_model.activation_bytes_per_token(width)`` plus its float32
+    logits). verl sized that budget to fit next to what the rank already holds (parameters, optimizer state, a
+    colocated vLLM's memory), so OAR's chunks stay within it.
+
+    Args:
+        engine: verl engine with ``engine_config`` (``use_dynamic_bsz``, ``infer_max_token_len_per_gpu``,
+            ``infer_micro_batch_size_per_gpu``).
+        probe_model: the policy as an :class:`oar.attribution.ProbeModel` (``activation_bytes_per_token``,
+            ``vocab_size``).
+        width: longest context of the request (prompt + response tokens).
+
+    Returns:
+        The budget in MiB, or None when the engine states no token budget.
+    """
+    ec = getattr(engine, "engine_config", None)
+    if ec is None:
+        return None
+    if getattr(ec, "use_dynamic_bsz", False) and getattr(ec, "infer_max_token_len_per_gpu", None):
+        tokens = int(ec.infer_max_token_len_per_gpu)
+    elif getattr(ec, "infer_micro_batch_size_per_gpu", None):
+        tokens = int(ec.infer_micro_batch_size_per_gpu) * int(width)
+    else:
+        return None
+    per_token = int(probe_model.activation_bytes_per_token(int(width))) + 4 * int(probe_model.vocab_size)
+    return max(1, tokens * per_token // 2**20)
+
+
+class OARWorkerMixin:
+    """Adds the ``oar_scores`` worker method to a verl ``ActorRolloutRefWorker`` (sub)class.
+
+    ``oar_scores(data: TensorDict) -> TensorDict`` is registered with ``make_nd_compute_dataproto_dispatch_fn(
+    mesh_name="actor")``: called on the worker group with a :func:`scores_request`, it returns the concatenated
+    replies of :func:`worker_scores` (``oar_scores`` (n, R) float32, ``oar_reasoning_mask`` (n, R) bool).
+    """
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def oar_scores(self, data: TensorDict) -> TensorDict:
+        return worker_scores(self, data)
+
+
+class OARActorRolloutRefWorker(OARWorkerMixin, ActorRolloutRefWorker):
+    """verl's ``ActorRolloutRefWorker`` with :class:`OARWorkerMixin` (nothing else changes)."""
+
+
+def use_oar_workers(role_worker_mapping: dict) -> bool:
+    """Runs the actor role of a verl trainer on :class:`OARActorRolloutRefWorker`.
+
+    Args:
+        role_worker_mapping: verl's ``{Role: ray.remote(worker class)}`` (modified in place): an actor role on
+            verl's plain ``ActorRolloutRefWorker`` gets the OAR subclass; a class that already has
+            ``oar_scores`` is kept.
+
+    Returns:
+        True when the actor role has ``oar_scores`` afterwards; False for a user's own worker class without it
+        (left alone: mix :class:`OARWorkerMixin` into it).
+    """
+    import ray
+
+    ok = False
+    for role, cls in list(role_worker_mapping.items()):
+        if str(role) not in ACTOR_ROLES:
+            continue
+        inner = getattr(cls, "__ray_actor_class__", cls)
+        if inner is ActorRolloutRefWorker:
+            role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
+            ok = True
+        else:
+            ok = ok or hasattr(inner, "oar_scores")
+    return ok
+
+
+def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
+    """verl's padded ``DataProto`` layout (prompts left-padded, responses right-padded, attention mask) of the
+    v1 trainer's rollouts, read from the transfer queue's per-row (nested) ``prompts`` / ``responses`` /
+    ``response_mask``."""
+    import numpy as np
+    from verl import DataProto
+
+    def rows(key):
+        t = fields[key]
+        return list(t.unbind(0)) if getattr(t, "is_nested", False) else list(t)
+
+    prompts, responses, rmask = rows("prompts"), rows("responses"), rows("response_mask")
+    B = len(prompts)
+    P = max(1, max(int(p.numel()) for p in prompts))
+    R = max(1, max(int(r.numel()) for r in responses))
+    p_ids = torch.zeros((B, P), dtype=torch.int64)
+    r_ids = torch.zeros((B, R), dtype=torch.int64)
+    attn = torch.zeros((B, P + R), dtype=torch.int64)
+    resp_mask = torch.zeros((B, R), dtype=torch.int64)
+    for i in range(B):
+        p, r = prompts[i].reshape(-1), responses[i].reshape(-1)
+        p_ids[i, P - p.numel():] = p
+        r_ids[i, : r.numel()] = r
+        attn[i, P - p.numel(): P + r.numel()] = 1
+        resp_mask[i, : r.numel()] = rmask[i].reshape(-1)[: r.numel()].to(torch.int64)
+    non_tensors = {}
+    if answer_key[0] in fields.keys():
+        non_tensors[answer_key[0]] = np.array(list(fields[answer_key[0]].tolist()), dtype=object)
+    return DataProto.from_dict(tensors={"prompts": p_ids, "responses": r_ids, "attention_mask": attn,
+                                        "response_mask": resp_mask}, non_tensors=non_tensors)
+
+
+class OARTrainerMixin:
+    """verl v1 trainer extension (``trainer.v1.trainer_mode=oar_sync``, ...): OAR scores on the actor workers.
+
+    * ``_init_resource_pool_mgr``: the actor role runs on :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`).
+    * ``_compute_advantage``: for an OAR estimator (``algorithm.adv_estimator`` in
+      :data:`oar.integrations.verl.ESTIMATORS`), reads the rollouts of the batch from the transfer queue (prompts,
+      responses, response mask and, for ``oar_p`` / ``oar_g``, the answers under ``reward_model``) and runs verl's
+      own ``_compute_advantage`` with them and a :class:`oar.integrations.verl.WorkerGroupScorer` of the actor
+      worker group visible to the estimator. The old log-probs were computed before (the behaviour policy); the
+      estimator sends only the rows with a non-zero sequence advantage to the workers.
+    """
+
+    #: where the reference answers are (``reward_model.ground_truth``, verl's RL datasets)
+    oar_answer_key: tuple[str, str] = ("reward_model", "ground_truth")
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        use_oar_workers(self.role_worker_mapping)
+
+    def _compute_advantage(self, batch, metrics: dict):
+        from oar.integrations import verl as oar_verl
+
+        name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
+        if name not in oar_verl.ESTIMATORS:
+            return super()._compute_advantage(batch, metrics)
+        import transfer_queue as tq
+
+        from oar.pipeline import method_spec
+
+        select = ["prompts", "responses", "response_mask"]
+        if method_spec(oar_verl.estimator_config(name).method).needs_answers:
+            select.append(self.oar_answer_key[0])
+        try:
+            fields = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
+        except ValueError as e:
+            raise ValueError(f"OAR trainer: cannot read the rollouts' fields {select} from the transfer queue "
+                             f"(the reference answers are read from the dataset field {self.oar_answer_key[0]!r}"
+                             f"[{self.oar_answer_key[1]!r}]): {e}") from e
+        rollouts = _v1_rollouts(fields, self.oar_answer_key)
+        scorer = oar_verl.WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
+        tokens = (oar_verl._EXTRA.set(rollouts), oar_verl._WORKERS.set(scorer))
+        try:
+            return super()._compute_advantage(batch, metrics)
+        finally:
+            oar_verl._WORKERS.reset(tokens[1])
+            oar_verl._EXTRA.reset(tokens[0])
+
+
+def register_trainers() -> list[str]:
+    """Registers one OAR trainer per verl v1 trainer mode with verl's ``register_trainer`` (idempotent):
+    ``oar_<mode>`` = ``(OARTrainerMixin, verl's trainer of <mode>)``.
+
+    Returns:
+        The registered names (``oar_sync``, ``oar_colocate_async``, ``oar_separate_async`` in verl 0.9.1).
+    """
+    from verl.trainer.ppo.v1 import trainer_base
+
+    names = []
+    for mode, base in list(trainer_base.TRAINER_REGISTRY.items()):
+        if mode.startswith("oar_") or issubclass(base, OARTrainerMixin):
+            continue
+        name = f"oar_{mode}"
+        if name not in trainer_base.TRAINER_REGISTRY:
+            cls = type(f"OAR{base.__name__}", (OARTrainerMixin, base), {"__module__": __name__,
+                        "__doc__": f"verl's {base.__name__} (trainer mode {mode!r}) with :class:`OARTrainerMixin`."})
+            globals()[cls.__name__] = cls  # importable by name (Ray pickles classes by reference)
+            trainer_base.register_trainer(name)(cls)
+        names.append(name)
+    return names

@@ -1,0 +1,295 @@
+"""OAR scores on verl's actor workers (oar.integrations.verl_workers) against the REAL verl 0.9.1.
+
+The worker-group checks run verl's own ``ActorRolloutRefWorker`` (FSDP2 engine, 2 gloo ranks on Ray CPU workers,
+test scaffold ``_verl_cpu.py``) in a subprocess (``verl_worker.py``); the rest runs in this process. Skipped when
+verl or its v1 trainer's transfer queue package is not installed.
+"""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("verl", reason="verl not installed (pip install -r requirements/trainers.txt)")
+pytest.importorskip("transfer_queue", reason="TransferQueue not installed (requirements/trainers-nodeps.txt)")
+
+import oar  # noqa: E402
+from oar.integrations import verl as oar_verl  # noqa: E402
+
+oar_verl.register()
+from oar.integrations import verl_workers  # noqa: E402
+from oar.models import tiny_random_llama  # noqa: E402
+from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402
+
+from _tolerance import assert_close_to_reference, float64_model  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl")
+    # The child and its Ray workers import the same oar as this process (installed package in CI, python/ +
+    # OAR_BUILD_DIR in a dev tree), by absolute path.
+    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
+    path = [oar_parent] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
+    if env.get("OAR_BUILD_DIR"):
+        env["OAR_BUILD_DIR"] = os.path.abspath(env["OAR_BUILD_DIR"])
+    p = subprocess.run([sys.executable, os.path.join(HERE, "verl_worker.py"), str(out)], capture_output=True,
+                       text=True, timeout=1200, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return torch.load(out / "verl.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import _verl_cpu
+
+    return tiny_random_llama(**_verl_cpu.TINY)
+
+
+def _rows(run, tok):
+    import verl_worker
+
+    return oar_verl.rollout_rows(verl_worker.data_proto(run["rows"]), oar.OARConfig(method="oar_g"))
+
+
+def test_scaffold_runs_verls_own_log_probs(run, tiny):
+    """verl's compute_log_prob on the 2 FSDP2 ranks equals a float32 HF forward of the same model (the scaffold runs
+    verl's engine faithfully: the scores below are the policy's)."""
+    model, _ = tiny
+    rows = run["rows"]
+    lp = run["log_probs"]
+    for i, r in enumerate(rows):
+        ids = torch.cat([r["prompt"], r["response"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
+        q = len(r["response"])
+        want = logp[len(r["prompt"]) - 1: len(ids) - 1].gather(1, r["response"][:, None])[:, 0]
+        # float32 forward of depth 1 over <= 14 tokens: rounding ~1e-6 of |logp| ~ 5
+        torch.testing.assert_close(lp[i, :q].double(), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["oar_g", "oar_p"])
+def test_worker_scores_equal_the_single_process_pipeline(run, tiny, method):
+    """``oar_scores`` through verl's dispatch: the rows with a non-zero advantage go out in one contiguous chunk per
+    rank (rank 0: two rows, rank 1: one row and a padding row), each rank's scores equal the single-process
+    pipeline on its chunk (rule 1 of _tolerance.py against the float64 policy), both ranks ran the same number of
+    policy forwards, no parameter .grad was written, and inactive rows come back 0 / False."""
+    import json
+
+    import _verl_cpu
+
+    model, tok = tiny
+    r = run["scores"][method]
+    cfg = oar.OARConfig.from_json(r["config"])
+    # the workers cap the config's activation budget by verl's own old-log-prob budget: micro-batches of
+    # log_prob_micro_batch_size_per_gpu sequences of the request's width (_verl_cpu.actor_config)
+    req, _ = verl_workers.scores_request(_rows(run, tok), cfg, r["seq"], 2)
+    width = req["oar_prompt_ids"].shape[1] + req["oar_responses"].shape[1]  # what the workers were sent
+    from oar.attribution import as_probe_model
+
+    pm = as_probe_model(model)
+    micro = int(_verl_cpu.actor_config("unused").rollout.log_prob_micro_batch_size_per_gpu)
+    derived = max(1, micro * width * (pm.activation_bytes_per_token(width) + 4 * pm.vocab_size) // 2**20)
+    assert r["memory_budget_mb"] == min(cfg.memory_budget_mb, derived)
+    cfg = oar.OARConfig.from_json(json.dumps(dict(json.loads(r["config"]), memory_budget_mb=r["memory_budget_mb"])))
+    rows = _rows(run, tok)
+    req, active = verl_workers.scores_request(rows, cfg, r["seq"], 2)
+    assert req.batch_size[0] == 4 and len(active) == 3
+    ranks = r["ranks"]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0
+    assert all(x["no_grads"] for x in ranks) and all(x["fsdp2"].startswith("FSDP") for x in ranks)
+    got = torch.zeros((4,) + tuple(rows["responses"].shape[1:]))
+    got[:3] = r["scores"][active]
+    for k in range(2):
+        chunk = req[2 * k: 2 * k + 2]
+        batch = verl_workers._request_batch(chunk)
+        alone = Pipeline(cfg, tok).scores(batch, model)
+        ref64 = Pipeline(cfg, tok).scores(batch, float64_model(model))
+        n = 2 if k == 0 else 1
+        assert torch.equal(r["reasoning_mask"][active[2 * k: 2 * k + n]], alone.reasoning_mask[:n])
+        assert alone.reasoning_mask[:n].any()
+        assert_close_to_reference(got[2 * k: 2 * k + n], ref64.scores[:n], alone.scores[:n], what=f"{method} rank {k}")
+    inactive = [i for i in range(len(r["seq"])) if i not in active]
+    assert not r["reasoning_mask"][inactive].any() and (r["scores"][inactive] == 0).all()
+
+
+def _expected(rows, seq, scores, mask, cfg):
+    batch = RolloutBatch(rows["responses"], rows["completion_mask"], eligible_mask=rows["eligible_mask"],
+                         sequence_advantages=seq.float(), scores=scores, reasoning_mask=mask)
+    return Pipeline(cfg).compute(batch).advantages
+
+
+def test_legacy_trainer_folds_worker_scores(run, tiny):
+    """Legacy trainer: ray_trainer.compute_advantage with an OAR estimator sends the rows with a non-zero verl GRPO
+    advantage to the workers and folds the returned scores into the token advantages: exactly the pipeline's
+    reshaping of those scores; each row keeps its mass (tool-output tokens get 0)."""
+    _, tok = tiny
+    leg = run["legacy"]
+    rows = _rows(run, tok)
+    cfg = oar.OARConfig.from_json(run["scores"]["oar_g"]["config"])
+    assert int((leg["seq"] != 0).sum()) == 4 and leg["reasoning_mask"].any()
+    want = _expected(rows, leg["seq"], leg["scores"], leg["reasoning_mask"], cfg)
+    torch.testing.assert_close(leg["advantages"], want, rtol=0, atol=0)
+    mass = leg["advantages"].double().sum(1)
+    torch.testing.assert_close(mass, leg["seq"].double() * rows["eligible_mask"].sum(1).double(), rtol=1e-5,
+                               atol=1e-5)
+    assert (leg["advantages"][~rows["eligible_mask"]] == 0).all()
+
+
+def test_v1_trainer_folds_worker_scores(run, tiny):
+    """verl's v1 ``_compute_advantage`` of the registered ``oar_sync`` trainer (transfer queue stood in for):
+    the rollouts read from the queue's nested per-row fields, the scores computed on the workers, and the
+    advantages written back are the pipeline's reshaping of those scores."""
+    _, tok = tiny
+    v1 = run["v1"]
+    rows = _rows(run, tok)
+    cfg = oar.OARConfig.from_json(v1["config"])
+    assert cfg.method == "oar_g" and int((v1["seq"] != 0).sum()) == 4
+    want = _expected(rows, v1["seq"], v1["scores"], v1["reasoning_mask"], cfg)
+    R = want.shape[1]
+    torch.testing.assert_close(v1["advantages"][:, :R], want, rtol=0, atol=0)
+    assert run["v1_ranks"][0]["forwards"] == run["v1_ranks"][1]["forwards"] > 0
+
+
+# ---- in-process: registration, worker swap, request layout, refusals ------------------------------------------
+
+
+def test_trainers_registered_per_mode():
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, get_trainer_cls
+
+    names = verl_workers.register_trainers()
+    assert names == [f"oar_{m}" for m in TRAINER_REGISTRY if not m.startswith("oar_")]
+    assert set(names) == {"oar_sync", "oar_colocate_async", "oar_separate_async"}
+    for name in names:
+        cls = get_trainer_cls(name)
+        assert issubclass(cls, verl_workers.OARTrainerMixin) and issubclass(cls, get_trainer_cls(name[4:]))
+        assert getattr(verl_workers, cls.__name__) is cls  # importable by name
+    assert verl_workers.register_trainers() == names  # idempotent
+
+
+def test_use_oar_workers_swaps_only_verls_actor_class():
+    import ray
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    mapping = {Role.ActorRollout: ray.remote(ActorRolloutRefWorker), Role.Critic: ray.remote(TrainingWorker)}
+    assert verl_workers.use_oar_workers(mapping)
+    assert mapping[Role.ActorRollout].__ray_actor_class__ is verl_workers.OARActorRolloutRefWorker
+    assert mapping[Role.Critic].__ray_actor_class__ is TrainingWorker
+
+    class Mine(ActorRolloutRefWorker):
+        pass
+
+    mine = {Role.ActorRolloutRef: ray.remote(Mine)}
+    assert not verl_workers.use_oar_workers(mine) and mine[Role.ActorRolloutRef].__ray_actor_class__ is Mine
+
+    class MineWithOAR(verl_workers.OARWorkerMixin, Mine):
+        pass
+
+    assert verl_workers.use_oar_workers({Role.Actor: ray.remote(MineWithOAR)})
+    assert "oar_scores" in dir(verl_workers.OARActorRolloutRefWorker)
+
+
+def test_legacy_init_workers_wrapper_records_the_actor_group():
+    """RayPPOTrainer.init_workers (wrapped by register()): with an OAR estimator the actor role runs on the OAR
+    worker class and the estimator gets the trainer's actor worker group; other estimators are untouched."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    assert getattr(ray_trainer.RayPPOTrainer.init_workers, "__oar_wrapped__", False)
+    seen = {}
+
+    def orig(self):
+        seen["cls"] = self.role_worker_mapping[Role.ActorRollout].__ray_actor_class__
+        self.actor_rollout_wg = "the group"
+
+    wrapped = oar_verl._wrap_init_workers(orig)
+    for est, cls in (("grpo", ActorRolloutRefWorker), ("oar_p", verl_workers.OARActorRolloutRefWorker)):
+        me = types.SimpleNamespace(config=OmegaConf.create({"algorithm": {"adv_estimator": est}}),
+                                   role_worker_mapping={Role.ActorRollout: ray.remote(ActorRolloutRefWorker)})
+        oar_verl._STATE["workers"] = None
+        wrapped(me)
+        assert seen["cls"] is cls
+        got = oar_verl._STATE["workers"]
+        assert (got is None) if est == "grpo" else (got.worker_group == "the group")
+    oar_verl._STATE["workers"] = None
+
+
+def test_request_layout_and_padding(tiny):
+    """scores_request keeps only the active rows, pads them to a multiple of the data-parallel size with unscored
+    copies, and the worker side reads back the same prompts / responses / masks / answers."""
+    _, tok = tiny
+    import verl_worker
+
+    rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_p"))
+    seq = torch.tensor([0.0, 1.0, 0.0, -1.0, 0.5, 0.0, 0.0, 2.0])
+    for dp in (1, 2, 3, 4):
+        req, active = verl_workers.scores_request(rows, oar.OARConfig(method="oar_p"), seq, dp)
+        assert active == [1, 3, 4, 7] and req.batch_size[0] % dp == 0 and req.batch_size[0] >= 4
+        b = verl_workers._request_batch(req)
+        assert (b.sequence_advantages[4:] == 0).all()
+        for k, i in enumerate(active):
+            assert torch.equal(b.prompt_ids[k], rows["prompt_ids"][i])
+            assert torch.equal(b.completion_ids[k], rows["responses"][i])
+            assert torch.equal(b.eligible_mask[k], rows["eligible_mask"][i])
+            assert b.answers[k] == rows["answers"][i] and float(b.sequence_advantages[k]) == float(seq[i])
+
+
+class _FakeEngine:
+    def __init__(self, sp=1):
+        self.ulysses_sequence_parallel_size = sp
+
+
+def _fake_worker(strategy="fsdp2", sp=1, actor=True):
+    from omegaconf import OmegaConf
+
+    w = types.SimpleNamespace(config=OmegaConf.create({"actor": {"strategy": strategy}}), role="actor")
+    w.actor = types.SimpleNamespace(engine=_FakeEngine(sp)) if actor else None
+    return w
+
+
+@pytest.mark.parametrize("worker, exc, match", [
+    (_fake_worker("megatron"), NotImplementedError, "actor.strategy='megatron'.*Megatron is not supported"),
+    (_fake_worker(sp=2), NotImplementedError, "Ulysses sequence parallelism.*ulysses_sequence_parallel_size=2"),
+    (_fake_worker(actor=False), RuntimeError, "runs on the actor"),
+])
+def test_worker_refuses_unsupported_engines(worker, exc, match):
+    with pytest.raises(exc, match=match):
+        verl_workers.worker_scores(worker, None)
+
+
+def test_trainer_memory_budget():
+    """The budget from verl's token budget: dynamic batch size -> infer_max_token_len_per_gpu tokens, else
+    infer_micro_batch_size_per_gpu sequences of the request's width; times the forward's bytes per token + its
+    float32 logits; None without a token budget."""
+    pm = types.SimpleNamespace(activation_bytes_per_token=lambda width, backward=False: 1000 + width, vocab_size=1024)
+    per = lambda w: 1000 + w + 4 * 1024  # noqa: E731
+    eng = lambda **kw: types.SimpleNamespace(engine_config=types.SimpleNamespace(**kw))  # noqa: E731
+    assert verl_workers.trainer_memory_budget_mb(eng(use_dynamic_bsz=True, infer_max_token_len_per_gpu=2**20),
+                                                 pm, 100) == 2**20 * per(100) // 2**20
+    assert verl_workers.trainer_memory_budget_mb(eng(use_dynamic_bsz=False, infer_micro_batch_size_per_gpu=64,
+                                                     infer_max_token_len_per_gpu=2**20), pm, 4096) == \
+        64 * 4096 * per(4096) // 2**20
+    assert verl_workers.trainer_memory_budget_mb(eng(use_dynamic_bsz=False, infer_micro_batch_size_per_gpu=1), pm,
+                                                 10) == 1  # at least 1 MiB
+    assert verl_workers.trainer_memory_budget_mb(eng(use_dynamic_bsz=False, infer_micro_batch_size_per_gpu=None),
+                                                 pm, 10) is None
+    assert verl_workers.trainer_memory_budget_mb(types.SimpleNamespace(), pm, 10) is None
+
+
+def test_group_without_the_method_is_a_clear_error(tiny):
+    _, tok = tiny
+    import verl_worker
+
+    rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
+    with pytest.raises(AttributeError, match="no oar_scores method: run the actor role on"):
+        verl_workers.group_scores(object(), rows, oar.OARConfig(method="oar_g"), torch.ones(8))

@@ -1,0 +1,254 @@
+"""Test worker script (tests/python/test_verl_workers.py): OAR scores on verl 0.9.1's REAL actor workers.
+
+``python verl_worker.py OUT_DIR`` starts a local Ray (2 CPUs), saves the tiny model, builds a 2-rank worker group of
+``OARActorRolloutRefWorker`` (verl's ``ActorRolloutRefWorker`` with the FSDP2 engine over gloo; test scaffold
+``_verl_cpu.py``) and runs, saving what the test checks in ``OUT_DIR/verl.pt``:
+
+1. ``log_probs``: verl's own ``compute_log_prob`` (the old log-probs), as ``RayPPOTrainer._compute_old_log_prob``
+   calls it, to check the scaffold runs verl's engine faithfully;
+2. ``scores``: for oar_g and oar_p, ``WorkerGroupScorer(wg)(data, cfg, seq_adv)`` on a verl batch (rows in
+   shuffled group order, 3 of 8 rows with a non-zero advantage: rank 0 scores 2, rank 1 one plus a padding row),
+   with the policy forwards each rank ran;
+3. ``legacy``: ``ray_trainer.compute_advantage(data, "oar_g")`` with the worker group recorded as the legacy
+   trainer's ``init_workers`` wrapper records it (the scores the workers returned are captured);
+4. ``v1``: verl's v1 ``_compute_advantage`` of the registered ``oar_sync`` trainer, with an in-memory stand-in
+   for the transfer queue (``kv_batch_get`` / ``kv_batch_put``) holding the rollouts as verl's agent loop puts
+   them (per-row prompts / responses / response_mask, ``rm_scores``, ``uid``, ``reward_model``).
+"""
+
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _verl_cpu  # noqa: E402
+
+import oar  # noqa: E402
+from oar.integrations import verl as oar_verl  # noqa: E402
+
+oar_verl.register()
+from oar.integrations import verl_workers  # noqa: E402
+from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
+
+N = 4  # rollouts per prompt
+REWARDS = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]  # group 0: all four rows active; group 1: none
+ORDER = [4, 0, 5, 1, 6, 2, 7, 3]  # rows in shuffled group order (verl balances batches across ranks)
+
+
+class Worker(verl_workers.OARActorRolloutRefWorker):
+    """The OAR worker plus two test probes (counted policy forwards, parameter grads)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def count_forwards(self, reset: bool = True):
+        module = self.actor.engine.module
+        if not hasattr(self, "_forwards"):
+            self._forwards = [0]
+            module.register_forward_pre_hook(lambda *a: self._forwards.__setitem__(0, self._forwards[0] + 1))
+        n = self._forwards[0]
+        if reset:
+            self._forwards[0] = 0
+        grads = all(p.grad is None for p in module.parameters())
+        return {"forwards": n, "no_grads": grads, "fsdp2": type(module).__name__}
+
+
+def config(method):
+    # sigma 0.05: OAR-G scores well above float32 rounding on this tiny model; 1 MB: OAR-P runs many forwards.
+    return oar.OARConfig.from_json(f'{{"method": "{method}", "seed": 3, "sigma": 0.05, "max_variants_per_chunk": 3, '
+                                   f'"memory_budget_mb": {1 if method == "oar_p" else 4096}}}')
+
+
+def rollouts(tok):
+    """Per-row token lists: prompts of 3-5 tokens, responses of 5-9 (row 1 multi-turn: a tool output in the
+    middle, response_mask 0 there), answers '3' / '4' per group."""
+    g = torch.Generator().manual_seed(5)
+    vocab = len(tok)
+    rows = []
+    for i in range(2 * N):
+        p = torch.randint(3, vocab, (3 + i % 3,), generator=g)
+        r = torch.randint(3, vocab, (5 + i % 5,), generator=g)
+        m = torch.ones_like(r)
+        if i == 1:
+            m[2:4] = 0
+        rows.append(dict(prompt=p, response=r, mask=m, answer=str(3 + i // N), reward=REWARDS[i], uid=f"u{i // N}"))
+    return [rows[i] for i in ORDER]
+
+
+def data_proto(rows):
+    """The legacy trainer's batch: prompts left-padded, responses right-padded, rewards at the last token."""
+    from verl import DataProto
+
+    B = len(rows)
+    P = max(len(r["prompt"]) for r in rows)
+    R = max(len(r["response"]) for r in rows)
+    prompts = torch.zeros((B, P), dtype=torch.long)
+    responses = torch.zeros((B, R), dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    rmask = torch.zeros((B, R), dtype=torch.long)
+    scores = torch.zeros((B, R))
+    for i, r in enumerate(rows):
+        p, q = len(r["prompt"]), len(r["response"])
+        prompts[i, P - p:] = r["prompt"]
+        responses[i, :q] = r["response"]
+        attn[i, P - p: P + q] = 1
+        rmask[i, :q] = r["mask"]
+        scores[i, q - 1] = r["reward"]
+    input_ids = torch.cat([prompts, responses], 1)
+    position_ids = torch.clamp(torch.cumsum(attn, 1) - 1, min=0)
+    return DataProto.from_dict(
+        tensors=dict(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attn,
+                     position_ids=position_ids, response_mask=rmask, token_level_rewards=scores,
+                     token_level_scores=scores),
+        non_tensors=dict(uid=np.array([r["uid"] for r in rows], dtype=object),
+                         reward_model=np.array([{"ground_truth": r["answer"]} for r in rows], dtype=object)),
+        meta_info={"temperature": 1.0})
+
+
+def old_log_probs(wg, data):
+    """verl's ``compute_log_prob`` as ``RayPPOTrainer._compute_old_log_prob`` calls it."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False)
+    out = wg.compute_log_prob(td)
+    return no_padding_2_padding(tu.get(out, "log_probs"), td).float()
+
+
+class FakeTQ:
+    """In-memory stand-in for the transfer queue's kv_batch_get / kv_batch_put (rows stored per key)."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def put(self, keys, partition_id, fields):
+        from transfer_queue import KVBatchMeta
+
+        for k, key in enumerate(keys):
+            row = self.rows.setdefault(key, {})
+            for name in fields.keys():
+                v = fields[name]
+                row[name] = v.unbind(0)[k] if getattr(v, "is_nested", False) else (
+                    v.tolist()[k] if not isinstance(v, torch.Tensor) else v[k])
+        return KVBatchMeta(keys=list(keys), tags=[{} for _ in keys], partition_id=partition_id)
+
+    def get(self, keys, partition_id, select_fields=None):
+        from tensordict import NonTensorStack, TensorDict
+
+        names = [f for f in select_fields if all(f in self.rows[k] for k in keys)]
+        out = {}
+        for f in names:
+            vals = [self.rows[k][f] for k in keys]
+            if isinstance(vals[0], torch.Tensor) and vals[0].dim() >= 1:
+                out[f] = torch.nested.as_nested_tensor(vals, layout=torch.jagged)
+            elif isinstance(vals[0], torch.Tensor):
+                out[f] = torch.stack(vals)
+            else:
+                out[f] = NonTensorStack(*vals)
+        return TensorDict(out, batch_size=[len(keys)])
+
+
+def v1_step(wg, rows, method):
+    """verl's v1 ``_compute_advantage`` of the ``oar_sync`` trainer on a fake transfer queue; returns the advantages
+    it wrote back (padded (B, R)) and the scores the workers returned for it."""
+    import transfer_queue
+    from omegaconf import OmegaConf
+    from tensordict import TensorDict
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    fake = FakeTQ()
+    keys = [f"{r['uid']}_{i}_0" for i, r in enumerate(rows)]
+    fields = {"prompts": [r["prompt"] for r in rows], "responses": [r["response"] for r in rows],
+              "response_mask": [r["mask"] for r in rows],
+              "rm_scores": [torch.nn.functional.one_hot(torch.tensor(len(r["response"]) - 1), len(r["response"]))
+                            .float() * r["reward"] for r in rows]}
+    td = TensorDict({k: torch.nested.as_nested_tensor(v, layout=torch.jagged) for k, v in fields.items()},
+                    batch_size=[len(rows)])
+    from tensordict import NonTensorStack
+
+    td["uid"] = NonTensorStack(*[r["uid"] for r in rows])
+    td["reward_model"] = NonTensorStack(*[{"ground_truth": r["answer"]} for r in rows])
+    meta = fake.put(keys, "train", td)
+    saved = (transfer_queue.kv_batch_get, transfer_queue.kv_batch_put)
+    transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = fake.get, fake.put
+    trainer = object.__new__(get_trainer_cls("oar_sync"))
+    trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": method, "gamma": 1.0, "lam": 1.0,
+                                                     "use_kl_in_reward": False, "norm_adv_by_std_in_grpo": True},
+                                       "actor_rollout_ref": {"rollout": {"n": N}}})
+    trainer.actor_rollout_wg = wg
+    captured = {}
+    orig = oar_verl.WorkerGroupScorer.__call__
+
+    def capture(self, data, cfg, seq):
+        out = orig(self, data, cfg, seq)
+        captured.update(scores=out[0], reasoning_mask=out[1], seq=seq, config=cfg.to_json())
+        return out
+
+    oar_verl.WorkerGroupScorer.__call__ = capture
+    try:
+        trainer._compute_advantage(meta, metrics={})
+    finally:
+        oar_verl.WorkerGroupScorer.__call__ = orig
+        transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = saved
+    adv = fake.get(keys, "train", ["advantages"])["advantages"].to_padded_tensor(0.0)
+    return dict(advantages=adv, **captured)
+
+
+def main(out_dir):
+    import ray
+    from verl.trainer.ppo import ray_trainer
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
+            wg = _verl_cpu.worker_group(Worker, _verl_cpu.actor_config(path), n=2)
+            wg.init_model()
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            rows = rollouts(tok)
+            data = data_proto(rows)
+            out = {"rows": rows, "log_probs": old_log_probs(wg, data), "scores": {}}
+            # group 0's advantages (rewards [1, 0, 0, 0]) with original row 3 made inactive: 3 active rows, so
+            # rank 0 scores 2 rows and rank 1 one (plus a padding row)
+            seq = torch.tensor([1.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0])[torch.tensor(ORDER)]
+            for method in ("oar_g", "oar_p"):
+                wg.count_forwards()
+                cfg = config(method)
+                scorer = oar_verl.WorkerGroupScorer(wg)
+                scores, mask = scorer(data, cfg, seq)
+                out["scores"][method] = dict(scores=scores, reasoning_mask=mask, seq=seq, config=cfg.to_json(),
+                                             ranks=wg.count_forwards(), **scorer.last_info)
+            # the legacy trainer: init_workers' wrapper records the actor worker group for the estimator
+            oar_verl.configure(config("oar_g"))
+            oar_verl._STATE["workers"] = oar_verl.WorkerGroupScorer(wg)
+            captured = {}
+            orig = oar_verl.WorkerGroupScorer.__call__
+
+            def capture(self, d, cfg, s):
+                res = orig(self, d, cfg, s)
+                captured.update(scores=res[0], reasoning_mask=res[1], seq=s)
+                return res
+
+            oar_verl.WorkerGroupScorer.__call__ = capture
+            try:
+                res = ray_trainer.compute_advantage(data, adv_estimator="oar_g", num_repeat=N,
+                                                    norm_adv_by_std_in_grpo=True)
+            finally:
+                oar_verl.WorkerGroupScorer.__call__ = orig
+                oar_verl._STATE["workers"] = None
+            out["legacy"] = dict(advantages=res.batch["advantages"].clone(), **captured)
+            out["v1"] = v1_step(wg, rows, "oar_g")
+            out["v1_ranks"] = wg.count_forwards()
+            oar_verl.configure(None)
+            torch.save(out, os.path.join(out_dir, "verl.pt"))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
