@@ -197,22 +197,53 @@ def v1_step(wg, rows, method):
     return dict(advantages=adv, **captured)
 
 
-def main(out_dir):
+def gpu_worker_group(config, n: int):
+    """An n-rank worker group of :class:`Worker` on GPUs, as verl's trainer builds it (no CPU scaffold)."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    pool = RayResourcePool(process_on_nodes=[n], use_gpu=True)
+    return RayWorkerGroup(resource_pool=pool, device_name="cuda",
+                          ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(Worker), config=config, role="actor"))
+
+
+def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2):
+    """``device="cuda"`` (benchmarks/gpu/run_verl_oar.sh): the same steps on ``ranks`` GPUs with verl's engine as
+    verl runs it, on ``model`` (a name of oar.models.load_by_name, e.g. SmolLM2), with the time of each stage."""
+    import time
+
     import ray
     from verl.trainer.ppo import ray_trainer
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    times = {}
+    ray.init(num_cpus=2 if device == "cpu" else None, include_dashboard=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
-            wg = _verl_cpu.worker_group(Worker, _verl_cpu.actor_config(path), n=2)
+            if model == "tiny":
+                path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
+            else:
+                from oar.models import load_by_name
+
+                m, t = load_by_name(model)
+                path = os.path.join(tmp, "model")
+                m.save_pretrained(path)
+                t.save_pretrained(path)
+            t0 = time.perf_counter()
+            if device == "cpu":
+                wg = _verl_cpu.worker_group(Worker, _verl_cpu.actor_config(path), n=ranks)
+            else:
+                cfg = _verl_cpu.actor_config(path, **{"model.override_config": {"attn_implementation": "sdpa"}})
+                wg = gpu_worker_group(cfg, ranks)
             wg.init_model()
+            times["init_model"] = time.perf_counter() - t0
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(path)
             rows = rollouts(tok)
             data = data_proto(rows)
-            out = {"rows": rows, "log_probs": old_log_probs(wg, data), "scores": {}}
+            t0 = time.perf_counter()
+            out = {"rows": rows, "log_probs": old_log_probs(wg, data), "scores": {}, "times": times}
+            times["compute_log_prob"] = time.perf_counter() - t0
             # group 0's advantages (rewards [1, 0, 0, 0]) with original row 3 made inactive: 3 active rows, so
             # rank 0 scores 2 rows and rank 1 one (plus a padding row)
             seq = torch.tensor([1.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0])[torch.tensor(ORDER)]
@@ -220,7 +251,9 @@ def main(out_dir):
                 wg.count_forwards()
                 cfg = config(method)
                 scorer = oar_verl.WorkerGroupScorer(wg)
+                t0 = time.perf_counter()
                 scores, mask = scorer(data, cfg, seq)
+                times[f"oar_scores {method}"] = time.perf_counter() - t0
                 out["scores"][method] = dict(scores=scores, reasoning_mask=mask, seq=seq, config=cfg.to_json(),
                                              ranks=wg.count_forwards(), **scorer.last_info)
             # the legacy trainer: init_workers' wrapper records the actor worker group for the estimator
@@ -251,4 +284,12 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.models.load_by_name (GPU runs)")
+    ap.add_argument("--ranks", type=int, default=2)
+    a = ap.parse_args()
+    main(a.out_dir, a.device, a.model, a.ranks)
