@@ -472,6 +472,17 @@ class Pipeline:
         self.ignore_ids = tuple(_args.int_arg("ignore_ids[i]", x) for x in ignore_ids)
         self._generator = torch.Generator().manual_seed(int(self.config.seed))
         self.calls = 0
+        #: cap (MiB) on the config's ``memory_budget_mb``, set by a trainer adapter from what the trainer already
+        #: budgets per forward (None: the config's budget); see :attr:`memory_budget_mb`.
+        self.memory_budget_cap_mb: int | None = None
+
+    @property
+    def memory_budget_mb(self) -> int:
+        """Activation budget (MiB) of one OAR-P / OAR-G / entropy chunk: the config's ``memory_budget_mb``, capped
+        by :attr:`memory_budget_cap_mb` when an adapter set one (docs/trainers/*.md)."""
+        budget = int(self.config.memory_budget_mb)
+        cap = self.memory_budget_cap_mb
+        return budget if cap is None else max(1, min(budget, int(cap)))
 
     @property
     def pad_id(self) -> int:
@@ -642,12 +653,12 @@ class Pipeline:
 
         cfg, name = self.config, self.method.name
         if name == "oar_p":
-            return oar_p_scores(pm, pbatch, probe=cfg.probe, rows=run.active, memory_budget_mb=cfg.memory_budget_mb,
+            return oar_p_scores(pm, pbatch, probe=cfg.probe, rows=run.active, memory_budget_mb=self.memory_budget_mb,
                                 max_variants_per_chunk=cfg.max_variants_per_chunk, positions=positions)
         if name == "oar_g":
             return oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
                                 noise_draws=cfg.noise_draws, generator=self._generator,
-                                memory_budget_mb=cfg.memory_budget_mb, positions=positions)
+                                memory_budget_mb=self.memory_budget_mb, positions=positions)
         if name == "entropy":
             return entropy_scores(pm, pbatch, rows=run.active)
         if name == "random":
@@ -708,7 +719,7 @@ class Pipeline:
                     vocab = int(pm.vocab_size)
                     prompts = _check_token_ids(b.cids, b.cmask, b.prompt_ids, run.active, vocab)
                     H = baselines.policy_entropies(pm, prompts, b.cids, rows,
-                                                   memory_budget_mb=int(self.config.memory_budget_mb))
+                                                   memory_budget_mb=self.memory_budget_mb)
                 run.stats["forward_passes"] = (run.gate.real_calls[1] if run.gate is not None
                                                else int(bool(run.active)))
             sc = torch.where(b.eligible, H, torch.zeros(()))

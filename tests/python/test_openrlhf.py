@@ -235,3 +235,27 @@ def test_experience_maker_folds_actor_group_scores(res):
     for i, t in enumerate(truth):
         col, L = len(t["prompt"]) - 1, len(t["completion"])
         torch.testing.assert_close(got[i][col: col + L], want[i, :L], rtol=0, atol=0)
+
+
+def test_actor_budget_cap_from_openrlhf_token_budget():
+    """The actor caps OAR's chunk budget by OpenRLHF's own forward budget: --rollout.max_tokens_per_gpu tokens under
+    --train.dynamic_batch_enable, else --rollout.micro_batch_size sequences of the chunk's longest context; None
+    without those arguments."""
+    from types import SimpleNamespace as NS
+
+    from oar.attribution import as_probe_model
+    from oar.integrations import openrlhf as oar_orl
+    from oar.models import tiny_random_llama
+    from oar.pipeline import RolloutBatch
+
+    model, _ = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    pm = as_probe_model(model)
+    batch = RolloutBatch(torch.zeros((2, 7), dtype=torch.long), torch.ones((2, 7), dtype=torch.bool),
+                         prompt_ids=[[5, 6, 7], [5, 6, 7, 8, 9]])
+    per = lambda w: pm.activation_bytes_per_token(w) + 4 * pm.vocab_size  # noqa: E731
+    dyn = NS(rollout=NS(max_tokens_per_gpu=2**22, micro_batch_size=4), train=NS(dynamic_batch_enable=True))
+    assert oar_orl._token_budget_cap(dyn, model, batch) == 2**22 * per(12) // 2**20
+    fixed = NS(rollout=NS(max_tokens_per_gpu=2**22, micro_batch_size=4), train=NS(dynamic_batch_enable=False))
+    assert oar_orl._token_budget_cap(fixed, model, batch) == max(1, 4 * 12 * per(12) // 2**20)
+    assert oar_orl._token_budget_cap(None, model, batch) is None
+    assert oar_orl._token_budget_cap(NS(rollout=NS(micro_batch_size=None), train=NS()), model, batch) is None

@@ -307,3 +307,15 @@ def test_engine_errors_name_the_callers_row(tiny):
     with pytest.raises(ValueError, match=r"masking reasoning token \d+ of row 2 gives a non-finite divergence"):
         Pipeline(_cfg(method="oar_p"), tok).compute(
             RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 4, sequence_advantages=adv), pm)
+
+
+def test_memory_budget_cap():
+    """Pipeline.memory_budget_mb: the config's budget, capped by an adapter's memory_budget_cap_mb (never below 1)."""
+    import oar
+    from oar.pipeline import Pipeline
+
+    pipe = Pipeline(oar.OARConfig.from_json('{"method": "oar_g", "memory_budget_mb": 300}'))
+    assert pipe.memory_budget_mb == 300
+    for cap, want in ((120, 120), (300, 300), (5000, 300), (0, 1)):
+        pipe.memory_budget_cap_mb = cap
+        assert pipe.memory_budget_mb == want

@@ -272,6 +272,8 @@ def actor_scores(self, request: dict) -> dict:
     actor = self.actor
     inner = getattr(actor, "model", actor)
     policy = getattr(inner, "module", inner)  # DeepSpeedEngine -> the Hugging Face model
+    pipe.memory_budget_cap_mb = _token_budget_cap(getattr(getattr(self, "strategy", None), "args", None), policy,
+                                                  request["batch"])
     was_training = actor.training
     actor.eval()
     try:
@@ -281,6 +283,29 @@ def actor_scores(self, request: dict) -> dict:
         if was_training:
             actor.train()
     return {"scores": res.scores.detach().float().cpu(), "reasoning_mask": res.reasoning_mask.detach().bool().cpu()}
+
+
+def _token_budget_cap(args, policy, batch: RolloutBatch) -> int | None:
+    """Cap (MiB) of OAR's chunk budget from OpenRLHF's own forward budget (:func:`oar.integrations._common.
+    token_budget_mb`): ``--rollout.max_tokens_per_gpu`` tokens with ``--train.dynamic_batch_enable``, else
+    ``--rollout.micro_batch_size`` sequences of the chunk's longest context. None without those arguments (or a
+    chunk with no rows)."""
+    from oar.attribution import as_probe_model
+    from oar.integrations._common import token_budget_mb
+
+    rollout = getattr(args, "rollout", None)
+    if rollout is None or batch.batch_size == 0:
+        return None
+    P = max((len(p) for p in batch.prompt_ids), default=0) if batch.prompt_ids is not None else 0
+    width = P + int(batch.completion_ids.shape[1])
+    if bool(getattr(getattr(args, "train", None), "dynamic_batch_enable", False)) and \
+            getattr(rollout, "max_tokens_per_gpu", None):
+        tokens = int(rollout.max_tokens_per_gpu)
+    elif getattr(rollout, "micro_batch_size", None):
+        tokens = int(rollout.micro_batch_size) * width
+    else:
+        return None
+    return token_budget_mb(as_probe_model(policy), tokens, max(1, width))
 
 
 def _attach_actor_method() -> bool:

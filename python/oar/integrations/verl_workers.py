@@ -23,7 +23,6 @@ Refused with a clear error until supported: Ulysses sequence parallelism > 1 and
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
@@ -176,41 +175,38 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
     if sp > 1:
         raise NotImplementedError(f"oar_scores does not support Ulysses sequence parallelism yet "
                                   f"(actor ulysses_sequence_parallel_size={sp}); set it to 1")
-    from oar import OARConfig
     from oar.attribution import as_probe_model
 
-    cfg = OARConfig.from_json(tu.get(data, "oar_config"))
+    pipe = _pipeline(tu.get(data, "oar_config"), actor.model_config.tokenizer)
     batch = _request_batch(data)
     width = int(data["oar_prompt_ids"].shape[1] + data["oar_responses"].shape[1])
-    budget = trainer_memory_budget_mb(engine, as_probe_model(engine.module), width)
-    if budget is not None and budget < cfg.memory_budget_mb:
-        cfg = OARConfig.from_json(json.dumps(dict(json.loads(cfg.to_json()), memory_budget_mb=budget)))
-    pipe = _pipeline(cfg.to_json(), actor.model_config.tokenizer)
+    pipe.memory_budget_cap_mb = trainer_memory_budget_mb(engine, as_probe_model(engine.module), width)
     with engine.eval_mode(), torch.enable_grad():
         res = pipe.scores(batch, engine.module)
     n = batch.batch_size
     out = TensorDict({"oar_scores": res.scores.detach().float().cpu(),
                       "oar_reasoning_mask": res.reasoning_mask.detach().bool().cpu()}, batch_size=[n])
-    tu.assign_non_tensor(out, oar_memory_budget_mb=int(cfg.memory_budget_mb))
+    tu.assign_non_tensor(out, oar_memory_budget_mb=int(pipe.memory_budget_mb))
     return out
 
 
 def trainer_memory_budget_mb(engine, probe_model, width: int) -> int | None:
-    """The activation memory (MiB, >= 1) verl lets one rank's old-log-prob pass use: its token budget times the
-    bytes one token costs in that forward (``probe_model.activation_bytes_per_token(width)`` plus its float32
-    logits). verl sized that budget to fit next to what the rank already holds (parameters, optimizer state, a
-    colocated vLLM's memory), so OAR's chunks stay within it.
+    """The activation memory (MiB, >= 1) verl lets one rank's old-log-prob pass use
+    (:func:`oar.integrations._common.token_budget_mb` of its token budget): ``infer_max_token_len_per_gpu``
+    tokens with dynamic batch size, else ``infer_micro_batch_size_per_gpu`` sequences of ``width`` tokens. The
+    workers cap the config's ``memory_budget_mb`` with it.
 
     Args:
         engine: verl engine with ``engine_config`` (``use_dynamic_bsz``, ``infer_max_token_len_per_gpu``,
             ``infer_micro_batch_size_per_gpu``).
-        probe_model: the policy as an :class:`oar.attribution.ProbeModel` (``activation_bytes_per_token``,
-            ``vocab_size``).
+        probe_model: the policy as an :class:`oar.attribution.ProbeModel`.
         width: longest context of the request (prompt + response tokens).
 
     Returns:
         The budget in MiB, or None when the engine states no token budget.
     """
+    from oar.integrations._common import token_budget_mb
+
     ec = getattr(engine, "engine_config", None)
     if ec is None:
         return None
@@ -220,8 +216,7 @@ def trainer_memory_budget_mb(engine, probe_model, width: int) -> int | None:
         tokens = int(ec.infer_micro_batch_size_per_gpu) * int(width)
     else:
         return None
-    per_token = int(probe_model.activation_bytes_per_token(int(width))) + 4 * int(probe_model.vocab_size)
-    return max(1, tokens * per_token // 2**20)
+    return token_budget_mb(probe_model, tokens, width)
 
 
 class OARWorkerMixin:
