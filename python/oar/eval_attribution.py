@@ -11,7 +11,8 @@ For correct sampled traces of a task:
    answer_joint), entropy, random.
 3. **Recall@K%**: the share of a trace's oracle-causal tokens found among its top ceil(K% x L) tokens by
    score (ties broken by position), averaged over traces with at least one causal token; 95% bootstrap
-   intervals over traces. Random scores have expected recall K%.
+   intervals over traces. ``random`` is reported by its exact expectation per trace, ceil(K% x L) / L (about K%),
+   not by one draw; the other methods' random draws (OAR-G's noise) are seeded per trace (:func:`trace_seed`).
 
 Outputs (``--out PREFIX``): PREFIX.csv and PREFIX.md (the table), PREFIX.png (recall vs K), PREFIX.json
 (per-trace oracle, scores and recalls, so the numbers can be re-analysed).
@@ -70,6 +71,28 @@ def recall_at(scores: list[float], causal: list[bool], percent: float) -> float 
     k = max(1, math.ceil(percent / 100.0 * len(scores)))
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
     return sum(bool(causal[i]) for i in order) / n_causal
+
+
+def expected_random_recall(length: int, causal: list[bool], percent: float) -> float | None:
+    """Exact expected :func:`recall_at` of a uniformly random ranking of a trace's ``length`` tokens: the top
+    k = ceil(percent% x L) tokens hold each causal token with probability k / L, so the expected recall is k / L.
+    None when the trace has no causal token (as :func:`recall_at`). This replaces one random draw per trace: a
+    draw seeded alike for every trace ranked every trace alike (issue 13)."""
+    if len(causal) != length:
+        raise ValueError(f"causal ({len(causal)}) must have one entry per token (length {length})")
+    if isinstance(percent, bool) or not isinstance(percent, numbers.Real) or not 0 < percent <= 100:
+        raise ValueError(f"percent must be in (0, 100] (a real number), got {percent!r}")
+    if length == 0 or not any(causal):
+        return None
+    return max(1, math.ceil(percent / 100.0 * length)) / length
+
+
+def trace_seed(seed: int, task: str, problem_id: str, index: int) -> int:
+    """The seed of one trace's random draws (OAR-G noise, the random scores): a function of the run's ``seed``
+    and the trace's identity, so that no two traces share their draws."""
+    import zlib
+
+    return (int(seed) * 1_000_003 + zlib.crc32(f"{task}|{problem_id}|{index}".encode())) % (2**63 - 1)
 
 
 def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -141,7 +164,8 @@ def sample_correct_traces(model, tok, task, task_name: str, problems, G: int, ma
 
 
 def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int) -> dict[str, list[float]]:
-    """Every method's scores of one trace's reasoning tokens."""
+    """Every method's scores of one trace's reasoning tokens; ``seed``: this trace's own seed (:func:`trace_seed`)
+    of OAR-G's noise and the random scores."""
     from oar.attribution import (
         HFProbeModel,
         ProbeContextBuilder,
@@ -175,7 +199,11 @@ def summarize(traces: list[Trace]) -> list[dict]:
         methods = list(ts[0].scores) if ts else []
         for m in methods:
             for K in TOP_K_PERCENT:
-                vals = [r for r in (recall_at(t.scores[m], t.causal, K) for t in ts) if r is not None]
+                if m == "random":  # its exact expectation per trace, not one draw (expected_random_recall)
+                    vals = [r for r in (expected_random_recall(len(t.causal), t.causal, K) for t in ts)
+                            if r is not None]
+                else:
+                    vals = [r for r in (recall_at(t.scores[m], t.causal, K) for t in ts) if r is not None]
                 lo, hi = bootstrap_ci(vals)
                 rows.append({"task": task, "method": m, "top_percent": K, "recall": sum(vals) / len(vals) if vals else float("nan"),
                              "ci_low": lo, "ci_high": hi, "traces": len(vals)})
@@ -278,7 +306,9 @@ def run(args) -> list[dict]:
             if not ok:
                 continue
             tr.causal = causal
-            tr.scores = score_trace(model, tok, tr, cfg, args.draws, args.seed)
+            n_kept = sum(t.task == task_name for t in traces)
+            tr.scores = score_trace(model, tok, tr, cfg, args.draws,
+                                    trace_seed(args.seed, task_name, tr.problem_id, n_kept))
             traces.append(tr)
         print(f"[{task_name}] {sum(t.task == task_name for t in traces)} traces kept after the clean-answer check "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)

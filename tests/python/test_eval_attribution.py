@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from oar.eval_attribution import bootstrap_ci, oracle_causal, recall_at, write_outputs
+from oar.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at, summarize,
+                                  trace_seed, write_outputs)
 
 
 def test_recall_at_hand_values():
@@ -24,6 +25,45 @@ def test_recall_at_hand_values():
         recall_at([1.0], [True, False], 10)
     with pytest.raises(ValueError, match="percent must be in"):
         recall_at([1.0], [True], 0)
+
+
+@pytest.mark.parametrize("causal", [[True, False, False, True, False], [False, True, False, False, False, False, True],
+                                    [True] * 3])
+@pytest.mark.parametrize("percent", [10, 20, 30, 50, 100])
+def test_expected_random_recall_is_the_mean_over_every_ranking(causal, percent):
+    """The exact expectation against an independent reference: recall_at averaged over every permutation of the
+    trace's tokens (all rankings equally likely under random scores)."""
+    import itertools
+    from fractions import Fraction
+
+    L = len(causal)
+    total, n = Fraction(0), 0
+    for perm in itertools.permutations(range(L)):
+        scores = [float(L - perm.index(i)) for i in range(L)]  # token perm[0] ranks first
+        total += Fraction(recall_at(scores, causal, percent)).limit_denominator(10**6)
+        n += 1
+    assert expected_random_recall(L, causal, percent) == pytest.approx(float(total / n), abs=1e-12)
+    assert expected_random_recall(L, [False] * L, percent) is None
+
+
+def test_summarize_reports_random_by_its_expectation():
+    """One draw per trace is gone from the table: random's recall is the mean of ceil(K% L) / L over traces, whatever
+    the stored random scores (here: scores that would rank every causal token first)."""
+    traces = [Trace(task="t", problem_id=str(i), prompt_ids=[], response_ids=[], answer="", text="", reasoning_len=L,
+                    causal=[j == 0 for j in range(L)], scores={"random": [float(-j) for j in range(L)]})
+              for i, L in enumerate((7, 12, 30))]
+    rows = {(r["method"], r["top_percent"]): r for r in summarize(traces)}
+    for K in (10, 20, 30):
+        want = sum(max(1, -(-K * L // 100)) / L for L in (7, 12, 30)) / 3
+        assert rows[("random", K)]["recall"] == pytest.approx(want, abs=1e-12)
+
+
+def test_trace_seeds_differ_between_traces():
+    """Every trace draws its own noise / random scores: the seeds of a run's traces are distinct, a pure function
+    of (seed, task, problem, index)."""
+    seeds = {trace_seed(7, task, str(p), k) for task in ("arithmetic", "gsm8k") for p in range(50) for k in range(3)}
+    assert len(seeds) == 2 * 50 * 3
+    assert trace_seed(7, "gsm8k", "3", 1) == trace_seed(7, "gsm8k", "3", 1) != trace_seed(8, "gsm8k", "3", 1)
 
 
 def test_bootstrap_ci_brackets_mean():
