@@ -52,7 +52,8 @@ class Worker(verl_workers.OARActorRolloutRefWorker):
         if reset:
             self._forwards[0] = 0
         grads = all(p.grad is None for p in module.parameters())
-        return {"forwards": n, "no_grads": grads, "fsdp2": type(module).__name__}
+        return {"forwards": n, "no_grads": grads, "fsdp2": type(module).__name__,
+                "peft": any("lora_" in name for name, _ in module.named_parameters())}
 
 
 def config(method):
@@ -207,7 +208,7 @@ def gpu_worker_group(config, n: int):
                           ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(Worker), config=config, role="actor"))
 
 
-def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2):
+def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora_rank: int = 0):
     """``device="cuda"`` (benchmarks/gpu/run_verl_oar.sh): the same steps on ``ranks`` GPUs with verl's engine as
     verl runs it, on ``model`` (a name of oar.models.load_by_name, e.g. SmolLM2), with the time of each stage."""
     import time
@@ -229,10 +230,11 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2):
                 m.save_pretrained(path)
                 t.save_pretrained(path)
             t0 = time.perf_counter()
+            lora = {"model.lora_rank": lora_rank, "model.target_modules": "all-linear"} if lora_rank else {}
             if device == "cpu":
-                wg = _verl_cpu.worker_group(Worker, _verl_cpu.actor_config(path), n=ranks)
+                wg = _verl_cpu.worker_group(Worker, _verl_cpu.actor_config(path, **lora), n=ranks)
             else:
-                cfg = _verl_cpu.actor_config(path, **{"model.override_config": {"attn_implementation": "sdpa"}})
+                cfg = _verl_cpu.actor_config(path, **{"model.override_config": {"attn_implementation": "sdpa"}}, **lora)
                 wg = gpu_worker_group(cfg, ranks)
             wg.init_model()
             times["init_model"] = time.perf_counter() - t0
@@ -291,5 +293,6 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.models.load_by_name (GPU runs)")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA actor (verl's model.lora_rank)")
     a = ap.parse_args()
-    main(a.out_dir, a.device, a.model, a.ranks)
+    main(a.out_dir, a.device, a.model, a.ranks, a.lora_rank)
