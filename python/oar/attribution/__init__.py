@@ -10,6 +10,7 @@ from oar.attribution.engines import (
     oar_p_scores,
     random_scores,
 )
+from oar.attribution.screened import oar_p_screened_scores
 from oar.attribution.model import (
     EmbeddingNoiseModel,
     HFProbeModel,
@@ -26,5 +27,5 @@ __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
     "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "random_scores", "HFProbeModel",
     "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
-    "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings",
+    "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
 ]

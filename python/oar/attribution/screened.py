@@ -1,0 +1,142 @@
+"""Screened OAR-P (issue 13): exact masking on the tokens a cheap screen ranks first, plus a random sample of the
+rest; the tokens not masked get the screen's scores mapped onto the exact scale (docs/attribution_eval.md).
+
+For one rollout of L reasoning tokens with screen scores s (e.g. OAR-G):
+
+1. **Selection** (:func:`screen_selection`): the top ``ceil(fraction x L)`` tokens by s (ties: earlier first),
+   plus ``ceil(sample_fraction x L)`` tokens drawn uniformly without replacement from the others.
+2. **Exact scores** of the selected tokens: :func:`oar.attribution.oar_p_scores` with ``positions`` = the
+   selection (the same engine and chunk planner as exact OAR-P, so they are exact OAR-P scores).
+3. **Calibration** (:func:`calibrate`): the random sample is an unbiased sample of the unselected tokens, so the
+   scale ``a = sum(s x e) / sum(s x s)`` over it (least squares through 0 of exact e on screen s; both >= 0) maps
+   the screen onto the exact scale where the unselected tokens live; without a usable sample (empty, or all
+   screen scores 0 there) ``a`` is fitted on every selected token. Unselected tokens get ``a x s`` (>= 0, finite).
+
+With ``fraction = 1`` every token is masked and the result is exact OAR-P.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from oar.attribution.context import ProbeBatch
+from oar.attribution.engines import Attribution, oar_p_scores
+
+
+def _fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def screen_selection(screen: torch.Tensor, fraction: float, sample_fraction: float,
+                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """The reasoning tokens of one rollout to mask exactly.
+
+    Args:
+        screen: (L,) real screen scores of the rollout's reasoning tokens (finite).
+        fraction: share of tokens taken from the top of the screen, in [0, 1]: ceil(fraction x L) tokens.
+        sample_fraction: share drawn uniformly from the other tokens, in [0, 1]: ceil(sample_fraction x L) tokens
+            (at most all of them).
+        generator: CPU generator of the sample.
+
+    Returns:
+        ``(top, sample)``: sorted token indices, disjoint.
+
+    Raises:
+        ValueError: fractions outside [0, 1]; ``screen`` not 1-D or not finite.
+    """
+    fraction = _fraction("fraction", fraction)
+    sample_fraction = _fraction("sample_fraction", sample_fraction)
+    if not isinstance(screen, torch.Tensor) or screen.dim() != 1:
+        raise ValueError(f"screen must be a 1-D tensor (L,), got "
+                         f"{tuple(screen.shape) if isinstance(screen, torch.Tensor) else type(screen).__name__}")
+    s = screen.detach().double().cpu()
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("screen must be finite")
+    L = int(s.numel())
+    n_top = min(L, math.ceil(fraction * L))
+    order = sorted(range(L), key=lambda i: (-float(s[i]), i))
+    top = sorted(order[:n_top])
+    rest = order[n_top:]
+    n_sample = min(len(rest), math.ceil(sample_fraction * L))
+    pick = torch.randperm(len(rest), generator=generator)[:n_sample].tolist() if n_sample else []
+    return top, sorted(rest[j] for j in pick)
+
+
+def calibrate(screen: torch.Tensor, exact: torch.Tensor, sample: Sequence[int], selected: Sequence[int]) -> float:
+    """Scale ``a >= 0`` of the map ``a x screen`` onto the exact scale (least squares through 0), fitted on
+    ``sample`` (the random sample of unselected tokens), else on every ``selected`` token when the sample is empty
+    or its screen scores are all 0; 0 when neither has a positive screen score.
+
+    Args:
+        screen, exact: (L,) real, >= 0 on the indices used.
+        sample, selected: token indices.
+    """
+    s = screen.detach().double().cpu()
+    e = exact.detach().double().cpu()
+    for idx in (list(sample), list(selected)):
+        if idx:
+            si, ei = s[idx], e[idx]
+            den = float((si * si).sum())
+            if den > 0:
+                return max(0.0, float((si * ei).sum()) / den)
+    return 0.0
+
+
+def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, fraction: float, sample_fraction: float,
+                          rows: Sequence[int] | None = None, generator: torch.Generator | None = None,
+                          **oar_p_kwargs) -> Attribution:
+    """Screened OAR-P scores of ``batch`` (module docstring).
+
+    Args:
+        model, batch, rows: as :func:`oar.attribution.oar_p_scores`.
+        screen: the screen's :class:`~oar.attribution.engines.Attribution` of the same batch and rows (e.g.
+            :func:`oar.attribution.oar_g_scores`), scores >= 0.
+        fraction, sample_fraction: see :func:`screen_selection`.
+        generator: CPU generator of the random sample.
+        oar_p_kwargs: passed to :func:`oar.attribution.oar_p_scores` (probe, memory_budget_mb, engine, ...).
+
+    Returns:
+        Attribution (B, L_max) float32 >= 0: exact OAR-P scores on the selected tokens, ``a_i x screen``
+        elsewhere; stats of the exact pass plus ``masked`` (tokens masked exactly), ``tokens`` (reasoning tokens
+        scored), ``calibration`` ({row: a_i}).
+
+    Raises:
+        ValueError: as :func:`screen_selection` and :func:`oar.attribution.oar_p_scores`; a screen whose shape is not
+            the batch's (B, L_max), or with scores < 0 / not finite on its mask.
+    """
+    B = int(batch.input_ids.shape[0])
+    L_max = int(batch.reasoning_len.max()) if B else 0
+    sc = screen.scores
+    if tuple(sc.shape) != (B, L_max):
+        raise ValueError(f"screen.scores must be (B, L_max) = {(B, L_max)} like the batch, got {tuple(sc.shape)}")
+    if not bool((torch.isfinite(sc) & (sc >= 0))[screen.mask].all()):
+        raise ValueError("screen.scores must be finite and >= 0 on screen.mask")
+    if _fraction("fraction", fraction) + _fraction("sample_fraction", sample_fraction) <= 0:
+        raise ValueError("fraction + sample_fraction must be > 0: a screen that masks nothing has no exact scale")
+    rows = list(range(B)) if rows is None else [int(r) for r in rows]
+    selection: dict[int, tuple[list[int], list[int]]] = {}
+    for r in rows:
+        L = int(batch.reasoning_len[r])
+        if L > 0:
+            selection[r] = screen_selection(sc[r, :L], fraction, sample_fraction, generator)
+    positions = {r: sorted(top + sample) for r, (top, sample) in selection.items() if top or sample}
+    exact = oar_p_scores(model, batch, rows=rows, positions=positions, **oar_p_kwargs)
+    out = exact.scores.clone()
+    calibration = {}
+    for r, (top, sample) in selection.items():
+        L = int(batch.reasoning_len[r])
+        chosen = set(top) | set(sample)
+        a = calibrate(sc[r, :L], exact.scores[r, :L], sample, sorted(chosen))
+        calibration[r] = a
+        rest = [j for j in range(L) if j not in chosen]
+        if rest:
+            out[r, rest] = (a * sc[r, rest].double()).float()
+    stats = dict(exact.stats, masked=sum(len(p) for p in positions.values()),
+                 tokens=sum(int(batch.reasoning_len[r]) for r in selection), calibration=calibration)
+    return Attribution(out, exact.mask, stats)
