@@ -277,8 +277,86 @@ def actor_rank(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+def ray_setup_hook() -> None:
+    """Ray ``worker_process_setup_hook`` of the Ray-actor run: this module's import installed the stand-ins; then
+    oar's own hook (what ``python -m oar.integrations.openrlhf`` sets) attaches ``oar_scores`` to the actors."""
+    oar_orl.worker_setup_hook()
+
+
+def _policy_actor_cls():
+    """A policy actor as OpenRLHF's ``PolicyModelActor`` is laid out (``self.actor.model``, ``self.strategy``), on
+    a tiny float32 Llama over gloo instead of a DeepSpeed engine (no deepspeed on a CPU machine)."""
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+
+    class TinyPolicyActor(BaseModelActor):
+        def init_model_from_pretrained(self):
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env set by OpenRLHF
+            model, _ = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+
+            class Actor(torch.nn.Module):
+                def __init__(self, m):
+                    super().__init__()
+                    self.model = m
+
+            self.actor = Actor(model)
+            self.actor.train()
+            self.strategy = NS(is_rank_0=lambda: dist.get_rank() == 0, args=None)
+            self._forwards = [0]
+            model.register_forward_pre_hook(lambda *a: self._forwards.__setitem__(0, self._forwards[0] + 1))
+            return True
+
+        def probe_state(self):
+            return {"forwards": self._forwards[0], "training": self.actor.training,
+                    "no_grads": all(p.grad is None for p in self.actor.parameters()),
+                    "has_method": hasattr(self, oar_orl.ACTOR_METHOD)}
+
+    TinyPolicyActor.__module__ = __name__
+    TinyPolicyActor.__qualname__ = "TinyPolicyActor"
+    return TinyPolicyActor
+
+
+def ray_actors(out_dir):
+    """The policy actor group as OpenRLHF builds it (``RayActorGroup``: 2 Ray CPU actors, gloo), oar attached by
+    the Ray worker setup hook, and the experience maker's own call (``_actor_group_scores``:
+    ``actor_model_group.async_run_method_batch(method_name="oar_scores", ...)``) on the real-layout rollouts."""
+    import os
+
+    import ray
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ray.init(num_cpus=2, include_dashboard=False,
+             runtime_env={"worker_process_setup_hook": "openrlhf_worker.ray_setup_hook",
+                          "env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1",
+                                       "OAR_BUILD_DIR": os.environ.get("OAR_BUILD_DIR", "")}})
+    try:
+        group = RayActorGroup(num_nodes=2, num_gpus_per_node=1, ray_actor_type=ray.remote(_policy_actor_cls()),
+                              num_gpus_per_actor=0)
+        assert all(ray.get(group.async_init_model_from_pretrained()))
+        _, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+        out = {}
+        for method in ("oar_p", "oar_g"):
+            req = actor_request(tok, 0, 2 * N, method)  # the whole batch: the maker splits it per actor
+            args = NS(ds=NS(ring_attn_size=1, tensor_parallel_size=1), actor=NS(num_nodes=2, num_gpus_per_node=1))
+            maker_stub = NS(strategy=NS(args=args), actor_model_group=group)
+            cfg = oar.OARConfig.from_json(req["config"])
+            scores, mask = oar_orl._actor_group_scores(maker_stub, req["batch"], cfg, tok)
+            out[method] = dict(scores=scores, reasoning_mask=mask, batch=req["batch"], config=req["config"],
+                               actors=ray.get(group.async_run_method("probe_state")))
+        torch.save(out, os.path.join(out_dir, "ray.pt"))
+    finally:
+        ray.shutdown()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "actor":  # openrlhf_worker.py actor OUT_DIR
+    if sys.argv[1] == "ray":  # openrlhf_worker.py ray OUT_DIR
+        ray_actors(sys.argv[2])
+    elif sys.argv[1] == "actor":  # openrlhf_worker.py actor OUT_DIR
         import socket
 
         import torch.multiprocessing as mp

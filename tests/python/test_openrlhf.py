@@ -259,3 +259,48 @@ def test_actor_budget_cap_from_openrlhf_token_budget():
     assert oar_orl._token_budget_cap(fixed, model, batch) == max(1, 4 * 12 * per(12) // 2**20)
     assert oar_orl._token_budget_cap(None, model, batch) is None
     assert oar_orl._token_budget_cap(NS(rollout=NS(micro_batch_size=None), train=NS()), model, batch) is None
+
+
+@pytest.fixture(scope="module")
+def ray_actors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("orl_ray")
+    import oar
+
+    # the child and its Ray actors import the same oar as this process, by absolute path
+    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
+    path = [oar_parent] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
+    if env.get("OAR_BUILD_DIR"):
+        env["OAR_BUILD_DIR"] = os.path.abspath(env["OAR_BUILD_DIR"])
+    p = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_worker.py"), "ray", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return torch.load(out / "ray.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+def test_actor_group_on_ray_actors(ray_actors, method):
+    """OpenRLHF's own ``RayActorGroup`` of two Ray CPU actors (gloo), ``oar_scores`` attached by oar's Ray worker
+    setup hook, reached by the experience maker's call (``async_run_method_batch``, one contiguous chunk per
+    actor: actor 0 has the 4 rows to score, actor 1 none): both actors ran the same number of policy forwards,
+    wrote no parameter grad, stay in training mode, and each chunk's scores are the single-process pipeline's
+    (rule 1 of _tolerance.py against the float64 policy)."""
+    import oar
+    from oar.integrations import openrlhf as oar_orl
+    from oar.models import tiny_random_llama
+    from oar.pipeline import Pipeline
+
+    r = ray_actors[method]
+    actors = r["actors"]
+    assert all(a["has_method"] and a["training"] and a["no_grads"] for a in actors)
+    assert actors[0]["forwards"] == actors[1]["forwards"] > 0
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    cfg = oar.OARConfig.from_json(r["config"])
+    B = r["batch"].batch_size
+    for lo, hi in ((0, B // 2), (B // 2, B)):
+        chunk = oar_orl._sub_batch(r["batch"], lo, hi)
+        alone = Pipeline(cfg, tok).scores(chunk, model)
+        ref64 = Pipeline(cfg, tok).scores(chunk, float64_model(model))
+        assert torch.equal(r["reasoning_mask"][lo:hi], alone.reasoning_mask)
+        assert_close_to_reference(r["scores"][lo:hi], ref64.scores, alone.scores, what=f"{method} rows {lo}:{hi}")
+    assert r["reasoning_mask"][: B // 2].any() and not r["reasoning_mask"][B // 2:].any()
