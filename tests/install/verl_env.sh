@@ -4,8 +4,8 @@
 # In a fresh virtual environment that holds what a verl 0.9 user has (torch, transformers 5.10.4 since verl 0.9.1
 # needs < 5.11, verl 0.9.1 installed as requirements/trainers*.txt install it), `pip install <oar wheel>` WITH
 # its dependencies must leave every package as it was (pip freeze before/after: oar added, nothing changed,
-# nothing removed); then `import oar` works, `import verl` registers the OAR advantage estimators through the
-# verl.plugins entry point, and the modules of the `train` extra (absent here: no trl) fail with a message that
+# nothing removed); then `import oar` works, `import verl` leaves verl untouched and, with OAR_VERL_PLUGIN=1,
+# registers the OAR advantage estimators through the verl.plugins entry point, and the modules of the `train` extra (absent here: no trl) fail with a message that
 # names the extra.
 #
 # Usage: tests/install/verl_env.sh [WHEEL]
@@ -48,6 +48,7 @@ diff "$WORK/before.txt" "$WORK/after.txt" | sed 's/^/    /' || true
 
 # 3. The checks (each failure names what differs).
 "$VPY" - "$WORK/before.txt" "$WORK/after.txt" <<'PY'
+import os
 import re
 import subprocess
 import sys
@@ -76,6 +77,17 @@ print(f"[install-test] unchanged: torch {after['torch']}, transformers {after['t
 
 import torch  # noqa: E402
 
+# The plugin is opt-in: `import verl` alone leaves verl untouched ...
+code = ("import sys, verl; from verl.trainer.ppo import core_algos, ray_trainer; "
+        "assert 'oar.integrations.verl_plugin' in sys.modules; "
+        "assert not sys.modules['oar.integrations.verl_plugin'].REGISTERED; "
+        "assert not any(k.startswith('oar') for k in core_algos.ADV_ESTIMATOR_REGISTRY); "
+        "assert not getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)")
+env = {k: v for k, v in os.environ.items() if k != "OAR_VERL_PLUGIN"}
+p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+assert p.returncode == 0, p.stderr[-3000:]
+# ... and registers the estimators with OAR_VERL_PLUGIN=1 (set in Ray's runtime env by users).
+os.environ["OAR_VERL_PLUGIN"] = "1"
 with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)  # the verl plugin reports a failed registration as a warning
     import oar

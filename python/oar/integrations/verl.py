@@ -487,7 +487,7 @@ def register() -> list[str]:
         from oar.integrations import verl_workers
 
         _STATE["trainers"] = verl_workers.register_trainers()
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - the estimators above work without them (e.g. verl without its extras)
         _STATE["trainers"] = []
         _STATE["trainers_error"] = f"{type(e).__name__}: {e}"
     import sys
