@@ -289,6 +289,17 @@ def test_trainer_memory_budget():
     assert verl_workers.trainer_memory_budget_mb(types.SimpleNamespace(), pm, 10) is None
 
 
+def test_request_bad_input(tiny):
+    _, tok = tiny
+    import verl_worker
+
+    rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
+    with pytest.raises(ValueError, match="at least one row with a non-zero sequence advantage"):
+        verl_workers.scores_request(rows, oar.OARConfig(method="oar_g"), torch.zeros(8), 2)
+    with pytest.raises(ValueError, match="dp_size must be an int >= 1, got 0"):
+        verl_workers.scores_request(rows, oar.OARConfig(method="oar_g"), torch.ones(8), 0)
+
+
 def test_group_without_the_method_is_a_clear_error(tiny):
     _, tok = tiny
     import verl_worker

@@ -57,6 +57,9 @@ def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_siz
         sequence_advantages: (B,) real.
         dp_size: data-parallel size of the actor mesh (>= 1).
 
+    Raises:
+        ValueError: no row with a non-zero advantage; ``dp_size`` not an int >= 1.
+
     Returns:
         ``(request, active)``: a ``TensorDict`` of n = ceil(len(active) / dp_size) * dp_size rows (the padding rows
         repeat the first active row with advantage 0, so they are not scored) with :data:`REQUEST_KEYS`, the
@@ -67,6 +70,11 @@ def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_siz
 
     adv = sequence_advantages.detach().float().cpu().reshape(-1)
     active = [i for i in range(adv.numel()) if float(adv[i]) != 0.0]
+    if not active:
+        raise ValueError("scores_request needs at least one row with a non-zero sequence advantage (group_scores "
+                         "sends nothing otherwise)")
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
     n = -(-len(active) // dp_size) * dp_size
     pick = active + [active[0]] * (n - len(active))
     lengths = torch.tensor([int(rows["prompt_ids"][i].numel()) for i in pick], dtype=torch.int64)
