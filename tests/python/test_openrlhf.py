@@ -264,14 +264,9 @@ def test_actor_budget_cap_from_openrlhf_token_budget():
 @pytest.fixture(scope="module")
 def ray_actors(tmp_path_factory):
     out = tmp_path_factory.mktemp("orl_ray")
-    import oar
+    from _subproc import child_env
 
-    # the child and its Ray actors import the same oar as this process, by absolute path
-    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
-    path = [oar_parent] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
-    if env.get("OAR_BUILD_DIR"):
-        env["OAR_BUILD_DIR"] = os.path.abspath(env["OAR_BUILD_DIR"])
+    env = child_env()  # the child and its Ray workers import the same oar as this process
     p = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_worker.py"), "ray", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]

@@ -32,13 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl")
-    # The child and its Ray workers import the same oar as this process (installed package in CI, python/ +
-    # OAR_BUILD_DIR in a dev tree), by absolute path.
-    oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
-    path = [oar_parent] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(dict.fromkeys(path)))
-    if env.get("OAR_BUILD_DIR"):
-        env["OAR_BUILD_DIR"] = os.path.abspath(env["OAR_BUILD_DIR"])
+    from _subproc import child_env
+
+    env = child_env()  # the child and its Ray workers import the same oar as this process
     p = subprocess.run([sys.executable, os.path.join(HERE, "verl_worker.py"), str(out)], capture_output=True,
                        text=True, timeout=1200, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
