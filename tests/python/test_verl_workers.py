@@ -285,6 +285,33 @@ def test_trainer_memory_budget():
     assert verl_workers.trainer_memory_budget_mb(types.SimpleNamespace(), pm, 10) is None
 
 
+def test_v1_rollouts_from_nested_fields():
+    """The v1 trainer's transfer-queue fields (nested per-row prompts / responses / response_mask / entropy) become
+    verl's padded layout: prompts left-padded, responses right-padded, the attention mask over both, entropies as
+    oar_entropy (B, R), the answers as non-tensor data."""
+    from tensordict import NonTensorStack, TensorDict
+
+    nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    p = [torch.tensor([5, 6]), torch.tensor([7, 8, 9])]
+    r = [torch.tensor([11, 12, 13]), torch.tensor([14])]
+    m = [torch.tensor([1, 0, 1]), torch.tensor([1])]
+    e = [torch.tensor([0.5, 0.25, 2.0]), torch.tensor([1.5])]
+    td = TensorDict({"prompts": nest(p), "responses": nest(r), "response_mask": nest(m), "entropy": nest(e)},
+                    batch_size=[2])
+    td["reward_model"] = NonTensorStack({"ground_truth": "3"}, {"ground_truth": "4"})
+    d = verl_workers._v1_rollouts(td, ("reward_model", "ground_truth"))
+    b = d.batch
+    assert b["prompts"].tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert b["responses"].tolist() == [[11, 12, 13], [14, 0, 0]]
+    assert b["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert b["response_mask"].tolist() == [[1, 0, 1], [1, 0, 0]]
+    assert b["oar_entropy"].tolist() == [[0.5, 0.25, 2.0], [1.5, 0.0, 0.0]]
+    assert [x["ground_truth"] for x in d.non_tensor_batch["reward_model"]] == ["3", "4"]
+    rows = oar_verl.rollout_rows(d, oar.OARConfig(method="oar_g"))
+    assert [x.tolist() for x in rows["prompt_ids"]] == [[5, 6], [7, 8, 9]] and rows["answers"] == ["3", "4"]
+    assert rows["completion_mask"].tolist() == [[True] * 3, [True, False, False]]
+
+
 def test_request_bad_input(tiny):
     _, tok = tiny
     import verl_worker

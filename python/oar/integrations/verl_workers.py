@@ -274,7 +274,7 @@ def use_oar_workers(role_worker_mapping: dict) -> bool:
 def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
     """verl's padded ``DataProto`` layout (prompts left-padded, responses right-padded, attention mask) of the
     v1 trainer's rollouts, read from the transfer queue's per-row (nested) ``prompts`` / ``responses`` /
-    ``response_mask``."""
+    ``response_mask`` (and ``entropy``, written by verl's old-log-prob step, as ``oar_entropy`` (B, R))."""
     import numpy as np
     from verl import DataProto
 
@@ -296,11 +296,17 @@ def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
         r_ids[i, : r.numel()] = r
         attn[i, P - p.numel(): P + r.numel()] = 1
         resp_mask[i, : r.numel()] = rmask[i].reshape(-1)[: r.numel()].to(torch.int64)
+    tensors = {"prompts": p_ids, "responses": r_ids, "attention_mask": attn, "response_mask": resp_mask}
+    if "entropy" in fields.keys():  # verl's own entropies of the old-log-prob step (methods entropy*)
+        ent = torch.zeros((B, R), dtype=torch.float32)
+        for i, e in enumerate(rows("entropy")):
+            e = e.reshape(-1).float()
+            ent[i, : min(e.numel(), R)] = e[:R]
+        tensors["oar_entropy"] = ent
     non_tensors = {}
     if answer_key[0] in fields.keys():
         non_tensors[answer_key[0]] = np.array(list(fields[answer_key[0]].tolist()), dtype=object)
-    return DataProto.from_dict(tensors={"prompts": p_ids, "responses": r_ids, "attention_mask": attn,
-                                        "response_mask": resp_mask}, non_tensors=non_tensors)
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
 
 class OARTrainerMixin:
@@ -333,8 +339,11 @@ class OARTrainerMixin:
         from oar.pipeline import method_spec
 
         select = ["prompts", "responses", "response_mask"]
-        if method_spec(oar_verl.estimator_config(name).method).needs_answers:
+        spec = method_spec(oar_verl.estimator_config(name).method)
+        if spec.needs_answers:
             select.append(self.oar_answer_key[0])
+        if spec.credit == "add" and spec.needs_model:  # entropy / entropy_shaping: verl's own entropies
+            select.append("entropy")
         try:
             fields = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
         except ValueError as e:
