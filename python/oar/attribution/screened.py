@@ -27,10 +27,12 @@ from oar.attribution.engines import Attribution, oar_p_scores
 
 
 def _fraction(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= float(value) <= 1.0:
+    from oar import _args
+
+    v = _args.float_arg(name, value)  # a real number (the project's one check of that)
+    if not 0.0 <= v <= 1.0:
         raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
-    return float(value)
+    return v
 
 
 def screen_selection(screen: torch.Tensor, fraction: float, sample_fraction: float,
