@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -472,6 +473,11 @@ class Pipeline:
         self.ignore_ids = tuple(_args.int_arg("ignore_ids[i]", x) for x in ignore_ids)
         self._generator = torch.Generator().manual_seed(int(self.config.seed))
         self.calls = 0
+        # screen_budget's measurements (screened OAR-P): the last GRPO step's wall time outside this pipeline, the
+        # exact pass's seconds per token, and when the previous call ended
+        self._grpo_step_s: float | None = None
+        self._exact_s_per_token: float | None = None
+        self._last_end: float | None = None
         #: cap (MiB) on the config's ``memory_budget_mb``, set by a trainer adapter from what the trainer already
         #: budgets per forward (None: the config's budget); see :attr:`memory_budget_mb`.
         self.memory_budget_cap_mb: int | None = None
@@ -511,7 +517,7 @@ class Pipeline:
                 ``skip_nan`` (naming its group), a missing input of the method (naming it), token ids outside
                 the model's vocabulary.
         """
-        t0 = time.perf_counter()
+        t0 = self._call_started()
         b = _validate(batch)
         adv = _sequence_advantages(b, batch, self.config, preset)
         credit = self.method.credit
@@ -533,6 +539,7 @@ class Pipeline:
             weights = torch.where(b.eligible, ratio, torch.zeros((), dtype=torch.float64)).float()
         self.calls += 1
         metrics = _metrics(tok, weights, b.eligible, reasoning, run, adv, b.group_ids, t0)
+        self._last_end = time.perf_counter()
         dev = b.out_device
         return TokenAdvantages(tok.to(dev), weights.to(dev), sc.to(dev), reasoning.to(dev), metrics, adv.to(dev))
 
@@ -549,6 +556,7 @@ class Pipeline:
         Raises:
             ValueError: as :meth:`compute`.
         """
+        self._call_started()
         b = _validate(batch)
         adv = _sequence_advantages(b, batch, self.config, preset)
         if self.method.credit == "reshape":
@@ -559,6 +567,7 @@ class Pipeline:
         else:
             run = _Run(self, b, adv, [], model)
             sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
+        self._last_end = time.perf_counter()
         dev = b.out_device
         return TokenScores(sc.to(dev), reasoning.to(dev), dict(run.stats))
 
@@ -577,6 +586,13 @@ class Pipeline:
                 else 0 for i in range(cids.shape[0])]
 
     # ---- internals -----------------------------------------------------------------------------------------
+
+    def _call_started(self) -> float:
+        """Start of a call; the wall time since the previous call ended is the last GRPO step (screen_budget)."""
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self._grpo_step_s = t0 - self._last_end
+        return t0
 
     def _need_builder(self, what: str):
         if self.builder is None:
@@ -653,8 +669,11 @@ class Pipeline:
 
         cfg, name = self.config, self.method.name
         if name == "oar_p":
-            return oar_p_scores(pm, pbatch, probe=cfg.probe, rows=run.active, memory_budget_mb=self.memory_budget_mb,
-                                max_variants_per_chunk=cfg.max_variants_per_chunk, positions=positions)
+            kw = dict(probe=cfg.probe, memory_budget_mb=self.memory_budget_mb,
+                      max_variants_per_chunk=cfg.max_variants_per_chunk)
+            if cfg.screen_fraction < 1:
+                return self._screened_oar_p(run, pm, pbatch, positions, kw)
+            return oar_p_scores(pm, pbatch, rows=run.active, positions=positions, **kw)
         if name == "oar_g":
             return oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
                                 noise_draws=cfg.noise_draws, generator=self._generator,
@@ -664,6 +683,51 @@ class Pipeline:
         if name == "random":
             return random_scores(pbatch, rows=run.active, generator=self._generator)
         raise AssertionError(f"no scorer for method {name!r}")  # pragma: no cover - METHOD_TABLE is checked
+
+    def _screened_oar_p(self, run: _Run, pm, pbatch, positions, kw):
+        """Screened OAR-P (config ``screen_fraction`` < 1; docs/design.md "Screened OAR-P"): the OAR-G screen
+        (the config's sigma, noise draws and this pipeline's generator), then exact masking of the selection."""
+        from oar.attribution import oar_g_scores
+        from oar.attribution.screened import oar_p_screened_scores
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
+                              noise_draws=cfg.noise_draws, generator=self._generator,
+                              memory_budget_mb=self.memory_budget_mb, positions=positions)
+        screen_s = time.perf_counter() - t0
+        fraction = self._screen_fraction(pbatch, run.active, positions, screen_s)
+        att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
+                                    rows=run.active, generator=self._generator, positions=positions, **kw)
+        if att.stats.get("tokens"):  # seconds per token the exact pass ran: the time budget's cost model
+            self._exact_s_per_token = float(att.stats["seconds"]) / float(att.stats["tokens"])
+        att.stats.update(forward_passes=int(screen.stats.get("forward_passes", 0)) + int(att.stats["forward_passes"]),
+                         screen_fraction=fraction, screen_seconds=screen_s)
+        return att
+
+    def _screen_fraction(self, pbatch, active: list[int], positions, screen_s: float) -> float:
+        """The screened share of this call: ``screen_fraction``, cut (never raised) by ``screen_budget`` once a
+        previous call measured both the GRPO step (the wall time between the end of one call and the start of the
+        next: generation + update + the trainer's own work) and the exact pass's seconds per token. The exact pass
+        of a masked reasoning token j costs the tokens from j to the end of its probe context (the prefix engine
+        re-runs that suffix); the largest fraction whose cost, with the random sample's expected cost, fits in
+        ``(screen_budget - 1) x GRPO step - screen seconds`` (less the exact pass's clean pass over every context)
+        is taken (0: the sample alone)."""
+        from oar.attribution.screened import budget_fraction
+
+        cfg = self.config
+        f_max = float(cfg.screen_fraction)
+        step_s, per_tok = self._grpo_step_s, self._exact_s_per_token
+        if not cfg.screen_budget or step_s is None or per_tok is None or per_tok <= 0:
+            return f_max
+        budget_tokens = ((float(cfg.screen_budget) - 1.0) * step_s - screen_s) / per_tok
+        budget_tokens -= sum(int(pbatch.context_len[r]) for r in active)  # the clean pass
+        T = int(pbatch.input_ids.shape[1])
+        costs = []  # per row: the suffix cost (tokens) of each candidate (left-padded: every context ends at T)
+        for r in active:
+            cand = range(int(pbatch.reasoning_len[r])) if positions is None else positions.get(r, ())
+            costs.append([T - int(pbatch.reasoning_start[r]) - j for j in cand])
+        return budget_fraction(costs, f_max, float(cfg.screen_sample), budget_tokens)
 
     def _probe_batch(self, b: _Batch, active: list[int], prompts: list[torch.Tensor], builder):
         """Probe contexts of all B rows (rows not scored get a stub: empty prompt and response, so that engine
@@ -762,6 +826,9 @@ def _metrics(tok, weights, eligible, reasoning, run: _Run, adv, groups, t0) -> d
         a, off = g.gather(adv), g.offsets.tolist()
         spans = [(int(x), int(y)) for x, y in zip(off, off[1:]) if y > x]
         out["oar/skipped_groups_frac"] = sum(bool((a[x:y] == 0).all()) for x, y in spans) / max(len(spans), 1)
+    if "screen_fraction" in run.stats:  # screened OAR-P: the share taken from the screen, the share masked
+        out["oar/screen_fraction"] = float(run.stats["screen_fraction"])
+        out["oar/masked_frac"] = run.stats["masked"] / max(run.stats["scored_tokens"], 1)
     out["oar/forward_passes"] = float(run.stats.get("forward_passes", 0))
     out["oar/padding_forwards"] = float(run.stats.get("padding_forwards", 0))
     out["oar/attribution_seconds"] = time.perf_counter() - t0

@@ -76,6 +76,7 @@ const std::set<std::string>& known_keys() {
   static const std::set<std::string> keys{
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
+      "screen_fraction", "screen_sample", "screen_budget",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -171,6 +172,19 @@ OARConfig parse_oar_config(const std::string& json_text) {
   if (cfg.max_variants_per_chunk < 0)
     fail("max_variants_per_chunk", "must be >= 0 (0 = unlimited), got " + std::to_string(cfg.max_variants_per_chunk));
   cfg.seed = get_int(obj, "seed", cfg.seed);
+  cfg.screen_fraction = get_number(obj, "screen_fraction", cfg.screen_fraction);
+  if (!(cfg.screen_fraction >= 0 && cfg.screen_fraction <= 1))
+    fail("screen_fraction", "must be in [0, 1] (1 = exact OAR-P), got " + obj.at("screen_fraction").dump());
+  cfg.screen_sample = get_number(obj, "screen_sample", cfg.screen_sample);
+  if (!(cfg.screen_sample >= 0 && cfg.screen_sample <= 1))
+    fail("screen_sample", "must be in [0, 1], got " + json(cfg.screen_sample).dump());
+  if (cfg.screen_fraction < 1 && !(cfg.screen_fraction + cfg.screen_sample > 0))
+    fail("screen_sample", "must be > 0 when oar.screen_fraction is 0 (nothing would be masked exactly), got " +
+                              json(cfg.screen_sample).dump());
+  cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
+  if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
+    fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +
+                              obj.at("screen_budget").dump());
 
   auto& es = cfg.entropy_shaping;
   es.alpha = get_number(obj, "entropy_alpha", es.alpha);
@@ -213,6 +227,9 @@ std::string to_json(const OARConfig& cfg) {
   j["memory_budget_mb"] = cfg.memory_budget_mb;
   j["max_variants_per_chunk"] = cfg.max_variants_per_chunk;
   j["seed"] = cfg.seed;
+  j["screen_fraction"] = cfg.screen_fraction;
+  j["screen_sample"] = cfg.screen_sample;
+  j["screen_budget"] = cfg.screen_budget;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;
   j["ktae_alpha"] = cfg.ktae.alpha;

@@ -159,6 +159,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("memory_budget_mb", &OARConfig::memory_budget_mb)
       .def_readwrite("max_variants_per_chunk", &OARConfig::max_variants_per_chunk)
       .def_readwrite("seed", &OARConfig::seed)
+      .def_readwrite("screen_fraction", &OARConfig::screen_fraction)
+      .def_readwrite("screen_sample", &OARConfig::screen_sample)
+      .def_readwrite("screen_budget", &OARConfig::screen_budget)
       .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
       .def_readwrite("ktae", &OARConfig::ktae)
       .def("__repr__", [](const OARConfig& c) { return "OARConfig(" + to_json(c) + ")"; });

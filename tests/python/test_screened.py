@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
+import oar
 from oar import ops
-from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores
-from oar.attribution.screened import calibrate, oar_p_screened_scores, screen_selection
+from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, screened
+from oar.attribution.screened import budget_fraction, calibrate, oar_p_screened_scores, screen_selection
+from oar.pipeline import Pipeline, RolloutBatch
 
 from _tolerance import assert_close_to_reference
 from test_attribution import CONCLUDE, _rollouts, _truth, tiny  # noqa: F401 - the module fixture
@@ -28,7 +30,7 @@ def test_screen_off_equals_exact_oar_p(tiny):  # noqa: F811
     pm, batch, screen = _setup(tiny)
     full = oar_p_scores(pm, batch)
     res = oar_p_screened_scores(pm, batch, screen, fraction=1.0, sample_fraction=0.0)
-    assert res.stats["masked"] == res.stats["tokens"] == int(batch.reasoning_len.sum())
+    assert res.stats["masked"] == res.stats["scored_tokens"] == int(batch.reasoning_len.sum())
     assert torch.equal(res.mask, full.mask)
     truth = _truth(tiny, "answer_mean")
     W = truth.shape[1]
@@ -108,3 +110,87 @@ def test_bad_input(tiny):  # noqa: F811
     bad = type(screen)(screen.scores[:, :-1], screen.mask[:, :-1], {})
     with pytest.raises(ValueError, match="screen.scores must be \\(B, L_max\\)"):
         oar_p_screened_scores(pm, batch, bad, fraction=0.5, sample_fraction=0.0)
+
+
+def test_budget_fraction_hand_values():
+    """Two rows of suffix costs; the cost of f is each row's ceil(f n) most expensive candidates + the sample's
+    expected share of the total."""
+    costs = [[10, 9, 8, 7], [5, 4]]  # total 43
+    assert budget_fraction(costs, 0.5, 0.0, 1e9) == 0.5  # the cap fits
+    # f = 0.5: rows take 10 + 9 and 5 -> 24; f = 0.25: 10 and 5 -> 15 (ceil(0.5) = 1 in row 2)
+    f = budget_fraction(costs, 1.0, 0.0, 24.0)
+    assert 0.5 <= f < 0.5 + 2 ** -19  # the largest f whose top sets cost <= 24 is exactly 0.5
+    f = budget_fraction(costs, 1.0, 0.1, 24.0 + 4.3)  # the sample's 4.3 on top
+    assert 0.5 <= f < 0.5 + 2 ** -19
+    assert budget_fraction(costs, 1.0, 0.1, 4.0) == 0.0  # nothing fits beyond the sample: the sample alone
+    with pytest.raises(ValueError, match="max_fraction must be a real number in \\[0, 1\\]"):
+        budget_fraction(costs, 2.0, 0.0, 1.0)
+
+
+def _pipeline_batch(tok):
+    from test_pipeline import _tool_batch
+
+    prompts, ids, mask, eligible = _tool_batch(tok)
+    adv = torch.tensor([1.0, -0.5, 0.7, 0.0])
+    return RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, answers=["5"] * 4,
+                        sequence_advantages=adv), eligible
+
+
+def test_pipeline_screened_oar_p_is_the_screen_then_the_screened_pass(tiny, monkeypatch):  # noqa: F811
+    """Config ``screen_fraction`` < 1 runs OAR-G (the config's sigma, the pipeline's generator) on the eligible
+    reasoning tokens, then :func:`oar_p_screened_scores` on them; recomputed here from the same probe batch with a
+    generator seeded like the pipeline's, the screen and the scores are the same numbers, and the token advantages
+    are the reshaping of those scores (mass kept per row, tool outputs at 0)."""
+    model, tok = tiny
+    batch, eligible = _pipeline_batch(tok)
+    cfg = oar.OARConfig(method="oar_p", screen_fraction=0.3, screen_sample=0.1, sigma=0.05, seed=5)
+    calls = []
+    real = screened.oar_p_screened_scores
+
+    def spy(model_, pbatch, screen, **kw):
+        out = real(model_, pbatch, screen, **kw)
+        calls.append((pbatch, screen, dict(kw), out))
+        return out
+
+    monkeypatch.setattr(screened, "oar_p_screened_scores", spy)
+    pipe = Pipeline(cfg, tok)
+    res = pipe.compute(batch, model)
+    (pbatch, screen, kw, out), = calls
+    assert kw["fraction"] == 0.3 and kw["sample_fraction"] == 0.1 and kw["rows"] == [0, 1, 2]  # row 3: A = 0
+    gen = torch.Generator().manual_seed(5)
+    pm = HFProbeModel(model)
+    want_screen = oar_g_scores(pm, pbatch, rows=[0, 1, 2], sigma=0.05, generator=gen, positions=kw["positions"])
+    assert torch.equal(screen.scores, want_screen.scores)
+    want = real(pm, pbatch, want_screen, fraction=0.3, sample_fraction=0.1, rows=[0, 1, 2], generator=gen,
+                positions=kw["positions"], memory_budget_mb=kw["memory_budget_mb"])
+    assert torch.equal(out.scores, want.scores)
+    # tool outputs are never candidates: masked + calibrated tokens are exactly the eligible reasoning tokens
+    for r, js in kw["positions"].items():
+        others = [j for j in range(int(pbatch.reasoning_len[r])) if j not in set(js)]
+        assert (out.scores[r, others] == 0).all()
+    assert out.stats["scored_tokens"] == sum(len(js) for js in kw["positions"].values())
+    tok_adv, _ = ops.reshape_advantages(batch.sequence_advantages, res.scores, res.reasoning_mask, eligible)
+    torch.testing.assert_close(res.advantages, tok_adv, rtol=0, atol=0)
+    assert (res.advantages[~eligible] == 0).all()
+    torch.testing.assert_close(res.advantages.double().sum(1),
+                               batch.sequence_advantages.double() * eligible.sum(1).double(), rtol=1e-5, atol=1e-5)
+    assert res.metrics["oar/screen_fraction"] == 0.3
+    assert res.metrics["oar/masked_frac"] == out.stats["masked"] / out.stats["scored_tokens"]
+
+
+def test_pipeline_time_budget_cuts_the_fraction(tiny):  # noqa: F811
+    """``screen_budget``: the first call has no measurement and takes ``screen_fraction``; once the GRPO step and
+    the exact pass's rate are known, a budget that leaves nothing for the exact pass masks the random sample alone,
+    and a generous one keeps ``screen_fraction``."""
+    model, tok = tiny
+    batch, _ = _pipeline_batch(tok)
+    pipe = Pipeline(oar.OARConfig(method="oar_p", screen_fraction=0.5, screen_sample=0.1, screen_budget=1.5), tok)
+    first = pipe.compute(batch, model)
+    assert first.metrics["oar/screen_fraction"] == 0.5
+    assert pipe._exact_s_per_token is not None and pipe._exact_s_per_token > 0
+    pipe._last_end = None  # the next call's GRPO step: set by hand instead of measured
+    pipe._grpo_step_s = 0.0
+    starved = pipe.compute(batch, model)
+    assert starved.metrics["oar/screen_fraction"] == 0.0
+    pipe._last_end, pipe._grpo_step_s, pipe._exact_s_per_token = None, 1e9, 1e-9
+    assert pipe.compute(batch, model).metrics["oar/screen_fraction"] == 0.5

@@ -90,9 +90,43 @@ def calibrate(screen: torch.Tensor, exact: torch.Tensor, sample: Sequence[int], 
     return 0.0
 
 
+def budget_fraction(costs: Sequence[Sequence[float]], max_fraction: float, sample_fraction: float,
+                    budget: float) -> float:
+    """The largest top fraction f in [0, max_fraction] whose exact-pass cost fits in ``budget`` (time budget of
+    screened OAR-P; the pipeline's ``screen_budget``).
+
+    The cost of f is bounded above, whatever the screen picks: per row, the ``ceil(f x n)`` most expensive of its
+    n candidates, plus ``sample_fraction`` x the row's total (the random sample's expected cost).
+
+    Args:
+        costs: per row, the cost of masking each candidate (e.g. tokens from it to the end of the probe context).
+        max_fraction, sample_fraction: in [0, 1].
+        budget: the cost allowed (same unit as ``costs``).
+
+    Returns:
+        ``max_fraction`` when it fits, else the largest fitting f found by bisection (to 2^-20), 0 when none fits
+        (the sample alone is always kept: it calibrates the screen).
+    """
+    max_fraction = _fraction("max_fraction", max_fraction)
+    sample_fraction = _fraction("sample_fraction", sample_fraction)
+    rows = [sorted((float(c) for c in row), reverse=True) for row in costs]
+    sample = sample_fraction * sum(sum(r) for r in rows)
+
+    def cost(f: float) -> float:
+        return sum(sum(r[:math.ceil(f * len(r))]) for r in rows) + sample
+
+    if cost(max_fraction) <= budget:
+        return max_fraction
+    lo, hi = 0.0, max_fraction
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid)
+    return lo
+
+
 def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, fraction: float, sample_fraction: float,
                           rows: Sequence[int] | None = None, generator: torch.Generator | None = None,
-                          **oar_p_kwargs) -> Attribution:
+                          positions: dict | None = None, **oar_p_kwargs) -> Attribution:
     """Screened OAR-P scores of ``batch`` (module docstring).
 
     Args:
@@ -101,12 +135,14 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
             :func:`oar.attribution.oar_g_scores`), scores >= 0.
         fraction, sample_fraction: see :func:`screen_selection`.
         generator: CPU generator of the random sample.
+        positions: {row: reasoning indices} the only candidates of a row (as :func:`oar.attribution.oar_p_scores`:
+            tool outputs excluded); the fractions are of a row's candidates, other tokens score 0. None = all.
         oar_p_kwargs: passed to :func:`oar.attribution.oar_p_scores` (probe, memory_budget_mb, engine, ...).
 
     Returns:
         Attribution (B, L_max) float32 >= 0: exact OAR-P scores on the selected tokens, ``a_i x screen``
-        elsewhere; stats of the exact pass plus ``masked`` (tokens masked exactly), ``tokens`` (reasoning tokens
-        scored), ``calibration`` ({row: a_i}).
+        elsewhere; stats of the exact pass plus ``masked`` (tokens masked exactly), ``scored_tokens`` (reasoning
+        tokens scored), ``calibration`` ({row: a_i}).
 
     Raises:
         ValueError: as :func:`screen_selection` and :func:`oar.attribution.oar_p_scores`; a screen whose shape is not
@@ -122,23 +158,30 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
     if _fraction("fraction", fraction) + _fraction("sample_fraction", sample_fraction) <= 0:
         raise ValueError("fraction + sample_fraction must be > 0: a screen that masks nothing has no exact scale")
     rows = list(range(B)) if rows is None else [int(r) for r in rows]
-    selection: dict[int, tuple[list[int], list[int]]] = {}
+    candidates = {}
     for r in rows:
         L = int(batch.reasoning_len[r])
-        if L > 0:
-            selection[r] = screen_selection(sc[r, :L], fraction, sample_fraction, generator)
-    positions = {r: sorted(top + sample) for r, (top, sample) in selection.items() if top or sample}
-    exact = oar_p_scores(model, batch, rows=rows, positions=positions, **oar_p_kwargs)
+        cand = list(range(L)) if positions is None else sorted({int(j) for j in positions.get(r, ())})
+        if any(not 0 <= j < L for j in cand):
+            raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {cand[:8]}")
+        if cand:
+            candidates[r] = cand
+    selection: dict[int, tuple[list[int], list[int]]] = {}
+    for r, cand in candidates.items():
+        top, sample = screen_selection(sc[r, cand], fraction, sample_fraction, generator)
+        selection[r] = ([cand[i] for i in top], [cand[i] for i in sample])
+    chosen_of = {r: sorted(top + sample) for r, (top, sample) in selection.items() if top or sample}
+    exact = oar_p_scores(model, batch, rows=rows, positions=chosen_of, **oar_p_kwargs)
     out = exact.scores.clone()
     calibration = {}
     for r, (top, sample) in selection.items():
-        L = int(batch.reasoning_len[r])
-        chosen = set(top) | set(sample)
-        a = calibrate(sc[r, :L], exact.scores[r, :L], sample, sorted(chosen))
+        chosen = chosen_of.get(r, [])
+        a = calibrate(sc[r], exact.scores[r], sample, chosen)
         calibration[r] = a
-        rest = [j for j in range(L) if j not in chosen]
+        taken = set(chosen)
+        rest = [j for j in candidates[r] if j not in taken]
         if rest:
             out[r, rest] = (a * sc[r, rest].double()).float()
-    stats = dict(exact.stats, masked=sum(len(p) for p in positions.values()),
-                 tokens=sum(int(batch.reasoning_len[r]) for r in selection), calibration=calibration)
+    stats = dict(exact.stats, masked=sum(len(p) for p in chosen_of.values()),
+                 scored_tokens=sum(len(c) for c in candidates.values()), calibration=calibration)
     return Attribution(out, exact.mask, stats)
