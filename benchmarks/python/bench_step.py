@@ -14,6 +14,12 @@ Providers:
   oar_p_all_rows        ours on every row (what the naive providers do)
   oar_p_naive_batched   oar.reference.oar_p_naive(mode="batched"): full masked contexts, full logits
   oar_p_naive_serial    oar.reference.oar_p_naive(mode="serial"): one masked context per forward
+  oar_p_screen{f}       screened OAR-P (issue 13): the oar_g run above is its screen (its time counts), then exact
+                        masking of the screen's top f plus a random --screen-sample of the rest (never strided)
+
+Fidelity (--fidelity, on by default): in the first timed repeat, at response lengths <= --fidelity-max-len, exact
+OAR-P is run on every token of the active rows (untimed) and each of oar_g and oar_p_screen{f} is compared with it,
+row by row: Spearman rank correlation, top-10% overlap, mean |w - w_exact| of the reshaped weights.
 
 Suites:
   default   SmolLM2-135M-Instruct on the built-in arithmetic task, 4 prompts x G = 4, up to 96 new tokens
@@ -45,6 +51,8 @@ import torch
 import oar
 from oar import ops, reference
 from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores
+from oar.attribution.screened import oar_p_screened_scores
+from oar.eval_attribution import reshaped_weights_l1, spearman, top_overlap
 
 
 def _commit() -> str:
@@ -154,8 +162,32 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
     every = [i for i in range(batch.batch_size) if int(batch.reasoning_len[i]) > 0]
     times = {"grpo": 0.0}
     gen = torch.Generator().manual_seed(0)
-    _, t = _timed(lambda: oar_g_scores(pm, batch, rows=active, generator=gen, memory_budget_mb=args.budget_mb))
+    screen, t = _timed(lambda: oar_g_scores(pm, batch, rows=active, generator=gen, memory_budget_mb=args.budget_mb))
     times["oar_g"] = t + build_s
+    screened = {}
+    for f in args.screen_fractions:
+        g = torch.Generator().manual_seed(1)
+        screened[f], ts = _timed(lambda: oar_p_screened_scores(pm, batch, screen, fraction=f,
+                                                                sample_fraction=args.screen_sample, rows=active,
+                                                                generator=g, memory_budget_mb=args.budget_mb))
+        times[f"oar_p_screen{f:g}"] = t + ts + build_s
+    fidelity = {}
+    if args.fidelity_now and active:
+        exact = oar_p_scores(pm, batch, rows=active, memory_budget_mb=args.budget_mb)  # untimed reference
+        cfg = oar.OARConfig()
+        for name, att in [("oar_g", screen)] + [(f"oar_p_screen{f:g}", a) for f, a in screened.items()]:
+            per = {"spearman": [], "top10_overlap": [], "weights_l1": []}
+            for i in active:
+                L = int(batch.reasoning_len[i])
+                a, e = att.scores[i, :L].tolist(), exact.scores[i, :L].tolist()
+                rho = spearman(a, e)
+                if rho is not None:
+                    per["spearman"].append(rho)
+                per["top10_overlap"].append(top_overlap(a, e, 10))
+                per["weights_l1"].append(reshaped_weights_l1(a, e, cfg))
+            fidelity[name] = {k: statistics.mean(v) if v else float("nan") for k, v in per.items()}
+            if name != "oar_g":
+                fidelity[name]["masked_frac"] = att.stats["masked"] / max(att.stats["scored_tokens"], 1)
     for name, rows in (("oar_p", active), ("oar_p_all_rows", every)):
         pos = _positions(batch, rows, stride_ours) if stride_ours > 1 else None
         _, t = _timed(lambda: oar_p_scores(pm, batch, rows=rows, positions=pos, memory_budget_mb=args.budget_mb))
@@ -170,7 +202,7 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
     _, upd_s = _timed(lambda: _update(model, opt, roll.prompt_ids, roll.comp_ids, roll.comp_mask, tok_adv,
                                       tok.pad_token_id))
     return {"gen": gen_s, "update": upd_s, "attr": times, "skipped_rows": 1 - len(active) / max(len(every), 1),
-            "reasoning_tokens": float(batch.reasoning_len.float().mean())}
+            "reasoning_tokens": float(batch.reasoning_len.float().mean()), "fidelity": fidelity}
 
 
 def suite_default(args) -> list[dict]:
@@ -193,6 +225,7 @@ def suite_default(args) -> list[dict]:
         texts = [tok.decode(comp[i][mask[i]], skip_special_tokens=True) for i in range(comp.shape[0])]
         rewards = torch.tensor([task.reward(t, probs[i // 4]) for i, t in enumerate(texts)])
         roll = Rollouts(ids, comp, mask, rewards, [probs[i // 4].answer for i in range(len(ids))], 4)
+        args.fidelity_now = args.fidelity and rep == 1
         r = run_repeat(model, tok, opt, roll, args, (args.naive_stride, 1), cfg.conclude, gen_s)
         r["strides"] = (args.naive_stride, 1)
         r.update(suite="default", length=96, repeat=rep)
@@ -219,6 +252,7 @@ def suite_fixed(args) -> list[dict]:
             (ids, comp, mask), gen_s = _timed(lambda: _generate(model, tok, [prompt], 4, L, L, 1.0))
             roll = Rollouts(ids, comp, mask, torch.tensor([1.0, 0.0, 1.0, 0.0]), ["42"] * 4, 4)
             strides = _providers(args, L)
+            args.fidelity_now = args.fidelity and rep == 1 and L <= args.fidelity_max_len
             r = run_repeat(model, tok, opt, roll, args, strides, oar.OARConfig().conclude, gen_s)
             r.update(suite="fixed", length=L, repeat=rep, strides=strides)
             print(f"[fixed L={L}] repeat {rep}: gen {gen_s:.1f}s update {r['update']:.2f}s "
@@ -238,13 +272,18 @@ def summarize(rows: list[dict], args) -> list[dict]:
         for prov in reps[0]["attr"]:
             step = [r["gen"] + r["update"] + r["attr"][prov] for r in reps]
             ratio = statistics.median(s / b for s, b in zip(step, base))
-            k = strides[0] if "naive" in prov else (strides[1] if prov.startswith("oar_p") else 1)
+            k = strides[0] if "naive" in prov else (strides[1] if prov.startswith("oar_p")
+                                                     and not prov.startswith("oar_p_screen") else 1)
+            fid = next((r["fidelity"][prov] for r in reps if prov in r.get("fidelity", {})), {})
             out.append({"suite": suite, "response_len": L, "provider": prov,
                         "attribution_s": statistics.median(r["attr"][prov] for r in reps),
                         "grpo_step_s": statistics.median(base), "ratio_to_grpo": ratio,
                         "extrapolated_stride": k,
                         "skipped_rows_frac": statistics.median(r["skipped_rows"] for r in reps),
-                        "mean_reasoning_tokens": statistics.median(r["reasoning_tokens"] for r in reps)})
+                        "mean_reasoning_tokens": statistics.median(r["reasoning_tokens"] for r in reps),
+                        "masked_frac": fid.get("masked_frac", ""), "spearman_vs_exact": fid.get("spearman", ""),
+                        "top10_overlap_vs_exact": fid.get("top10_overlap", ""),
+                        "weights_l1_vs_exact": fid.get("weights_l1", "")})
     # speed-up of ours over naive batched, per (suite, L)
     for o in out:
         nb = next(x for x in out if x["suite"] == o["suite"] and x["response_len"] == o["response_len"]
@@ -267,13 +306,20 @@ def write(summary: list[dict], rows: list[dict], out: str, dtype: str = "float32
         w.writerows(summary)
     where = (f"cuda ({meta['device_name']})" if _DEVICE.type == "cuda" else f"cpu ({meta['threads']} threads)")
     lines = [f"Device {where}, {meta['dtype']}, torch {meta['torch']}, oar {meta['oar']}, commit {meta['commit']}.",
-             "", "| suite | response len | provider | attribution s | GRPO step s | step / GRPO step | naive batched / this |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| suite | response len | provider | attribution s | GRPO step s | step / GRPO step | naive batched / this "
+                 "| masked | Spearman vs exact | top-10% overlap | weights L1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v, fmt=".3f"):
+        return "-" if v == "" or v is None else format(v, fmt)
+
     for s in summary:
         note = f" (x{s['extrapolated_stride']} extrapolated)" if s["extrapolated_stride"] > 1 else ""
         nb = f"{s['naive_batched_over_this']:.2f}" if s["naive_batched_over_this"] else "-"
         lines.append(f"| {s['suite']} | {s['response_len']} | {s['provider']}{note} | {s['attribution_s']:.2f} | "
-                     f"{s['grpo_step_s']:.2f} | {s['ratio_to_grpo']:.2f}x | {nb} |")
+                     f"{s['grpo_step_s']:.2f} | {s['ratio_to_grpo']:.2f}x | {nb} | {num(s['masked_frac'], '.2f')} | "
+                     f"{num(s['spearman_vs_exact'])} | {num(s['top10_overlap_vs_exact'])} | "
+                     f"{num(s['weights_l1_vs_exact'])} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -290,8 +336,16 @@ def main(argv=None) -> int:
     p.add_argument("--budget-mb", type=int, default=2048, help="OAR-P memory budget of our engine")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, generation, update, attribution)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights and activations")
+    p.add_argument("--screen-fractions", nargs="*", type=float, default=[0.01, 0.02, 0.05, 0.1],
+                   help="screened OAR-P providers: top fractions of the OAR-G screen masked exactly")
+    p.add_argument("--screen-sample", type=float, default=0.02, help="screened OAR-P random sample fraction")
+    p.add_argument("--no-fidelity", dest="fidelity", action="store_false",
+                   help="skip the comparison of oar_g and screened OAR-P with exact OAR-P")
+    p.add_argument("--fidelity-max-len", type=int, default=512,
+                   help="compare with exact OAR-P at response lengths up to this (exact is ~L^2/2 token-forwards)")
     p.add_argument("--out", default="docs/benchmarks/step")
     args = p.parse_args(argv)
+    args.fidelity_now = False
     global _DEVICE
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -67,6 +67,12 @@ def _eval_attribution(a) -> int:
             a.parser.error(f"{name} must be >= {lo}, got {v}")
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         a.parser.error(f"--temperature must be finite and > 0, got {a.temperature}")
+    for name, vs in (("--screen-sample", [a.screen_sample]), ("--screen-fractions", a.screen_fractions)):
+        bad = [v for v in vs if not 0 <= v <= 1]  # NaN too
+        if bad:
+            a.parser.error(f"{name} must be in [0, 1], got {bad[0]}")
+    if a.screen_sample == 0 and 0 in a.screen_fractions:
+        a.parser.error("--screen-fractions 0 needs --screen-sample > 0 (nothing would be masked exactly)")
     if not a.out or a.out.endswith(("/", os.sep)) or os.path.isdir(a.out):
         a.parser.error(f"--out must be a file prefix (PREFIX.csv, .md, .png, .json are written), got {a.out!r}")
     for task in dict.fromkeys(a.tasks):
@@ -178,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--temperature", type=float, default=0.8)
     ev.add_argument("--draws", type=int, default=8, help="OAR-G noise draws K (reported with K = 1 too)")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--screen-fractions", nargs="*", type=float, default=[0.05, 0.1, 0.2, 0.3],
+                    help="screened OAR-P top fractions to score and compare with exact OAR-P (none: skip)")
+    ev.add_argument("--screen-sample", type=float, default=0.05, help="screened OAR-P random sample fraction")
     ev.add_argument("--out", default="runs/eval_attribution/recall", help="output prefix (.csv .md .png .json)")
     ev.set_defaults(func=_eval_attribution, parser=ev)
 

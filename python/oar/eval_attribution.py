@@ -14,8 +14,12 @@ For correct sampled traces of a task:
    intervals over traces. ``random`` is reported by its exact expectation per trace, ceil(K% x L) / L (about K%),
    not by one draw; the other methods' random draws (OAR-G's noise) are seeded per trace (:func:`trace_seed`).
 
-Outputs (``--out PREFIX``): PREFIX.csv and PREFIX.md (the table), PREFIX.png (recall vs K), PREFIX.json
-(per-trace oracle, scores and recalls, so the numbers can be re-analysed).
+4. **Fidelity to exact OAR-P** (issue 13): screened OAR-P (``--screen-fractions``) and 1-draw OAR-G against exact
+   OAR-P (answer_mean) on the same traces: Spearman, top-10% overlap, reshaped-weight L1, recall@10% difference,
+   the share masked exactly and the cost of the model passes relative to exact OAR-P.
+
+Outputs (``--out PREFIX``): PREFIX.csv and PREFIX.md (the tables), PREFIX.png (recall vs K), PREFIX.json
+(per-trace oracle, scores, costs and recalls, so the numbers can be re-analysed).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Trace:
     reasoning_len: int = 0
     causal: list = field(default_factory=list)        # bool per reasoning token
     scores: dict = field(default_factory=dict)        # method name -> list of floats (per reasoning token)
+    costs: dict = field(default_factory=dict)         # method name -> {"seconds", "tokens"} of its model passes
 
 
 def recall_at(scores: list[float], causal: list[bool], percent: float) -> float | None:
@@ -93,6 +98,61 @@ def trace_seed(seed: int, task: str, problem_id: str, index: int) -> int:
     import zlib
 
     return (int(seed) * 1_000_003 + zlib.crc32(f"{task}|{problem_id}|{index}".encode())) % (2**63 - 1)
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman rank correlation of two score lists of one trace (Pearson correlation of their average ranks, ties
+    sharing the mean rank). None when either list is constant (no ranking) or has fewer than 2 entries. Raises
+    ValueError on mismatched lengths or NaN."""
+    import numpy as np
+
+    if len(a) != len(b):
+        raise ValueError(f"a ({len(a)}) and b ({len(b)}) must have one entry per token")
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if np.isnan(x).any() or np.isnan(y).any():
+        raise ValueError("scores must not contain NaN (no rank)")
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+
+    def ranks(v):
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        sv = v[order]
+        i = 0
+        while i < len(v):  # average rank of each run of ties
+            j = i
+            while j + 1 < len(v) and sv[j + 1] == sv[i]:
+                j += 1
+            r[order[i:j + 1]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
+
+
+def top_overlap(a: list[float], b: list[float], percent: float = 10) -> float:
+    """Share of b's top ceil(percent% x L) tokens (ties: earlier first, as :func:`recall_at`) that are also a's."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"a ({len(a)}) and b ({len(b)}) must be non-empty with one entry per token")
+    k = max(1, math.ceil(percent / 100.0 * len(a)))
+
+    def top(v):
+        return set(sorted(range(len(v)), key=lambda i: (-v[i], i))[:k])
+
+    return len(top(a) & top(b)) / k
+
+
+def reshaped_weights_l1(a: list[float], b: list[float], cfg) -> float:
+    """Mean |w_a - w_b| per token of the reshaped weights (method.md sections 5-6, the config's q, beta, floor,
+    tiers) of two score lists of one trace, for a positive sequence advantage (the weights have mean 1)."""
+    from oar import ops
+
+    r = cfg.reshape
+    L = len(a)
+    mask = torch.ones((1, L), dtype=torch.bool)
+    w = [ops.reshape_advantages(torch.ones(1), torch.tensor([v], dtype=torch.float32), mask, mask, q=r.q,
+                                beta=r.beta, floor=r.floor, tiers=r.tiers)[1][0].double() for v in (a, b)]
+    return float((w[0] - w[1]).abs().mean())
 
 
 def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -163,9 +223,17 @@ def sample_correct_traces(model, tok, task, task_name: str, problems, G: int, ma
     return traces
 
 
-def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int) -> dict[str, list[float]]:
+def screened_name(fraction: float) -> str:
+    """Method name of screened OAR-P at a top ``fraction`` (answer_mean probe), e.g. ``oar_p_screen0.1/answer_mean``."""
+    return f"oar_p_screen{fraction:g}/answer_mean"
+
+
+def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
+                screen_fractions: tuple = (), screen_sample: float = 0.05) -> dict[str, list[float]]:
     """Every method's scores of one trace's reasoning tokens; ``seed``: this trace's own seed (:func:`trace_seed`)
-    of OAR-G's noise and the random scores."""
+    of OAR-G's noise and the random scores. Screened OAR-P (answer_mean probe) at each of ``screen_fractions``
+    uses the 1-draw OAR-G answer_mean scores as its screen and a sample seeded by ``seed``. The model passes'
+    seconds and token counts go to ``trace.costs`` (screened: screen + exact pass)."""
     from oar.attribution import (
         HFProbeModel,
         ProbeContextBuilder,
@@ -174,22 +242,97 @@ def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int) -> dict[st
         oar_p_scores,
         random_scores,
     )
+    from oar.attribution.screened import oar_p_screened_scores
 
     builder = ProbeContextBuilder(tok, cfg.conclude, cfg.answer_suffix)
     batch = builder.build([trace.prompt_ids], [trace.response_ids], [trace.answer], [trace.reasoning_len])
     pm = HFProbeModel(model)
     L = trace.reasoning_len
-    out = {}
+    out, screens = {}, {}
+
+    def cost(att) -> dict:
+        return {"seconds": float(att.stats.get("seconds", 0.0)), "tokens": int(att.stats.get("tokens", 0))}
+
     with pm.eval_mode():
         for probe in PROBE_NAMES:
-            out[f"oar_p/{probe}"] = oar_p_scores(pm, batch, probe=probe).scores[0, :L].tolist()
+            res = oar_p_scores(pm, batch, probe=probe)
+            out[f"oar_p/{probe}"] = res.scores[0, :L].tolist()
+            trace.costs[f"oar_p/{probe}"] = cost(res)
             for k in (1, draws):
                 g = torch.Generator().manual_seed(seed)
-                out[f"oar_g{k}/{probe}"] = oar_g_scores(pm, batch, probe=probe, noise_draws=k, generator=g,
-                                                        sigma=cfg.sigma).scores[0, :L].tolist()
+                res = oar_g_scores(pm, batch, probe=probe, noise_draws=k, generator=g, sigma=cfg.sigma)
+                out[f"oar_g{k}/{probe}"] = res.scores[0, :L].tolist()
+                trace.costs[f"oar_g{k}/{probe}"] = cost(res)
+                screens[(k, probe)] = res
+        screen = screens[(1, "answer_mean")]
+        for f in screen_fractions:
+            res = oar_p_screened_scores(pm, batch, screen, fraction=f, sample_fraction=screen_sample,
+                                        generator=torch.Generator().manual_seed(seed), probe="answer_mean")
+            name = screened_name(f)
+            out[name] = res.scores[0, :L].tolist()
+            c, sc = cost(res), cost(screen)
+            trace.costs[name] = {"seconds": c["seconds"] + sc["seconds"], "tokens": c["tokens"] + sc["tokens"],
+                                 "masked": int(res.stats["masked"])}
         out["entropy"] = entropy_scores(pm, batch).scores[0, :L].tolist()
         out["random"] = random_scores(batch, generator=torch.Generator().manual_seed(seed)).scores[0, :L].tolist()
     return out
+
+
+def summarize_fidelity(traces: list[Trace], cfg, exact: str = "oar_p/answer_mean") -> list[dict]:
+    """Per task, how close each answer_mean method's scores are to exact OAR-P's on the same traces (issue 13):
+    mean Spearman rank correlation, top-10% overlap and reshaped-weight L1 (:func:`reshaped_weights_l1`) with 95%
+    bootstrap intervals over traces; recall@10% minus exact OAR-P's (paired per trace); the share of tokens masked
+    exactly; the cost as seconds and tokens of the model passes relative to exact OAR-P's (ratio of sums)."""
+    rows = []
+    for task in sorted({t.task for t in traces}):
+        ts = [t for t in traces if t.task == task and exact in t.scores]
+        if not ts:
+            continue
+        names = [m for m in ts[0].scores if m.startswith("oar_g") and m.endswith("/answer_mean")]
+        names += [m for m in ts[0].scores if m.startswith("oar_p_screen")]
+        for m in names:
+            rho = [v for v in (spearman(t.scores[m], t.scores[exact]) for t in ts) if v is not None]
+            over = [top_overlap(t.scores[m], t.scores[exact], 10) for t in ts]
+            l1 = [reshaped_weights_l1(t.scores[m], t.scores[exact], cfg) for t in ts]
+            drec = [recall_at(t.scores[m], t.causal, 10) - recall_at(t.scores[exact], t.causal, 10) for t in ts
+                    if any(t.causal)]
+            masked = (sum(t.costs.get(m, {}).get("masked", 0) for t in ts) / sum(t.reasoning_len for t in ts)
+                      if m.startswith("oar_p_screen") else 0.0)
+            sec = sum(t.costs.get(m, {}).get("seconds", float("nan")) for t in ts)
+            tok = sum(t.costs.get(m, {}).get("tokens", 0) for t in ts)
+            rows.append({
+                "task": task, "method": m, "traces": len(ts),
+                "spearman": sum(rho) / len(rho) if rho else float("nan"), "spearman_ci": bootstrap_ci(rho),
+                "top10_overlap": sum(over) / len(over), "top10_overlap_ci": bootstrap_ci(over),
+                "weights_l1": sum(l1) / len(l1), "weights_l1_ci": bootstrap_ci(l1),
+                "recall10_minus_exact": sum(drec) / len(drec) if drec else float("nan"),
+                "recall10_minus_exact_ci": bootstrap_ci(drec), "masked_frac": masked,
+                "seconds_vs_exact": sec / max(sum(t.costs[exact]["seconds"] for t in ts), 1e-12),
+                "tokens_vs_exact": tok / max(sum(t.costs[exact]["tokens"] for t in ts), 1)})
+    return rows
+
+
+def fidelity_table(rows: list[dict]) -> list[str]:
+    """Markdown lines of :func:`summarize_fidelity`'s rows."""
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        lines += [f"### {task}: against exact OAR-P (answer_mean), same traces", "",
+                  "| method | masked | Spearman | top-10% overlap | weights L1 | recall@10% - exact | "
+                  "seconds / exact | tokens / exact |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["task"] != task:
+                continue
+
+            def ci(key):
+                lo, hi = r[key + "_ci"]
+                return f"{r[key]:.3f} [{lo:.2f}, {hi:.2f}]"
+
+            lines.append(f"| {r['method']} | {r['masked_frac']:.2f} | {ci('spearman')} | {ci('top10_overlap')} | "
+                         f"{ci('weights_l1')} | {r['recall10_minus_exact']:+.3f} [{r['recall10_minus_exact_ci'][0]:+.2f},"
+                         f" {r['recall10_minus_exact_ci'][1]:+.2f}] | {r['seconds_vs_exact']:.2f} | "
+                         f"{r['tokens_vs_exact']:.2f} |")
+        lines.append("")
+    return lines
 
 
 def summarize(traces: list[Trace]) -> list[dict]:
@@ -210,10 +353,11 @@ def summarize(traces: list[Trace]) -> list[dict]:
     return rows
 
 
-def write_outputs(rows: list[dict], traces: list[Trace], prefix: str, meta: dict) -> None:
+def write_outputs(rows: list[dict], traces: list[Trace], prefix: str, meta: dict, fidelity: list[dict] = ()) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     with open(prefix + ".json", "w") as f:
-        json.dump({"meta": meta, "summary": rows, "traces": [t.__dict__ for t in traces]}, f, indent=1)
+        json.dump({"meta": meta, "summary": rows, "fidelity": list(fidelity), "traces": [t.__dict__ for t in traces]},
+                  f, indent=1)
     with open(prefix + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["task"])
         w.writeheader()
@@ -234,6 +378,7 @@ def write_outputs(rows: list[dict], traces: list[Trace], prefix: str, meta: dict
                 cells.append(f"{r['recall']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += fidelity_table(list(fidelity))
     with open(prefix + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
@@ -308,12 +453,16 @@ def run(args) -> list[dict]:
             tr.causal = causal
             n_kept = sum(t.task == task_name for t in traces)
             tr.scores = score_trace(model, tok, tr, cfg, args.draws,
-                                    trace_seed(args.seed, task_name, tr.problem_id, n_kept))
+                                    trace_seed(args.seed, task_name, tr.problem_id, n_kept),
+                                    tuple(getattr(args, "screen_fractions", ()) or ()),
+                                    getattr(args, "screen_sample", 0.05))
             traces.append(tr)
         print(f"[{task_name}] {sum(t.task == task_name for t in traces)} traces kept after the clean-answer check "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
     rows = summarize(traces)
     meta = {"model": args.model, "tasks": args.tasks, "draws": args.draws, "seed": args.seed,
+            "screen_fractions": list(getattr(args, "screen_fractions", ()) or ()),
+            "screen_sample": getattr(args, "screen_sample", 0.05), "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - t0, "torch": torch.__version__, "oar": oar.__version__}
-    write_outputs(rows, traces, args.out, meta)
+    write_outputs(rows, traces, args.out, meta, summarize_fidelity(traces, cfg))
     return rows

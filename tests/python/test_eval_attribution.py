@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from oar.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at, summarize,
+from oar.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at,
+                                  reshaped_weights_l1, spearman, summarize, summarize_fidelity, top_overlap,
                                   trace_seed, write_outputs)
 
 
@@ -97,6 +98,71 @@ def test_oracle_marks_tokens_whose_masking_flips_the_answer(monkeypatch):
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------------
+def test_spearman_against_the_definition():
+    """Without ties Spearman is 1 - 6 sum d^2 / (n (n^2 - 1)) (d = rank differences); with ties, average ranks."""
+    import itertools
+
+    a = [0.3, 0.1, 0.9, 0.5, 0.7]
+    for perm in itertools.permutations(range(5)):
+        b = [float(p) for p in perm]
+        ra = sorted(range(5), key=lambda i: a[i])
+        rank_a = [ra.index(i) for i in range(5)]
+        d2 = sum((rank_a[i] - perm[i]) ** 2 for i in range(5))
+        assert spearman(a, b) == pytest.approx(1 - 6 * d2 / (5 * 24), abs=1e-12)
+    # ties: ranks of [1, 1, 2] are [0.5, 0.5, 2]; of [1, 2, 3]: [0, 1, 2]; Pearson of the two = sqrt(3)/2
+    assert spearman([1.0, 1.0, 2.0], [1.0, 2.0, 3.0]) == pytest.approx(3 ** 0.5 / 2, abs=1e-12)
+    assert spearman([1.0, 1.0], [1.0, 2.0]) is None  # a constant list has no ranking
+    with pytest.raises(ValueError, match="one entry per token"):
+        spearman([1.0], [1.0, 2.0])
+
+
+def test_top_overlap_and_weights_l1_hand_values():
+    import oar
+
+    a = [0.9, 0.1, 0.8, 0.2, 0.7, 0.0, 0.3, 0.6, 0.5, 0.4]
+    assert top_overlap(a, a, 30) == 1.0
+    assert top_overlap(a, [-x for x in a], 30) == 0.0
+    assert top_overlap(a, [0.9, 0.8, 0.1, 0.2, 0.7, 0.0, 0.3, 0.6, 0.5, 0.4], 30) == pytest.approx(2 / 3)  # {0,1,4}
+    cfg = oar.OARConfig()
+    assert reshaped_weights_l1(a, a, cfg) == 0.0
+    import numpy as np
+
+    def weights(v, q=0.25, beta=1.0, floor=0.1):  # method.md sections 5-6, written out
+        s = np.log1p(np.asarray(v, dtype=np.float64))
+        s = (s - s.min()) / (s.max() - s.min())
+        tau = np.quantile(s, q)
+        w = np.where(s < tau, np.maximum(s / tau, floor), 1 + beta * (s - tau) / (1 - tau))
+        return w * len(v) / w.sum()
+
+    b = [0.2, 0.9, 0.1, 0.8, 0.0, 0.7, 0.3, 0.6, 0.5, 0.4]
+    want = float(np.abs(weights(a) - weights(b)).mean())
+    # float32 op against float64: weights are O(1), 1e-5 is ~100 float32 ulps
+    assert reshaped_weights_l1(a, b, cfg) == pytest.approx(want, abs=1e-5)
+    assert want > 0.1
+
+
+def test_summarize_fidelity_of_exact_scores_is_perfect():
+    """A screened method that returned the exact scores: Spearman 1, overlap 1, L1 0, recall difference 0; the cost
+    ratios are the sums' ratios."""
+    import oar
+
+    ts = []
+    for i, L in enumerate((12, 20)):
+        ex = [float((7 * j) % L) for j in range(L)]
+        ts.append(Trace(task="t", problem_id=str(i), prompt_ids=[], response_ids=[], answer="", text="",
+                        reasoning_len=L, causal=[j % 5 == 0 for j in range(L)],
+                        scores={"oar_p/answer_mean": ex, "oar_g1/answer_mean": [max(ex) - x for x in ex],
+                                "oar_p_screen0.1/answer_mean": list(ex)},
+                        costs={"oar_p/answer_mean": {"seconds": 2.0, "tokens": 100},
+                               "oar_g1/answer_mean": {"seconds": 0.5, "tokens": 30},
+                               "oar_p_screen0.1/answer_mean": {"seconds": 1.0, "tokens": 40, "masked": 3}}))
+    rows = {r["method"]: r for r in summarize_fidelity(ts, oar.OARConfig())}
+    s = rows["oar_p_screen0.1/answer_mean"]
+    assert s["spearman"] == pytest.approx(1.0) and s["top10_overlap"] == 1.0 and s["weights_l1"] == 0.0
+    assert s["recall10_minus_exact"] == 0.0 and s["masked_frac"] == pytest.approx(6 / 32)
+    assert s["seconds_vs_exact"] == pytest.approx(0.5) and s["tokens_vs_exact"] == pytest.approx(0.4)
+    assert rows["oar_g1/answer_mean"]["spearman"] == pytest.approx(-1.0)
+
 
 # (function, keyword arguments, exception, message regex)
 BAD_INPUT = [
@@ -146,6 +212,9 @@ def no_model(monkeypatch):
     (["--temperature", "nan"], r"--temperature must be finite and > 0, got nan"),
     (["--out", "/proc/oar-nonexistent/recall"], r"--out: cannot create the output directory '/proc/oar-nonexistent'"),
     (["--out", "DIR/"], r"--out must be a file prefix .* got '.*/'"),
+    (["--screen-fractions", "0.1", "1.5"], r"--screen-fractions must be in \[0, 1\], got 1\.5"),
+    (["--screen-sample", "nan"], r"--screen-sample must be in \[0, 1\], got nan"),
+    (["--screen-fractions", "0", "--screen-sample", "0"], r"--screen-fractions 0 needs --screen-sample > 0"),
 ])
 def test_cli_eval_attribution_fails_fast(tmp_path, monkeypatch, capsys, no_model, argv, match):
     # Each of these used to load the model (and for --out, run to the end before failing to write the results).
