@@ -32,6 +32,7 @@ reasoning token and their time is multiplied by k: the table marks those rows "x
 
 Usage:  python benchmarks/python/bench_step.py [--suite default fixed] [--lengths 128 512 2048]
             [--repeats 3] [--device cpu|cuda] [--dtype float32|bfloat16] [--out docs/benchmarks/step]
+            [--screen-fractions 0.01 0.02 0.05 0.1] [--screen-sample 0.02] [--no-naive] [--no-fidelity]
         (writes .md, .csv, .json next to --out). On a GPU every timed section ends with a device sync.
 """
 
@@ -192,12 +193,13 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
         pos = _positions(batch, rows, stride_ours) if stride_ours > 1 else None
         _, t = _timed(lambda: oar_p_scores(pm, batch, rows=rows, positions=pos, memory_budget_mb=args.budget_mb))
         times[name] = t * stride_ours + build_s
-    pos_n = _positions(batch, every, stride_naive)
-    _, t = _timed(lambda: reference.oar_p_naive(model, batch, mode="batched", rows=every, positions=pos_n,
-                                                 variants_per_forward=args.naive_batch))
-    times["oar_p_naive_batched"] = t * stride_naive + build_s
-    _, t = _timed(lambda: reference.oar_p_naive(model, batch, mode="serial", rows=every, positions=pos_n))
-    times["oar_p_naive_serial"] = t * stride_naive + build_s
+    if args.naive:
+        pos_n = _positions(batch, every, stride_naive)
+        _, t = _timed(lambda: reference.oar_p_naive(model, batch, mode="batched", rows=every, positions=pos_n,
+                                                     variants_per_forward=args.naive_batch))
+        times["oar_p_naive_batched"] = t * stride_naive + build_s
+        _, t = _timed(lambda: reference.oar_p_naive(model, batch, mode="serial", rows=every, positions=pos_n))
+        times["oar_p_naive_serial"] = t * stride_naive + build_s
     tok_adv = roll.adv[:, None] * roll.comp_mask.float()
     _, upd_s = _timed(lambda: _update(model, opt, roll.prompt_ids, roll.comp_ids, roll.comp_mask, tok_adv,
                                       tok.pad_token_id))
@@ -286,9 +288,10 @@ def summarize(rows: list[dict], args) -> list[dict]:
                         "weights_l1_vs_exact": fid.get("weights_l1", "")})
     # speed-up of ours over naive batched, per (suite, L)
     for o in out:
-        nb = next(x for x in out if x["suite"] == o["suite"] and x["response_len"] == o["response_len"]
-                  and x["provider"] == "oar_p_naive_batched")
-        o["naive_batched_over_this"] = nb["attribution_s"] / o["attribution_s"] if o["attribution_s"] > 0 else None
+        nb = next((x for x in out if x["suite"] == o["suite"] and x["response_len"] == o["response_len"]
+                   and x["provider"] == "oar_p_naive_batched"), None)
+        o["naive_batched_over_this"] = (nb["attribution_s"] / o["attribution_s"] if nb and o["attribution_s"] > 0
+                                        else None)
     return out
 
 
@@ -333,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--naive-stride", type=int, default=4,
                    help="naive providers score every k-th reasoning token; time x k")
     p.add_argument("--naive-batch", type=int, default=16, help="variants per forward of the naive batched provider")
+    p.add_argument("--no-naive", dest="naive", action="store_false",
+                   help="skip the naive OAR-P providers (the slowest: their table is in docs/benchmarks.md)")
     p.add_argument("--budget-mb", type=int, default=2048, help="OAR-P memory budget of our engine")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, generation, update, attribution)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights and activations")

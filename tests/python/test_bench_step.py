@@ -46,6 +46,13 @@ def test_fixed_suite_tiny_run(tmp_path):
     assert by["oar_p"]["spearman_vs_exact"] == ""  # the reference itself is not compared
     with open(out + ".md") as f:
         assert f.readline().startswith("Device cpu")
+    # without the naive providers: the others only, no naive column
+    assert bench_step.main(["--suite", "fixed", "--lengths", "8", "--repeats", "1", "--no-naive", "--no-fidelity",
+                            "--screen-fractions", "--out", out]) == 0
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["provider"] for r in rows] == ["grpo", "oar_g", "oar_p", "oar_p_all_rows"]
+    assert all(r["naive_batched_over_this"] == "" and r["spearman_vs_exact"] == "" for r in rows)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a CUDA device")
