@@ -308,7 +308,8 @@ def summarize_fidelity(traces: list[Trace], cfg, exact: str = "oar_p/answer_mean
                 "recall10_minus_exact": sum(drec) / len(drec) if drec else float("nan"),
                 "recall10_minus_exact_ci": bootstrap_ci(drec), "masked_frac": masked,
                 "seconds_vs_exact": sec / max(sum(t.costs[exact]["seconds"] for t in ts), 1e-12),
-                "tokens_vs_exact": tok / max(sum(t.costs[exact]["tokens"] for t in ts), 1)})
+                # OAR-G's passes report no token count: None (shown "-")
+                "tokens_vs_exact": tok / max(sum(t.costs[exact]["tokens"] for t in ts), 1) if tok else None})
     return rows
 
 
@@ -330,7 +331,7 @@ def fidelity_table(rows: list[dict]) -> list[str]:
             lines.append(f"| {r['method']} | {r['masked_frac']:.2f} | {ci('spearman')} | {ci('top10_overlap')} | "
                          f"{ci('weights_l1')} | {r['recall10_minus_exact']:+.3f} [{r['recall10_minus_exact_ci'][0]:+.2f},"
                          f" {r['recall10_minus_exact_ci'][1]:+.2f}] | {r['seconds_vs_exact']:.2f} | "
-                         f"{r['tokens_vs_exact']:.2f} |")
+                         f"{'-' if r['tokens_vs_exact'] is None else format(r['tokens_vs_exact'], '.2f')} |")
         lines.append("")
     return lines
 
