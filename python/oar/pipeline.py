@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 import weakref
 from dataclasses import dataclass, field
