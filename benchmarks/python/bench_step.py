@@ -14,11 +14,16 @@ Providers:
   oar_p_all_rows        ours on every row (what the naive providers do)
   oar_p_naive_batched   oar.reference.oar_p_naive(mode="batched"): full masked contexts, full logits
   oar_p_naive_serial    oar.reference.oar_p_naive(mode="serial"): one masked context per forward
-  oar_p_screen{f}       screened OAR-P (issue 13): the oar_g run above is its screen (its time counts), then exact
-                        masking of the screen's top f plus a random --screen-sample of the rest (never strided)
+  oar_p_window{W}       windowed OAR-P (issue 13's screen): each masked token re-runs only the next W reasoning
+                        tokens and the probe tail (--windows; never strided)
+  oar_p_screen{f}       screened OAR-P (issue 13) with the window screen (--screen-window, the config default 8;
+                        its time counts), then exact masking of the screen's top f plus a random --screen-sample of
+                        the rest (never strided)
+  oar_p_gscreen{f}      the same with the oar_g run above as the screen
 
 Fidelity (--fidelity, on by default): in the first timed repeat, at response lengths <= --fidelity-max-len, exact
-OAR-P is run on every token of the active rows (untimed) and each of oar_g and oar_p_screen{f} is compared with it,
+OAR-P is run on every token of the active rows (untimed) and each of oar_g, oar_p_window{W}, oar_p_screen{f} and
+oar_p_gscreen{f} is compared with it,
 row by row: Spearman rank correlation, top-10% overlap, mean |w - w_exact| of the reshaped weights.
 
 Suites:
@@ -32,7 +37,8 @@ reasoning token and their time is multiplied by k: the table marks those rows "x
 
 Usage:  python benchmarks/python/bench_step.py [--suite default fixed] [--lengths 128 512 2048]
             [--repeats 3] [--device cpu|cuda] [--dtype float32|bfloat16] [--out docs/benchmarks/step]
-            [--screen-fractions 0.01 0.02 0.05 0.1] [--screen-sample 0.02] [--no-naive] [--no-fidelity]
+            [--screen-fractions 0.01 0.02 0.05 0.1] [--screen-sample 0.02] [--screen-window 8] [--windows 2 8]
+            [--no-naive] [--no-fidelity]
         (writes .md, .csv, .json next to --out). On a GPU every timed section ends with a device sync.
 """
 
@@ -51,7 +57,7 @@ import torch
 
 import oar
 from oar import ops, reference
-from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores
+from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores
 from oar.attribution.screened import oar_p_screened_scores
 from oar.eval_attribution import reshaped_weights_l1, spearman, top_overlap
 
@@ -165,18 +171,27 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
     gen = torch.Generator().manual_seed(0)
     screen, t = _timed(lambda: oar_g_scores(pm, batch, rows=active, generator=gen, memory_budget_mb=args.budget_mb))
     times["oar_g"] = t + build_s
+    windowed, t_win = {}, {}
+    for w in dict.fromkeys(list(args.windows) + ([args.screen_window] if args.screen_fractions else [])):
+        windowed[w], t_win[w] = _timed(lambda: oar_p_window_scores(pm, batch, window=w, rows=active,
+                                                                   memory_budget_mb=args.budget_mb))
+        if w in args.windows:
+            times[f"oar_p_window{w}"] = t_win[w] + build_s
     screened = {}
-    for f in args.screen_fractions:
-        g = torch.Generator().manual_seed(1)
-        screened[f], ts = _timed(lambda: oar_p_screened_scores(pm, batch, screen, fraction=f,
-                                                                sample_fraction=args.screen_sample, rows=active,
-                                                                generator=g, memory_budget_mb=args.budget_mb))
-        times[f"oar_p_screen{f:g}"] = t + ts + build_s
+    for kind, scr, t_scr in (("screen", windowed.get(args.screen_window), t_win.get(args.screen_window)),
+                             ("gscreen", screen, t)):
+        for f in args.screen_fractions:
+            g = torch.Generator().manual_seed(1)
+            screened[f"oar_p_{kind}{f:g}"], ts = _timed(
+                lambda: oar_p_screened_scores(pm, batch, scr, fraction=f, sample_fraction=args.screen_sample,
+                                              rows=active, generator=g, memory_budget_mb=args.budget_mb))
+            times[f"oar_p_{kind}{f:g}"] = t_scr + ts + build_s
     fidelity = {}
     if args.fidelity_now and active:
         exact = oar_p_scores(pm, batch, rows=active, memory_budget_mb=args.budget_mb)  # untimed reference
         cfg = oar.OARConfig()
-        for name, att in [("oar_g", screen)] + [(f"oar_p_screen{f:g}", a) for f, a in screened.items()]:
+        for name, att in ([("oar_g", screen)] + [(f"oar_p_window{w}", windowed[w]) for w in args.windows]
+                          + list(screened.items())):
             per = {"spearman": [], "top10_overlap": [], "weights_l1": []}
             for i in active:
                 L = int(batch.reasoning_len[i])
@@ -187,7 +202,7 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
                 per["top10_overlap"].append(top_overlap(a, e, 10))
                 per["weights_l1"].append(reshaped_weights_l1(a, e, cfg))
             fidelity[name] = {k: statistics.mean(v) if v else float("nan") for k, v in per.items()}
-            if name != "oar_g":
+            if "screen" in name:
                 fidelity[name]["masked_frac"] = att.stats["masked"] / max(att.stats["scored_tokens"], 1)
     for name, rows in (("oar_p", active), ("oar_p_all_rows", every)):
         pos = _positions(batch, rows, stride_ours) if stride_ours > 1 else None
@@ -274,8 +289,7 @@ def summarize(rows: list[dict], args) -> list[dict]:
         for prov in reps[0]["attr"]:
             step = [r["gen"] + r["update"] + r["attr"][prov] for r in reps]
             ratio = statistics.median(s / b for s, b in zip(step, base))
-            k = strides[0] if "naive" in prov else (strides[1] if prov.startswith("oar_p")
-                                                     and not prov.startswith("oar_p_screen") else 1)
+            k = strides[0] if "naive" in prov else (strides[1] if prov in ("oar_p", "oar_p_all_rows") else 1)
             fid = next((r["fidelity"][prov] for r in reps if prov in r.get("fidelity", {})), {})
             out.append({"suite": suite, "response_len": L, "provider": prov,
                         "attribution_s": statistics.median(r["attr"][prov] for r in reps),
@@ -342,8 +356,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, generation, update, attribution)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model weights and activations")
     p.add_argument("--screen-fractions", nargs="*", type=float, default=[0.01, 0.02, 0.05, 0.1],
-                   help="screened OAR-P providers: top fractions of the OAR-G screen masked exactly")
+                   help="screened OAR-P providers: top fractions of the screen masked exactly")
     p.add_argument("--screen-sample", type=float, default=0.02, help="screened OAR-P random sample fraction")
+    p.add_argument("--screen-window", type=int, default=8, help="window of the window screen of oar_p_screen{f}")
+    p.add_argument("--windows", nargs="*", type=int, default=[2, 8], help="windowed OAR-P providers (none: skip)")
     p.add_argument("--no-fidelity", dest="fidelity", action="store_false",
                    help="skip the comparison of oar_g and screened OAR-P with exact OAR-P")
     p.add_argument("--fidelity-max-len", type=int, default=512,

@@ -71,6 +71,10 @@ def _eval_attribution(a) -> int:
         bad = [v for v in vs if not 0 <= v <= 1]  # NaN too
         if bad:
             a.parser.error(f"{name} must be in [0, 1], got {bad[0]}")
+    for name, vs in (("--screen-window", [a.screen_window]), ("--windows", a.windows)):
+        bad = [v for v in vs if v < 0]
+        if bad:
+            a.parser.error(f"{name} must be >= 0, got {bad[0]}")
     if a.screen_sample == 0 and 0 in a.screen_fractions:
         a.parser.error("--screen-fractions 0 needs --screen-sample > 0 (nothing would be masked exactly)")
     if not a.out or a.out.endswith(("/", os.sep)) or os.path.isdir(a.out):
@@ -187,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--screen-fractions", nargs="*", type=float, default=[0.05, 0.1, 0.2, 0.3],
                     help="screened OAR-P top fractions to score and compare with exact OAR-P (none: skip)")
     ev.add_argument("--screen-sample", type=float, default=0.05, help="screened OAR-P random sample fraction")
+    ev.add_argument("--screen-window", type=int, default=8,
+                    help="window of the windowed screen of screened OAR-P (the config's screen_window)")
+    ev.add_argument("--windows", nargs="*", type=int, default=[0, 2, 8],
+                    help="windowed OAR-P windows to score and compare with exact OAR-P (none: skip)")
     ev.add_argument("--out", default="runs/eval_attribution/recall", help="output prefix (.csv .md .png .json)")
     ev.set_defaults(func=_eval_attribution, parser=ev)
 

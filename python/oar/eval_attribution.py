@@ -223,23 +223,32 @@ def sample_correct_traces(model, tok, task, task_name: str, problems, G: int, ma
     return traces
 
 
-def screened_name(fraction: float) -> str:
-    """Method name of screened OAR-P at a top ``fraction`` (answer_mean probe), e.g. ``oar_p_screen0.1/answer_mean``."""
-    return f"oar_p_screen{fraction:g}/answer_mean"
+def screened_name(fraction: float, screen: str = "window") -> str:
+    """Method name of screened OAR-P (answer_mean probe) at a top ``fraction`` with the ``screen`` ("window" or
+    "oar_g"), e.g. ``oar_p_screen0.1/answer_mean`` (window screen) and ``oar_p_gscreen0.1/answer_mean`` (OAR-G)."""
+    return f"oar_p_{'g' if screen == 'oar_g' else ''}screen{fraction:g}/answer_mean"
+
+
+def window_name(window: int) -> str:
+    """Method name of windowed OAR-P (answer_mean probe) with ``window``, e.g. ``oar_p_window8/answer_mean``."""
+    return f"oar_p_window{window}/answer_mean"
 
 
 def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
-                screen_fractions: tuple = (), screen_sample: float = 0.05) -> dict[str, list[float]]:
+                screen_fractions: tuple = (), screen_sample: float = 0.05, windows: tuple = (),
+                screen_window: int = 8) -> dict[str, list[float]]:
     """Every method's scores of one trace's reasoning tokens; ``seed``: this trace's own seed (:func:`trace_seed`)
-    of OAR-G's noise and the random scores. Screened OAR-P (answer_mean probe) at each of ``screen_fractions``
-    uses the 1-draw OAR-G answer_mean scores as its screen and a sample seeded by ``seed``. The model passes'
-    seconds and token counts go to ``trace.costs`` (screened: screen + exact pass)."""
+    of OAR-G's noise and the random scores. Windowed OAR-P (answer_mean) runs at each of ``windows``. Screened
+    OAR-P (answer_mean probe) at each of ``screen_fractions`` runs twice: with the windowed screen of
+    ``screen_window`` and with the 1-draw OAR-G answer_mean screen, each with a sample seeded by ``seed``. The model
+    passes' seconds and token counts go to ``trace.costs`` (screened: screen + exact pass)."""
     from oar.attribution import (
         HFProbeModel,
         ProbeContextBuilder,
         entropy_scores,
         oar_g_scores,
         oar_p_scores,
+        oar_p_window_scores,
         random_scores,
     )
     from oar.attribution.screened import oar_p_screened_scores
@@ -264,15 +273,22 @@ def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
                 out[f"oar_g{k}/{probe}"] = res.scores[0, :L].tolist()
                 trace.costs[f"oar_g{k}/{probe}"] = cost(res)
                 screens[(k, probe)] = res
-        screen = screens[(1, "answer_mean")]
-        for f in screen_fractions:
-            res = oar_p_screened_scores(pm, batch, screen, fraction=f, sample_fraction=screen_sample,
-                                        generator=torch.Generator().manual_seed(seed), probe="answer_mean")
-            name = screened_name(f)
-            out[name] = res.scores[0, :L].tolist()
-            c, sc = cost(res), cost(screen)
-            trace.costs[name] = {"seconds": c["seconds"] + sc["seconds"], "tokens": c["tokens"] + sc["tokens"],
-                                 "masked": int(res.stats["masked"])}
+        by_window = {}
+        for w in dict.fromkeys(tuple(windows) + ((screen_window,) if screen_fractions else ())):
+            res = oar_p_window_scores(pm, batch, window=w, probe="answer_mean")
+            by_window[w] = res
+            if w in windows:
+                out[window_name(w)] = res.scores[0, :L].tolist()
+                trace.costs[window_name(w)] = cost(res)
+        for kind, screen in (("window", by_window.get(screen_window)), ("oar_g", screens[(1, "answer_mean")])):
+            for f in screen_fractions:
+                res = oar_p_screened_scores(pm, batch, screen, fraction=f, sample_fraction=screen_sample,
+                                            generator=torch.Generator().manual_seed(seed), probe="answer_mean")
+                name = screened_name(f, kind)
+                out[name] = res.scores[0, :L].tolist()
+                c, sc = cost(res), cost(screen)
+                trace.costs[name] = {"seconds": c["seconds"] + sc["seconds"], "tokens": c["tokens"] + sc["tokens"],
+                                     "masked": int(res.stats["masked"])}
         out["entropy"] = entropy_scores(pm, batch).scores[0, :L].tolist()
         out["random"] = random_scores(batch, generator=torch.Generator().manual_seed(seed)).scores[0, :L].tolist()
     return out
@@ -289,7 +305,8 @@ def summarize_fidelity(traces: list[Trace], cfg, exact: str = "oar_p/answer_mean
         if not ts:
             continue
         names = [m for m in ts[0].scores if m.startswith("oar_g") and m.endswith("/answer_mean")]
-        names += [m for m in ts[0].scores if m.startswith("oar_p_screen")]
+        names += [m for m in ts[0].scores if m.startswith("oar_p_window")]
+        names += [m for m in ts[0].scores if m.startswith(("oar_p_screen", "oar_p_gscreen"))]
         for m in names:
             rho = [v for v in (spearman(t.scores[m], t.scores[exact]) for t in ts) if v is not None]
             over = [top_overlap(t.scores[m], t.scores[exact], 10) for t in ts]
@@ -297,7 +314,7 @@ def summarize_fidelity(traces: list[Trace], cfg, exact: str = "oar_p/answer_mean
             drec = [recall_at(t.scores[m], t.causal, 10) - recall_at(t.scores[exact], t.causal, 10) for t in ts
                     if any(t.causal)]
             masked = (sum(t.costs.get(m, {}).get("masked", 0) for t in ts) / sum(t.reasoning_len for t in ts)
-                      if m.startswith("oar_p_screen") else 0.0)
+                      if m.startswith(("oar_p_screen", "oar_p_gscreen")) else 0.0)
             sec = sum(t.costs.get(m, {}).get("seconds", float("nan")) for t in ts)
             tok = sum(t.costs.get(m, {}).get("tokens", 0) for t in ts)
             rows.append({
@@ -456,14 +473,17 @@ def run(args) -> list[dict]:
             tr.scores = score_trace(model, tok, tr, cfg, args.draws,
                                     trace_seed(args.seed, task_name, tr.problem_id, n_kept),
                                     tuple(getattr(args, "screen_fractions", ()) or ()),
-                                    getattr(args, "screen_sample", 0.05))
+                                    getattr(args, "screen_sample", 0.05), tuple(getattr(args, "windows", ()) or ()),
+                                    getattr(args, "screen_window", 8))
             traces.append(tr)
         print(f"[{task_name}] {sum(t.task == task_name for t in traces)} traces kept after the clean-answer check "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
     rows = summarize(traces)
     meta = {"model": args.model, "tasks": args.tasks, "draws": args.draws, "seed": args.seed,
             "screen_fractions": list(getattr(args, "screen_fractions", ()) or ()),
-            "screen_sample": getattr(args, "screen_sample", 0.05), "threads": torch.get_num_threads(),
+            "screen_sample": getattr(args, "screen_sample", 0.05),
+            "windows": list(getattr(args, "windows", ()) or ()), "screen_window": getattr(args, "screen_window", 8),
+            "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - t0, "torch": torch.__version__, "oar": oar.__version__}
     write_outputs(rows, traces, args.out, meta, summarize_fidelity(traces, cfg))
     return rows

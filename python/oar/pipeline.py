@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ import torch
 from oar import _args, ops
 from oar._lib import load_extension
 from oar.groups import resolve_groups
+
+_log = logging.getLogger("oar")
 
 _C = load_extension()
 
@@ -476,6 +479,7 @@ class Pipeline:
         # exact pass's seconds per token, and when the previous call ended
         self._grpo_step_s: float | None = None
         self._exact_s_per_token: float | None = None
+        self._warned_screen = False  # the window screen fell back to OAR-G (warned once)
         self._last_end: float | None = None
         #: cap (MiB) on the config's ``memory_budget_mb``, set by a trainer adapter from what the trainer already
         #: budgets per forward (None: the config's budget); see :attr:`memory_budget_mb`.
@@ -684,16 +688,31 @@ class Pipeline:
         raise AssertionError(f"no scorer for method {name!r}")  # pragma: no cover - METHOD_TABLE is checked
 
     def _screened_oar_p(self, run: _Run, pm, pbatch, positions, kw):
-        """Screened OAR-P (config ``screen_fraction`` < 1; docs/design.md "Screened OAR-P"): the OAR-G screen
-        (the config's sigma, noise draws and this pipeline's generator), then exact masking of the selection."""
-        from oar.attribution import oar_g_scores
+        """Screened OAR-P (config ``screen_fraction`` < 1; docs/design.md "Screened OAR-P"): the screen (config
+        ``screen``: windowed OAR-P with ``screen_window``, or OAR-G with the config's sigma, noise draws and this
+        pipeline's generator), then exact masking of the selection. A model without the prefix-cache capability
+        (sliding-window or recurrent layers) cannot run the window screen: OAR-G screens instead (warned once)."""
+        from oar.attribution import oar_g_scores, oar_p_window_scores, probe_capabilities
         from oar.attribution.screened import oar_p_screened_scores
 
         cfg = self.config
+        if cfg.screen not in ("window", "oar_g"):
+            raise ValueError(f"config screen must be 'window' or 'oar_g', got {cfg.screen!r}")
+        kind = cfg.screen
+        if kind == "window" and not probe_capabilities(pm).prefix_cache:
+            if not self._warned_screen:
+                _log.warning("screen 'window' needs a model with the prefix-cache capability; %s has none: "
+                             "screening with OAR-G", type(pm).__name__)
+                self._warned_screen = True
+            kind = "oar_g"
         t0 = time.perf_counter()
-        screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
-                              noise_draws=cfg.noise_draws, generator=self._generator,
-                              memory_budget_mb=self.memory_budget_mb, positions=positions)
+        if kind == "window":
+            screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
+                                         rows=run.active, positions=positions, memory_budget_mb=self.memory_budget_mb)
+        else:
+            screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
+                                  noise_draws=cfg.noise_draws, generator=self._generator,
+                                  memory_budget_mb=self.memory_budget_mb, positions=positions)
         screen_s = time.perf_counter() - t0
         fraction = self._screen_fraction(pbatch, run.active, positions, screen_s)
         att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,

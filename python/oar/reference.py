@@ -265,9 +265,10 @@ def build_masked_batch(
 # ==== section: attribution (naive OAR-P, what a user would write; benchmarks and tests) ==================
 
 
-def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tensor, probe: str) -> torch.Tensor:
-    """Probe statistic of ONE context's full logits (T, V): log-distribution (V,) or phi (scalar), float64."""
-    z = logits[cols].double()
+def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tensor, probe: str,
+                dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Probe statistic of ONE context's full logits (T, V): log-distribution (V,) or phi (scalar), in ``dtype``."""
+    z = logits[cols].to(dtype)
     if probe == "last":
         return torch.log_softmax(z[0], -1)
     if probe == "answer_mean":
@@ -316,6 +317,66 @@ def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched",
                         scores[j] = max(0.0, float(clean - pert))
                     else:
                         scores[j] = float((clean.exp() * (clean - pert)).sum().clamp_min(0))
+            out[r] = scores
+    return out
+
+
+def oar_p_window_naive(model, batch, window: int, probe: str = "answer_mean", rows=None,
+                       dtype: torch.dtype = torch.float64) -> dict:
+    """Windowed OAR-P (:func:`oar.attribution.oar_p_window_scores`) written step by step with a Hugging Face
+    cache and 2-D masks, one unpadded context and one masked token at a time: (1) the clean cache of the columns
+    before the probe tail ``[0, tail)``, tail = min(end of reasoning, context length - keep); (2) token t as PAD and
+    the ``window`` reasoning tokens after it (columns before ``tail``) on that cache, attending to columns < t
+    only; (3) the tail on top, attending to every clean column except the re-run ones, and to the re-run ones.
+    ``dtype``: precision of the divergence (float32 for a float32 model's rounding reference). Returns
+    {row: {reasoning index j: score}}."""
+    import copy
+    import inspect
+
+    from transformers import DynamicCache
+
+    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.x
+    out = {}
+    rows = range(batch.batch_size) if rows is None else rows
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        for r in rows:
+            m = batch.attention_mask[r].bool()
+            ids = batch.input_ids[r][m].to(dev)
+            n = ids.numel()
+            s = int(batch.reasoning_start[r]) - int((~m).sum())
+            L = int(batch.reasoning_len[r])
+            K = int(batch.answer_len[r])
+            first = n - (batch.keep - int(batch.probe_start[r]))
+            cols = torch.arange(first, first + K, device=dev)
+            a_ids = batch.answer_ids[r, :K].to(dev)
+            clean = _probe_stat(model(input_ids=ids[None]).logits[0], cols, a_ids, probe, dtype)
+            tail = min(s + L, n - batch.keep)
+            base = DynamicCache(config=model.config)
+            model(input_ids=ids[None, :tail], use_cache=True, **{ckw: base})
+            scores = {}
+            for j in range(L):
+                t = s + j
+                cache = copy.deepcopy(base)
+                win = list(range(t, min(t + 1 + window, tail)))
+                masked = ids.clone()
+                masked[t] = batch.pad_id
+                if win:
+                    att = torch.ones(1, tail + len(win), dtype=torch.long, device=dev)
+                    att[0, t:tail] = 0
+                    model(input_ids=masked[None, win], attention_mask=att, use_cache=True,
+                          position_ids=torch.tensor([win], device=dev), **{ckw: cache})
+                att = torch.ones(1, tail + len(win) + n - tail, dtype=torch.long, device=dev)
+                att[0, win] = 0  # the clean keys of the re-run columns
+                logits = model(input_ids=masked[None, tail:], attention_mask=att, use_cache=True,
+                               position_ids=torch.arange(tail, n, device=dev)[None], **{ckw: cache}).logits[0]
+                full = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=dev)
+                full[tail:] = logits
+                pert = _probe_stat(full, cols, a_ids, probe, dtype)
+                if probe == "answer_joint":
+                    scores[j] = max(0.0, float(clean - pert))
+                else:
+                    scores[j] = float((clean.exp() * (clean - pert)).sum().clamp_min(0))
             out[r] = scores
     return out
 

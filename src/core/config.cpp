@@ -76,7 +76,7 @@ const std::set<std::string>& known_keys() {
   static const std::set<std::string> keys{
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
-      "screen_fraction", "screen_sample", "screen_budget",
+      "screen_fraction", "screen_sample", "screen_budget", "screen", "screen_window",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -181,6 +181,11 @@ OARConfig parse_oar_config(const std::string& json_text) {
   if (cfg.screen_fraction < 1 && !(cfg.screen_fraction + cfg.screen_sample > 0))
     fail("screen_sample", "must be > 0 when oar.screen_fraction is 0 (nothing would be masked exactly), got " +
                               json(cfg.screen_sample).dump());
+  cfg.screen = get_string(obj, "screen", cfg.screen);
+  if (cfg.screen != "window" && cfg.screen != "oar_g")
+    fail("screen", "must be \"window\" or \"oar_g\", got " + json(cfg.screen).dump());
+  cfg.screen_window = get_int(obj, "screen_window", cfg.screen_window);
+  if (cfg.screen_window < 0) fail("screen_window", "must be >= 0, got " + std::to_string(cfg.screen_window));
   cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
   if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
     fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +
@@ -230,6 +235,8 @@ std::string to_json(const OARConfig& cfg) {
   j["screen_fraction"] = cfg.screen_fraction;
   j["screen_sample"] = cfg.screen_sample;
   j["screen_budget"] = cfg.screen_budget;
+  j["screen"] = cfg.screen;
+  j["screen_window"] = cfg.screen_window;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;
   j["ktae_alpha"] = cfg.ktae.alpha;

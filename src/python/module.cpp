@@ -161,6 +161,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("seed", &OARConfig::seed)
       .def_readwrite("screen_fraction", &OARConfig::screen_fraction)
       .def_readwrite("screen_sample", &OARConfig::screen_sample)
+      .def_readwrite("screen", &OARConfig::screen)
+      .def_readwrite("screen_window", &OARConfig::screen_window)
       .def_readwrite("screen_budget", &OARConfig::screen_budget)
       .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
       .def_readwrite("ktae", &OARConfig::ktae)

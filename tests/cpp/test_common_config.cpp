@@ -44,13 +44,15 @@ TEST(Config, DefaultsFollowMethodMd) {
   EXPECT_DOUBLE_EQ(c.screen_fraction, 1.0);  // screening off: exact OAR-P
   EXPECT_DOUBLE_EQ(c.screen_sample, 0.05);
   EXPECT_DOUBLE_EQ(c.screen_budget, 0.0);
+  EXPECT_EQ(c.screen, "window");
+  EXPECT_EQ(c.screen_window, 8);
 }
 
 TEST(Config, ParsesEveryFieldAndRoundTrips) {
   const std::string text = R"({"method": "oar_p", "probe": "answer_joint", "q": 0.5, "beta": 2.0, "floor": 0.2,
     "tiers": "boost", "estimator": "rloo", "preset": "verl", "skip_nan": true, "sigma": 0.01, "noise_draws": 4,
     "conclude": "\nAnswer: ", "answer_suffix": "", "memory_budget_mb": 64, "max_variants_per_chunk": 8, "seed": 7,
-    "screen_fraction": 0.1, "screen_sample": 0.02, "screen_budget": 1.5})";
+    "screen_fraction": 0.1, "screen_sample": 0.02, "screen_budget": 1.5, "screen": "oar_g", "screen_window": 3})";
   const OARConfig c = parse_oar_config(text);
   EXPECT_EQ(c.method, Method::kOarP);
   EXPECT_EQ(c.probe, Probe::kAnswerJoint);
@@ -66,6 +68,8 @@ TEST(Config, ParsesEveryFieldAndRoundTrips) {
   EXPECT_DOUBLE_EQ(c.screen_fraction, 0.1);
   EXPECT_DOUBLE_EQ(c.screen_sample, 0.02);
   EXPECT_DOUBLE_EQ(c.screen_budget, 1.5);
+  EXPECT_EQ(c.screen, "oar_g");
+  EXPECT_EQ(c.screen_window, 3);
 
   const OARConfig again = parse_oar_config(to_json(c));
   EXPECT_EQ(to_json(again), to_json(c));
@@ -90,6 +94,9 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"screen_fraction": 0, "screen_sample": 0})"); },
                  "oar.screen_sample must be > 0 when oar.screen_fraction is 0");
   expect_invalid([] { parse_oar_config(R"({"screen_budget": 1.0})"); }, "oar.screen_budget must be 0 (off) or > 1");
+  expect_invalid([] { parse_oar_config(R"({"screen": "entropy"})"); },
+                 "oar.screen must be \"window\" or \"oar_g\", got \"entropy\"");
+  expect_invalid([] { parse_oar_config(R"({"screen_window": -1})"); }, "oar.screen_window must be >= 0, got -1");
   expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
   expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
   expect_invalid([] { parse_oar_config("{not json"); }, "not valid JSON");

@@ -262,9 +262,11 @@ def _hook_worker(rank, world, port, out_dir, methods):
             # clean forward and forward + backward.
             adv = torch.zeros(3)
         # A 1 MB budget puts one OAR-G row / few OAR-P variants per forward, so the plans differ between ranks.
-        # "oar_p_screened": screened OAR-P (the OAR-G screen, then exact masking of a selection that differs by rank)
-        keys = ({"method": "oar_p", "screen_fraction": 0.3, "screen_sample": 0.2} if method == "oar_p_screened"
-                else {"method": method})
+        # "oar_p_screened": screened OAR-P (the windowed screen, then exact masking of a selection that differs by
+        # rank); "oar_p_screened_g": the same with the OAR-G screen.
+        screened = {"method": "oar_p", "screen_fraction": 0.3, "screen_sample": 0.2}
+        keys = (screened if method == "oar_p_screened" else {**screened, "screen": "oar_g"}
+                if method == "oar_p_screened_g" else {"method": method})
         cfg = oar.OARConfig.from_json(json.dumps({**keys, "max_variants_per_chunk": 4, "seed": 5,
                                                   "memory_budget_mb": 1}))
         calls["n"] = 0
@@ -283,7 +285,7 @@ def _hook_worker(rank, world, port, out_dir, methods):
     dist.destroy_process_group()
 
 
-METHODS = ["oar_p", "oar_g", "entropy", "entropy_shaping", "oar_p_screened"]
+METHODS = ["oar_p", "oar_g", "entropy", "entropy_shaping", "oar_p_screened", "oar_p_screened_g"]
 
 
 def test_hook_runs_equal_forwards_on_every_rank(tmp_path):

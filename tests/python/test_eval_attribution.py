@@ -215,6 +215,8 @@ def no_model(monkeypatch):
     (["--screen-fractions", "0.1", "1.5"], r"--screen-fractions must be in \[0, 1\], got 1\.5"),
     (["--screen-sample", "nan"], r"--screen-sample must be in \[0, 1\], got nan"),
     (["--screen-fractions", "0", "--screen-sample", "0"], r"--screen-fractions 0 needs --screen-sample > 0"),
+    (["--screen-window", "-1"], r"--screen-window must be >= 0, got -1"),
+    (["--windows", "0", "-2"], r"--windows must be >= 0, got -2"),
 ])
 def test_cli_eval_attribution_fails_fast(tmp_path, monkeypatch, capsys, no_model, argv, match):
     # Each of these used to load the model (and for --out, run to the end before failing to write the results).
@@ -230,3 +232,39 @@ def test_cli_eval_attribution_fails_fast(tmp_path, monkeypatch, capsys, no_model
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("oar eval-attribution: error:")
     assert re.search(match, err)
+
+
+def test_score_trace_windows_and_both_screens():
+    """score_trace scores windowed OAR-P at each window (the engine's numbers) and screened OAR-P at each fraction
+    with both screens: the window screen's and OAR-G's masked tokens carry exact OAR-P scores, so at fraction 1
+    both equal exact OAR-P; the costs of a screened method include its screen's."""
+    import oar
+    from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_p_window_scores
+    from oar.eval_attribution import score_trace, screened_name, window_name
+    from oar.models import tiny_random_llama
+    from test_attribution import CONCLUDE, _rollouts
+
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=1)
+    with torch.no_grad():  # sharpened as test_attribution's fixture: divergences O(1e-2 .. 1)
+        for prm in model.parameters():
+            if prm.dim() > 1:
+                prm.mul_(6.0)
+    model.eval()
+    pids, rids, answers = _rollouts(tok)
+    cfg = oar.OARConfig(conclude=CONCLUDE)
+    L = 17
+    tr = Trace(task="t", problem_id="0", prompt_ids=pids[0], response_ids=rids[0], answer=answers[0], text="",
+               reasoning_len=L, causal=[False] * L)
+    out = score_trace(model, tok, tr, cfg, draws=2, seed=3, screen_fractions=(0.2, 1.0), screen_sample=0.1,
+                      windows=(0, 3), screen_window=3)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build([pids[0]], [rids[0]], [answers[0]], [L])
+    for w in (0, 3):
+        want = oar_p_window_scores(HFProbeModel(model), batch, window=w).scores[0, :L]
+        torch.testing.assert_close(torch.tensor(out[window_name(w)]), want, rtol=0, atol=0)
+    for kind in ("window", "oar_g"):
+        torch.testing.assert_close(torch.tensor(out[screened_name(1.0, kind)]), torch.tensor(out["oar_p/answer_mean"]),
+                                   rtol=0, atol=0)
+        assert tr.costs[screened_name(0.2, kind)]["masked"] == 4 + 2  # ceil(0.2 x 17) + ceil(0.1 x 17)
+    assert screened_name(0.2, "oar_g") == "oar_p_gscreen0.2/answer_mean"
+    # the screen's tokens plus the exact pass's (its clean pass at least)
+    assert tr.costs[screened_name(0.2)]["tokens"] > tr.costs[window_name(3)]["tokens"]

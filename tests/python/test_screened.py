@@ -1,6 +1,7 @@
 """Screened OAR-P (oar.attribution.screened, issue 13): selection, calibration and the exactness of the masked
-tokens, on the sharpened tiny model of test_attribution.py."""
+tokens, and the windowed OAR-P screen, on the sharpened tiny model of test_attribution.py."""
 
+import logging
 import math
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 
 import oar
 from oar import ops
-from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, screened
+from oar import reference
+from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores,
+                            screened)
 from oar.attribution.screened import budget_fraction, calibrate, oar_p_screened_scores, screen_selection
 from oar.pipeline import Pipeline, RolloutBatch
 
@@ -137,13 +140,13 @@ def _pipeline_batch(tok):
 
 
 def test_pipeline_screened_oar_p_is_the_screen_then_the_screened_pass(tiny, monkeypatch):  # noqa: F811
-    """Config ``screen_fraction`` < 1 runs OAR-G (the config's sigma, the pipeline's generator) on the eligible
+    """Config ``screen_fraction`` < 1 with ``screen="oar_g"`` runs OAR-G (the config's sigma, the pipeline's generator) on the eligible
     reasoning tokens, then :func:`oar_p_screened_scores` on them; recomputed here from the same probe batch with a
     generator seeded like the pipeline's, the screen and the scores are the same numbers, and the token advantages
     are the reshaping of those scores (mass kept per row, tool outputs at 0)."""
     model, tok = tiny
     batch, eligible = _pipeline_batch(tok)
-    cfg = oar.OARConfig(method="oar_p", screen_fraction=0.3, screen_sample=0.1, sigma=0.05, seed=5)
+    cfg = oar.OARConfig(method="oar_p", screen="oar_g", screen_fraction=0.3, screen_sample=0.1, sigma=0.05, seed=5)
     calls = []
     real = screened.oar_p_screened_scores
 
@@ -194,3 +197,114 @@ def test_pipeline_time_budget_cuts_the_fraction(tiny):  # noqa: F811
     assert starved.metrics["oar/screen_fraction"] == 0.0
     pipe._last_end, pipe._grpo_step_s, pipe._exact_s_per_token = None, 1e9, 1e-9
     assert pipe.compute(batch, model).metrics["oar/screen_fraction"] == 0.5
+
+
+def _window_truth(tiny, window, probe):  # noqa: F811
+    """Windowed OAR-P by the step-by-step reference (oar.reference.oar_p_window_naive): float64 model (truth) and
+    float32 model with a float32 divergence (the rounding reference), as (B, L_max) tensors."""
+    import copy
+
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    L_max = int(batch.reasoning_len.max())
+    out = []
+    for m, dt in ((copy.deepcopy(model).double(), torch.float64), (model, torch.float32)):
+        t = torch.zeros(batch.batch_size, L_max, dtype=torch.float64)
+        for r, sc in reference.oar_p_window_naive(m, batch, window, probe=probe, dtype=dt).items():
+            for j, v in sc.items():
+                t[r, j] = v
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("probe", ["answer_mean", "answer_joint"])
+@pytest.mark.parametrize("window, budget_mb", [(0, 1024), (3, 1), (5, 1024)])
+def test_window_scores_equal_the_stepwise_reference(tiny, window, probe, budget_mb):  # noqa: F811
+    """The windowed engine (one 4-D-masked call per chunk over copied clean caches, left-padded rows, chunks of
+    one variant at budget 1 MiB) against the reference that crops a cache and re-runs the window and the tail with
+    2-D masks, one token at a time (rule 1 against float64). The window is an approximation: at window 0 it differs
+    from exact OAR-P by far more than rounding (so the comparison is not exact OAR-P's)."""
+    pm, batch, _ = _setup(tiny)
+    res = oar_p_window_scores(pm, batch, window=window, probe=probe, memory_budget_mb=budget_mb)
+    assert res.stats["engine"] == "window" and res.stats["variants"] == int(batch.reasoning_len.sum())
+    ref64, ref32 = _window_truth(tiny, window, probe)
+    assert float(ref64.max()) > 1e-3, "test model too flat: the comparison would be vacuous"
+    assert_close_to_reference(res.scores.double(), ref64, ref32, what=f"window {window}")
+    assert bool((res.scores >= 0).all())
+    if window == 0:
+        exact = _truth(tiny, probe)
+        W = exact.shape[1]
+        assert float((ref64[:, :W] - exact).abs().max()) > 100 * float((ref32 - ref64).abs().max())
+
+
+def test_window_covering_the_rest_is_exact_oar_p(tiny):  # noqa: F811
+    """A window as long as the longest reasoning re-runs every later token: exact OAR-P (rule 1 against float64,
+    the exact engine's float32 scores as rounding reference); with positions, only those tokens are scored."""
+    pm, batch, _ = _setup(tiny)
+    full = oar_p_scores(pm, batch)
+    truth = _truth(tiny, "answer_mean")
+    W = truth.shape[1]
+    res = oar_p_window_scores(pm, batch, window=int(batch.reasoning_len.max()))
+    assert torch.equal(res.mask, full.mask)
+    assert_close_to_reference(res.scores[:, :W], truth, full.scores[:, :W], what="window = L")
+    some = {0: [0, 3, 5], 2: [1]}
+    part = oar_p_window_scores(pm, batch, window=100, rows=[0, 2], positions=some)
+    for r, js in some.items():
+        assert_close_to_reference(part.scores[r, js], truth[r, js], full.scores[r, js], what=f"row {r}")
+        others = [j for j in range(int(batch.reasoning_len[r])) if j not in js]
+        assert (part.scores[r, others] == 0).all()
+    assert not part.mask[1].any() and part.stats["variants"] == 4
+
+
+def test_window_bad_input(tiny):  # noqa: F811
+    pm, batch, _ = _setup(tiny)
+    with pytest.raises(ValueError, match="window must be an int >= 0, got -1"):
+        oar_p_window_scores(pm, batch, window=-1)
+    with pytest.raises(ValueError, match="window must be an int, got float 1.5"):
+        oar_p_window_scores(pm, batch, window=1.5)
+
+    class NoCache(HFProbeModel):
+        @property
+        def supports_prefix_cache(self):
+            return False
+
+    with pytest.raises(ValueError, match="needs a ProbeModel with the prefix-cache capability.*NoCache"):
+        oar_p_window_scores(NoCache(pm.model), batch, window=2)
+
+
+def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811
+    """The default screen is windowed OAR-P with the config's ``screen_window`` on the eligible reasoning tokens of
+    the active rows; its scores are what the screened pass selects and calibrates from. A model without the
+    prefix-cache capability is screened by OAR-G instead (a warning)."""
+    model, tok = tiny
+    batch, _ = _pipeline_batch(tok)
+    cfg = oar.OARConfig(method="oar_p", screen_fraction=0.3, screen_sample=0.1, screen_window=2, seed=5)
+    assert cfg.screen == "window"
+    calls = []
+    real = screened.oar_p_screened_scores
+
+    def spy(model_, pbatch, screen, **kw):
+        calls.append((pbatch, screen, dict(kw)))
+        return real(model_, pbatch, screen, **kw)
+
+    monkeypatch.setattr(screened, "oar_p_screened_scores", spy)
+    Pipeline(cfg, tok).compute(batch, model)
+    (pbatch, screen, kw), = calls
+    want = oar_p_window_scores(HFProbeModel(model), pbatch, window=2, rows=[0, 1, 2], positions=kw["positions"])
+    assert screen.stats["engine"] == "window"
+    torch.testing.assert_close(screen.scores, want.scores, rtol=0, atol=0)
+
+    class NoCache(HFProbeModel):
+        @property
+        def supports_prefix_cache(self):
+            return False
+
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="oar"):
+        Pipeline(cfg, tok).compute(batch, NoCache(model))
+    assert "screening with OAR-G" in caplog.text
+    (pbatch, screen, kw), = calls
+    want = oar_g_scores(NoCache(model), pbatch, rows=[0, 1, 2], sigma=cfg.sigma,
+                        generator=torch.Generator().manual_seed(5), positions=kw["positions"])
+    assert torch.equal(screen.scores, want.scores)

@@ -61,10 +61,14 @@ struct OARConfig {
   int64_t memory_budget_mb = 1024;           ///< OAR-P chunk planner budget
   int64_t max_variants_per_chunk = 0;        ///< OAR-P, 0 = unlimited
   int64_t seed = 0;                          ///< noise / random-baseline seed
-  /// Screened OAR-P (method "oar_p" only; docs/design.md "Screened OAR-P"): an OAR-G screen ranks the reasoning
+  /// Screened OAR-P (method "oar_p" only; docs/design.md "Screened OAR-P"): a screen ranks the reasoning
   /// tokens, exact masking runs on its top "screen_fraction" plus a uniform sample of "screen_sample" of the
   /// others, and the tokens not masked get the screen's scores scaled onto the exact scale. 1 = exact OAR-P.
   double screen_fraction = 1.0;              ///< in [0, 1]
+  /// The screen: "window" (windowed OAR-P: each masked token re-runs only the next "screen_window" reasoning
+  /// tokens and the probe tail) or "oar_g" (OAR-G with this config's sigma / noise_draws).
+  std::string screen = "window";
+  int64_t screen_window = 8;                 ///< >= 0, the "window" screen's re-run reasoning tokens
   double screen_sample = 0.05;               ///< in [0, 1]; screen_fraction + screen_sample > 0
   /// 0 = off; > 1: the masked share is also cut so that a step takes at most screen_budget x a GRPO step
   /// (wall time measured between pipeline calls; then results depend on timing).

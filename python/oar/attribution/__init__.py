@@ -8,6 +8,7 @@ from oar.attribution.engines import (
     entropy_scores,
     oar_g_scores,
     oar_p_scores,
+    oar_p_window_scores,
     random_scores,
 )
 from oar.attribution.screened import oar_p_screened_scores
@@ -25,7 +26,7 @@ from oar.attribution.model import (
 
 __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
-    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "random_scores", "HFProbeModel",
+    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "oar_p_window_scores", "random_scores", "HFProbeModel",
     "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
     "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
 ]

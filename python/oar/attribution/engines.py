@@ -351,6 +351,33 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
+def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int):
+    """Clean pass over ``rows`` (chunked under ``budget`` bytes, no grad): probe logits (n, K_max, V), the
+    key/value cache (per layer (keys, values), each (n, kv_heads, T, head_dim)), forward passes, tokens run."""
+    T = batch.input_ids.shape[1]
+    K = batch.answer_ids.shape[1]
+    dev = torch.device(model.device)
+    idx_rows = torch.tensor(list(rows), dtype=torch.long)
+    bytes_tok = int(model.activation_bytes_per_token(T))
+    kv_tok = int(model.kv_bytes_per_token())
+    plan = _C.plan_masked_chunks([T] * len(rows), [1] * len(rows), bytes_tok + kv_tok, _probe_bytes(model, batch),
+                                 budget, 0)
+    clean_parts, kv_parts, passes, tokens = [], [], 0, 0
+    for ch in plan:
+        sel = idx_rows[ch.begin:ch.end]
+        window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
+                                                 attention_mask=batch.attention_mask[sel].to(dev),
+                                                 position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+        clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
+        kv_parts.append(kv)
+        passes += 1
+        tokens += int(sel.numel()) * T
+    clean_all = torch.cat(clean_parts)
+    kv_all = [(torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
+              for l in range(len(kv_parts[0]))]
+    return clean_all, kv_all, passes, tokens
+
+
 def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
     """One clean pass with the key/value cache, then column-sorted variants in chunks by ``plan_prefix_chunks``,
     each run on the clean prefix of its smallest column. Returns the stats."""
@@ -358,29 +385,12 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
     budget = run.budget
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
-    idx_rows = torch.tensor(rows, dtype=torch.long)
-    passes, tokens = 0, 0
-    # 1. Clean pass over the requested rows (chunked by the same budget): probe logits + key/value cache.
-    widths = [int(batch.context_len[r]) for r in rows]
     bytes_tok = int(model.activation_bytes_per_token(T))
     kv_tok = int(model.kv_bytes_per_token())
     bytes_var = _probe_bytes(model, batch)
-    clean_plan = _C.plan_masked_chunks([T] * len(rows), [1] * len(rows), bytes_tok + kv_tok, bytes_var, budget, 0)
-    clean_parts, kv_parts = [], []
     with torch.no_grad():
-        for ch in clean_plan:
-            sel = idx_rows[ch.begin:ch.end]
-            window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
-                                                     attention_mask=batch.attention_mask[sel].to(dev),
-                                                     position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
-            clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
-            kv_parts.append(kv)
-            passes += 1
-            tokens += int(sel.numel()) * T
-        clean_all = torch.cat(clean_parts)
-        kv_all = [(torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
-                  for l in range(len(kv_parts[0]))]
-        del kv_parts
+        # 1. Clean pass over the requested rows: probe logits + key/value cache.
+        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
         var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
         order = torch.argsort(var_col_t, stable=True)
@@ -429,6 +439,111 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens,
             "shared_prefix_chunks": shared_chunks}
+
+
+def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
+                        rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
+                        memory_budget_mb: int = 1024) -> Attribution:
+    """Windowed OAR-P (issue 13's screen; docs/design.md "Screened OAR-P"): I_t as in :func:`oar_p_scores`
+    (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
+    the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
+    on keep their clean keys/values. It measures the effect of token t that reaches the answer directly or
+    through its next ``window`` tokens, at a cost of (1 + window + tail) tokens per masked token instead of the
+    whole suffix. ``window >= L - 1`` re-runs every later token: exact OAR-P (equal within fp32 rounding; tested).
+
+    One clean pass yields the clean probe logits and the key/value cache; each chunk of masked variants runs its
+    re-run columns on its row's clean cache (``tail_logits_cached``) under a 4-D attention mask: a re-run token
+    attends to the clean columns before it that are not re-run, and causally to the re-run tokens.
+
+    Args:
+        model: a ProbeModel with the prefix-cache capability (:class:`~oar.attribution.model.PrefixCacheModel`)
+            whose ``tail_logits_cached`` takes a 4-D attention mask (N, 1, S, T + S) of 0 / dtype-min floats
+            (``HFProbeModel``: transformers passes a 4-D mask through as it is).
+        window: int >= 0, the later reasoning tokens re-run with each masked token.
+        probe, rows, positions, memory_budget_mb: as :func:`oar_p_scores`.
+    Returns:
+        Attribution (B, L_max) float32 >= 0, stats ``forward_passes``, ``variants``, ``chunks``, ``tokens`` (tokens
+        run through the model), ``engine`` (``"window"``), ``seconds``.
+    Raises:
+        TypeError: ``model`` is not a ProbeModel.
+        ValueError: window not an int >= 0, a model without the prefix-cache capability, and as
+            :func:`oar_p_scores`.
+    """
+    caps = probe_capabilities(model)
+    probe = _check_probe(probe)
+    window = _int_value("window", window)
+    if window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window}")
+    rows = _rows(batch, rows)
+    budget = _budget_bytes(memory_budget_mb)
+    positions = _positions(batch, rows, positions)
+    if not caps.prefix_cache:
+        raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
+                         f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
+                         "it: use oar_p_scores")
+    _check_ids(model, batch)
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    if not rows:
+        res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine="window", seconds=0.0)
+        return res
+    dev = torch.device(model.device)
+    T = int(batch.input_ids.shape[1])
+    K = batch.answer_ids.shape[1]
+    keep = int(batch.keep)
+    with torch.no_grad():
+        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+        dtype = kv_all[0][0].dtype
+        var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+        slot = {r: i for i, r in enumerate(rows)}
+        # Re-run columns of each variant: [t, t + 1 + window) and the tail [min(end of reasoning, T - keep), T).
+        runs = []
+        for r, t in zip(var_row_t.tolist(), var_col_t.tolist()):
+            tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
+            runs.append(sorted(set(range(t, min(t + 1 + window, T))) | set(range(tail, T))))
+        kv_tok = int(model.kv_bytes_per_token())
+        S_max = max(len(c) for c in runs)
+        per_var = (2 * T + S_max) * kv_tok + S_max * int(model.activation_bytes_per_token(T + S_max)) \
+            + 4 * S_max * (T + S_max) + _probe_bytes(model, batch)
+        n_chunk = max(1, budget // max(per_var, 1))
+        chunks = 0
+        for b0 in range(0, len(runs), n_chunk):
+            sl = slice(b0, min(b0 + n_chunk, len(runs)))
+            row_index, cols_t, js = var_row_t[sl], var_col_t[sl], var_j_t[sl]
+            part = runs[sl]
+            N, S = len(part), max(len(c) for c in part)
+            colq = torch.full((N, S), -1, dtype=torch.long)  # original column of each suffix slot, -1 = padding
+            for n, c in enumerate(part):
+                colq[n, S - len(c):] = torch.tensor(c, dtype=torch.long)
+            valid = colq >= 0
+            ids = batch.input_ids[row_index.view(-1, 1), colq.clamp_min(0)]
+            ids[~valid] = batch.pad_id
+            ids[torch.arange(N), (colq == cols_t.view(-1, 1)).long().argmax(1)] = batch.pad_id  # the masked token
+            pos = torch.where(valid, batch.position_ids[row_index.view(-1, 1), colq.clamp_min(0)], torch.zeros(()))
+            rerun = torch.zeros((N, T), dtype=torch.bool)
+            rerun[torch.arange(N).view(-1, 1).expand_as(colq)[valid], colq[valid]] = True
+            first = (T - batch.context_len[row_index]).view(-1, 1, 1)
+            k_cols = torch.arange(T).view(1, 1, T)
+            see_prefix = (k_cols < colq.unsqueeze(-1)) & (k_cols >= first) & ~rerun.unsqueeze(1)
+            see_self = ((colq.unsqueeze(1) <= colq.unsqueeze(-1)) & valid.unsqueeze(1)) | torch.eye(S, dtype=torch.bool)
+            allowed = torch.cat([see_prefix, see_self], dim=-1).unsqueeze(1)
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+            dslots = torch.tensor([slot[int(r)] for r in row_index], dtype=torch.long, device=dev)
+            prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
+            win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                           position_ids=pos.to(dev), keep=keep)
+            passes += 1
+            chunks += 1
+            tokens += int(valid.sum())
+            pert = gather_probe_logits(win, batch.probe_start[row_index], K)
+            clean = clean_all[dslots.to(clean_all.device)]
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
+    res.stats.update(forward_passes=passes, variants=int(var_row_t.numel()), chunks=chunks, tokens=tokens,
+                     engine="window", seconds=time.perf_counter() - t0)
+    _log.info("oar_p_window_scores: window %d, %d rows, %d variants in %d chunks, %.3f s", window, len(rows),
+              res.stats["variants"], chunks, res.stats["seconds"])
+    return res
 
 
 def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):
