@@ -218,14 +218,18 @@ def _window_truth(tiny, window, probe):  # noqa: F811
     return out
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("probe", ["answer_mean", "answer_joint"])
 @pytest.mark.parametrize("window, budget_mb", [(0, 1024), (3, 1), (5, 1024)])
-def test_window_scores_equal_the_stepwise_reference(tiny, window, probe, budget_mb):  # noqa: F811
-    """The windowed engine (one 4-D-masked call per chunk over copied clean caches, left-padded rows, chunks of
-    one variant at budget 1 MiB) against the reference that crops a cache and re-runs the window and the tail with
-    2-D masks, one token at a time (rule 1 against float64). The window is an approximation: at window 0 it differs
-    from exact OAR-P by far more than rounding (so the comparison is not exact OAR-P's)."""
+def test_window_scores_equal_the_stepwise_reference(tiny, window, probe, budget_mb, shared):  # noqa: F811
+    """The windowed engine (each row's clean cache read in place by the shared-prefix attention with per-query
+    masks, or copied per variant under one 4-D mask; left-padded rows; chunks of few variants at budget 1 MiB)
+    against the reference that crops a cache and re-runs the window and the tail with 2-D masks, one token at a
+    time (rule 1 against float64). The window is an approximation: at window 0 it differs from exact OAR-P by far
+    more than rounding (so the comparison is not exact OAR-P's)."""
     pm, batch, _ = _setup(tiny)
+    pm.shared_prefix_attention = shared
+    assert oar.attribution.probe_capabilities(pm).shared_prefix == shared
     res = oar_p_window_scores(pm, batch, window=window, probe=probe, memory_budget_mb=budget_mb)
     assert res.stats["engine"] == "window" and res.stats["variants"] == int(batch.reasoning_len.sum())
     ref64, ref32 = _window_truth(tiny, window, probe)
@@ -271,6 +275,13 @@ def test_window_bad_input(tiny):  # noqa: F811
 
     with pytest.raises(ValueError, match="needs a ProbeModel with the prefix-cache capability.*NoCache"):
         oar_p_window_scores(NoCache(pm.model), batch, window=2)
+    ids = torch.zeros((2, 3), dtype=torch.long)
+    with pytest.raises(ValueError, match="prefix_bias must have shape \\(2, 3, 5\\), got \\(2, 3, 4\\)"):
+        pm.tail_logits_shared_prefix(None, [(0, 0, 2, 0)], 5, input_ids=ids, position_ids=ids, keep=1,
+                                     prefix_bias=torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="self_bias must have shape \\(2, 1, 3, 3\\)"):
+        pm.tail_logits_shared_prefix(None, [(0, 0, 2, 0)], 5, input_ids=ids, position_ids=ids, keep=1,
+                                     self_bias=torch.zeros(2, 3, 3))
 
 
 def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811

@@ -452,8 +452,10 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     whole suffix. ``window >= L - 1`` re-runs every later token: exact OAR-P (equal within fp32 rounding; tested).
 
     One clean pass yields the clean probe logits and the key/value cache; each chunk of masked variants runs its
-    re-run columns on its row's clean cache (``tail_logits_cached``) under a 4-D attention mask: a re-run token
-    attends to the clean columns before it that are not re-run, and causally to the re-run tokens.
+    re-run columns on its row's clean cache: a re-run token attends to the clean columns before it that are not
+    re-run, and causally to the re-run tokens. Models with shared-prefix attention
+    (:meth:`HFProbeModel.tail_logits_shared_prefix`, CPU) read each row's cache in place with these masks; others
+    get the cache copied per variant and one 4-D mask (``tail_logits_cached``).
 
     Args:
         model: a ProbeModel with the prefix-cache capability (:class:`~oar.attribution.model.PrefixCacheModel`)
@@ -503,8 +505,9 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
             runs.append(sorted(set(range(t, min(t + 1 + window, T))) | set(range(tail, T))))
         kv_tok = int(model.kv_bytes_per_token())
+        shared = caps.shared_prefix
         S_max = max(len(c) for c in runs)
-        per_var = (2 * T + S_max) * kv_tok + S_max * int(model.activation_bytes_per_token(T + S_max)) \
+        per_var = ((S_max if shared else 2 * T + S_max)) * kv_tok + S_max * int(model.activation_bytes_per_token(T + S_max)) \
             + 4 * S_max * (T + S_max) + _probe_bytes(model, batch)
         n_chunk = max(1, budget // max(per_var, 1))
         chunks = 0
@@ -527,12 +530,23 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             k_cols = torch.arange(T).view(1, 1, T)
             see_prefix = (k_cols < colq.unsqueeze(-1)) & (k_cols >= first) & ~rerun.unsqueeze(1)
             see_self = ((colq.unsqueeze(1) <= colq.unsqueeze(-1)) & valid.unsqueeze(1)) | torch.eye(S, dtype=torch.bool)
-            allowed = torch.cat([see_prefix, see_self], dim=-1).unsqueeze(1)
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
             dslots = torch.tensor([slot[int(r)] for r in row_index], dtype=torch.long, device=dev)
-            prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
-            win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                           position_ids=pos.to(dev), keep=keep)
+            low = torch.finfo(dtype).min
+            if shared:  # each row's clean cache read in place (variants are row-major: one group per row)
+                ids_u, counts = torch.unique_consecutive(dslots.cpu(), return_counts=True)
+                ends = counts.cumsum(0).tolist()
+                groups = [(int(x), e - int(c), e, 0) for x, c, e in zip(ids_u, counts, ends)]
+                prefix_bias = torch.zeros(see_prefix.shape, dtype=dtype).masked_fill_(~see_prefix, low)
+                self_bias = torch.zeros(see_self.shape, dtype=dtype).masked_fill_(~see_self, low).unsqueeze(1)
+                win = model.tail_logits_shared_prefix(kv_all, groups, T, input_ids=ids.to(dev),
+                                                      position_ids=pos.to(dev), keep=keep,
+                                                      prefix_bias=prefix_bias.to(dev), self_bias=self_bias.to(dev))
+            else:  # the row's clean cache copied per variant, one 4-D mask over prefix + suffix
+                allowed = torch.cat([see_prefix, see_self], dim=-1).unsqueeze(1)
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, low)
+                prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
+                win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                               position_ids=pos.to(dev), keep=keep)
             passes += 1
             chunks += 1
             tokens += int(valid.sum())

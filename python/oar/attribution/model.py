@@ -378,7 +378,8 @@ class HFProbeModel:
             return False
         return getattr(self._text_config, "model_type", None) in _SHARED_PREFIX_MODEL_TYPES
 
-    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
+    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int,
+                                  prefix_bias: torch.Tensor | None = None, self_bias: torch.Tensor | None = None):
         """Logits (N, keep, V) of the last ``keep`` positions of N suffixes (``input_ids`` (N, S), columns
         [prefix_len, prefix_len + S) of their contexts; ``position_ids`` (N, S)), each attending over the
         first ``prefix_len`` clean keys/values of its row plus its own suffix, causally.
@@ -390,7 +391,10 @@ class HFProbeModel:
         merged by their log-sum-exp: the suffix queries of a row against its prefix (one call per row, its
         suffixes' queries stacked, no mask but the padding) and each suffix against itself (causal, so the
         kernel skips the upper triangle). Equal to :meth:`tail_logits_cached` within float rounding (tested).
-        Raises ValueError on groups that do not tile the batch or a pad beyond the prefix."""
+        Optional masks replace the padding mask and the causal one (windowed OAR-P): ``prefix_bias`` (N, S,
+        prefix_len) and ``self_bias`` (N, 1, S, S), additive floats (0 = attend, dtype-min = not); every query must
+        attend at least one key of the suffix part (e.g. itself).
+        Raises ValueError on groups that do not tile the batch or a pad beyond the prefix, or masks of other shapes."""
         n = int(input_ids.shape[0])
         at = 0
         for slot, begin, end, pad in groups:
@@ -400,9 +404,13 @@ class HFProbeModel:
             at = end
         if at != n:
             raise ValueError(f"tail_logits_shared_prefix: groups cover [0, {at}), expected [0, {n})")
+        S = int(input_ids.shape[1])
+        for name, m, want in (("prefix_bias", prefix_bias, (n, S, int(prefix_len))), ("self_bias", self_bias, (n, 1, S, S))):
+            if m is not None and tuple(m.shape) != want:
+                raise ValueError(f"tail_logits_shared_prefix: {name} must have shape {want}, got {tuple(m.shape)}")
         _register_shared_prefix_attention()
         ctx = _SharedPrefix(prefix_kv, [(int(sl), int(b), int(e), int(pd)) for sl, b, e, pd in groups],
-                            int(prefix_len))
+                            int(prefix_len), prefix_bias=prefix_bias, self_bias=self_bias)
         cfg = self.model.config
         old = cfg._attn_implementation
         token = _SHARED_PREFIX.set(ctx)
@@ -463,6 +471,8 @@ class _SharedPrefix:
     groups: list  # (slot, begin, end, pad)
     p: int
     bias: dict = field(default_factory=dict)  # pad -> additive (1, 1, 1, p) mask, built once per call
+    prefix_bias: torch.Tensor | None = None  # (N, S, p) additive mask of each suffix query over its prefix
+    self_bias: torch.Tensor | None = None  # (N, 1, S, S) additive mask of the suffix over itself (None: causal)
 
 
 _SHARED_PREFIX: contextvars.ContextVar = contextvars.ContextVar("oar_shared_prefix", default=None)
@@ -495,7 +505,10 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     rep = H // key.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads kv head h // rep
         key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    out_s, lse_s = _flash_cpu(query, key, value, True, None, scaling)
+    if ctx.self_bias is None:
+        out_s, lse_s = _flash_cpu(query, key, value, True, None, scaling)
+    else:
+        out_s, lse_s = _flash_cpu(query, key, value, False, ctx.self_bias.to(dt), scaling)
     p = ctx.p
     if p == 0:
         return out_s.transpose(1, 2).contiguous(), None
@@ -509,7 +522,9 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         bias = None
-        if pad > 0:
+        if ctx.prefix_bias is not None:
+            bias = ctx.prefix_bias[begin:end].to(dt).reshape(1, 1, n * S, p)
+        elif pad > 0:
             bias = ctx.bias.get(pad)
             if bias is None:
                 bias = torch.zeros(1, 1, 1, p, dtype=dt, device=query.device)
