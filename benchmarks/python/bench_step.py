@@ -174,7 +174,8 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
     windowed, t_win = {}, {}
     for w in dict.fromkeys(list(args.windows) + ([args.screen_window] if args.screen_fractions else [])):
         windowed[w], t_win[w] = _timed(lambda: oar_p_window_scores(pm, batch, window=w, rows=active,
-                                                                   memory_budget_mb=args.budget_mb))
+                                                                   memory_budget_mb=args.budget_mb,
+                                                                   keep_clean_pass=True))
         if w in args.windows:
             times[f"oar_p_window{w}"] = t_win[w] + build_s
     screened = {}

@@ -275,7 +275,7 @@ def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
                 screens[(k, probe)] = res
         by_window = {}
         for w in dict.fromkeys(tuple(windows) + ((screen_window,) if screen_fractions else ())):
-            res = oar_p_window_scores(pm, batch, window=w, probe="answer_mean")
+            res = oar_p_window_scores(pm, batch, window=w, probe="answer_mean", keep_clean_pass=True)
             by_window[w] = res
             if w in windows:
                 out[window_name(w)] = res.scores[0, :L].tolist()

@@ -708,7 +708,8 @@ class Pipeline:
         t0 = time.perf_counter()
         if kind == "window":
             screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
-                                         rows=run.active, positions=positions, memory_budget_mb=self.memory_budget_mb)
+                                         rows=run.active, positions=positions, memory_budget_mb=self.memory_budget_mb,
+                                         keep_clean_pass=True)
         else:
             screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=run.active, sigma=cfg.sigma,
                                   noise_draws=cfg.noise_draws, generator=self._generator,
@@ -717,6 +718,7 @@ class Pipeline:
         fraction = self._screen_fraction(pbatch, run.active, positions, screen_s)
         att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
                                     rows=run.active, generator=self._generator, positions=positions, **kw)
+        screen.clean_pass = None  # the cache is no longer needed
         if att.stats.get("tokens"):  # seconds per token the exact pass ran: the time budget's cost model
             self._exact_s_per_token = float(att.stats["seconds"]) / float(att.stats["tokens"])
         att.stats.update(forward_passes=int(screen.stats.get("forward_passes", 0)) + int(att.stats["forward_passes"]),

@@ -319,3 +319,30 @@ def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811
     want = oar_g_scores(NoCache(model), pbatch, rows=[0, 1, 2], sigma=cfg.sigma,
                         generator=torch.Generator().manual_seed(5), positions=kw["positions"])
     assert torch.equal(screen.scores, want.scores)
+
+
+def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F811
+    """With the window screen's clean pass (``keep_clean_pass``), the exact pass runs no clean forward of its own and
+    its scores are the same exact OAR-P numbers (rule 1 against float64, the full run's as rounding reference); a
+    clean pass that misses a scored row is refused."""
+    pm, batch, _ = _setup(tiny)
+    screen = oar_p_window_scores(pm, batch, window=2, keep_clean_pass=True)
+    assert screen.clean_pass is not None and screen.clean_pass.rows == (0, 1, 2)
+    plain = oar_p_window_scores(pm, batch, window=2)
+    assert plain.clean_pass is None
+    gen = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    shared = oar_p_screened_scores(pm, batch, screen, fraction=0.3, sample_fraction=0.1, generator=gen())
+    own = oar_p_screened_scores(pm, batch, plain, fraction=0.3, sample_fraction=0.1, generator=gen())
+    assert shared.stats["masked"] == own.stats["masked"]
+    assert shared.stats["forward_passes"] == own.stats["forward_passes"] - 1  # one clean chunk fewer
+    assert shared.stats["tokens"] == own.stats["tokens"] - 3 * batch.input_ids.shape[1]
+    truth, full = _truth(tiny, "answer_mean"), oar_p_scores(pm, batch)
+    g = gen()
+    for r in range(3):  # the same draws, in row order
+        L = int(batch.reasoning_len[r])
+        top, samp = screen_selection(screen.scores[r, :L], 0.3, 0.1, g)
+        chosen = sorted(set(top) | set(samp))
+        assert_close_to_reference(shared.scores[r, chosen], truth[r, chosen], full.scores[r, chosen], what=f"row {r}")
+    with pytest.raises(ValueError, match="clean_pass covers rows \\[0\\], not every row scored \\(\\[0, 1\\]\\)"):
+        oar_p_scores(pm, batch, rows=[0, 1], clean_pass=oar_p_window_scores(pm, batch, window=0, rows=[0],
+                                                                              keep_clean_pass=True).clean_pass)

@@ -4,6 +4,7 @@ from oar.attribution.context import DEFAULT_MARKERS, ProbeBatch, ProbeContextBui
 from oar.attribution.engines import (
     PROBES,
     Attribution,
+    CleanPass,
     clean_probe_logits,
     entropy_scores,
     oar_g_scores,
@@ -25,8 +26,9 @@ from oar.attribution.model import (
 )
 
 __all__ = [
-    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution",
-    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "oar_p_window_scores", "random_scores", "HFProbeModel",
+    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution", "CleanPass",
+    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "oar_p_window_scores", "random_scores",
+    "HFProbeModel",
     "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
     "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
 ]

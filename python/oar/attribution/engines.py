@@ -49,6 +49,19 @@ class Attribution:
     scores: torch.Tensor
     mask: torch.Tensor
     stats: dict = field(default_factory=dict)
+    #: The clean pass of :func:`oar_p_window_scores` (``keep_clean_pass=True``): handed to the exact pass of screened
+    #: OAR-P, which then needs no clean forward of its own; None otherwise.
+    clean_pass: "CleanPass | None" = None
+
+
+@dataclass
+class CleanPass:
+    """One clean forward over ``rows`` of a batch: probe logits (n, K_max, V) and the key/value cache (per layer
+    (keys, values), each (n, kv_heads, T, head_dim)); row ``rows[i]`` is index i."""
+
+    rows: tuple[int, ...]
+    logits: torch.Tensor
+    kv: list
 
 
 def _check_probe(probe: str) -> str:
@@ -189,12 +202,14 @@ class _OarPRun:
     max_prefix_waste: float  # in (0, 1] (the prefix path only)
     positions: dict[int, list[int]] | None  # {row: reasoning indices} or None = every reasoning token
     device: torch.device  # the model's
+    clean_pass: CleanPass | None = None  # the prefix path's clean pass, already run (screened OAR-P)
 
 
 def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
                  clean_logits: torch.Tensor | None = None, engine: str = "auto",
-                 max_prefix_waste: float = 0.1, positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
+                 max_prefix_waste: float = 0.1, positions: Mapping[int, Sequence[int]] | None = None,
+                 clean_pass: CleanPass | None = None) -> Attribution:
     """OAR-P importance (method.md section 3): I_t = KL(p_clean || p_masked_t), or the clamped drop of the
     answer log-likelihood for ``probe="answer_joint"``.
 
@@ -227,6 +242,9 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         positions: optional {row: reasoning indices} to score only those tokens (others keep score 0 and stay
             in the mask); e.g. benchmarks that extrapolate from every k-th token. Keys must be rows being
             scored (``rows``), values sequences of int indices in [0, reasoning_len[row]).
+        clean_pass: the :class:`CleanPass` of this batch over (at least) the rows scored, from
+            :func:`oar_p_window_scores` (``keep_clean_pass=True``): the prefix engine uses it instead of running its
+            own clean forward (same numbers); ignored by the batched engine.
 
     Returns:
         Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``engine``,
@@ -274,9 +292,11 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine=engine, seconds=0.0)
         return res
+    if clean_pass is not None and not set(rows) <= set(clean_pass.rows):
+        raise ValueError(f"clean_pass covers rows {list(clean_pass.rows)[:8]}, not every row scored ({rows[:8]})")
     run = _OarPRun(model=model, caps=caps, batch=batch, rows=tuple(rows), probe=probe, budget=budget,
                    max_variants=max_variants, clean_logits=clean_logits, max_prefix_waste=max_prefix_waste,
-                   positions=positions, device=torch.device(model.device))
+                   positions=positions, device=torch.device(model.device), clean_pass=clean_pass)
     stats = (_oar_p_prefix if engine == "prefix" else _oar_p_batched)(run, res)
     res.stats.update(engine=engine, seconds=time.perf_counter() - t0, **stats)
     _log.info("oar_p_scores: %s engine, %d rows, %d variants in %d chunks%s, %d forwards, %.3f s", engine, len(rows),
@@ -389,18 +409,23 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
     kv_tok = int(model.kv_bytes_per_token())
     bytes_var = _probe_bytes(model, batch)
     with torch.no_grad():
-        # 1. Clean pass over the requested rows: probe logits + key/value cache.
-        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+        # 1. Clean pass over the requested rows: probe logits + key/value cache (or the one handed over).
+        if run.clean_pass is not None:
+            clean_all, kv_all, passes, tokens = run.clean_pass.logits, run.clean_pass.kv, 0, 0
+            cached_rows = list(run.clean_pass.rows)
+        else:
+            clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+            cached_rows = list(rows)
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
         var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
         order = torch.argsort(var_col_t, stable=True)
         var_row_t, var_col_t, var_j_t = var_row_t[order], var_col_t[order], var_j_t[order]
-        slot = {r: i for i, r in enumerate(rows)}  # row -> index in clean_all / kv_all
+        slot = {r: i for i, r in enumerate(cached_rows)}  # row -> index in clean_all / kv_all
         var_slot_t = torch.tensor([slot[int(r)] for r in var_row_t], dtype=torch.long)
         plan = _C.plan_prefix_chunks(var_col_t.tolist(), T, bytes_tok, kv_tok, bytes_var, budget, run.max_variants,
                                      float(run.max_prefix_waste))
         # Left padding of each cached row (its first `pad` columns).
-        pad_of_slot = [T - int(batch.context_len[r]) for r in rows]
+        pad_of_slot = [T - int(batch.context_len[r]) for r in cached_rows]
         shared = run.caps.shared_prefix
         shared_chunks = 0
         for ch in plan:
@@ -443,7 +468,7 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
 
 def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                         rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
-                        memory_budget_mb: int = 1024) -> Attribution:
+                        memory_budget_mb: int = 1024, keep_clean_pass: bool = False) -> Attribution:
     """Windowed OAR-P (issue 13's screen; docs/design.md "Screened OAR-P"): I_t as in :func:`oar_p_scores`
     (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
     the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
@@ -463,9 +488,11 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             (``HFProbeModel``: transformers passes a 4-D mask through as it is).
         window: int >= 0, the later reasoning tokens re-run with each masked token.
         probe, rows, positions, memory_budget_mb: as :func:`oar_p_scores`.
+        keep_clean_pass: attach the clean pass (:class:`CleanPass`: probe logits and key/value cache of the rows
+            scored) to the result, for the exact pass of screened OAR-P (memory: the cache of those rows).
     Returns:
         Attribution (B, L_max) float32 >= 0, stats ``forward_passes``, ``variants``, ``chunks``, ``tokens`` (tokens
-        run through the model), ``engine`` (``"window"``), ``seconds``.
+        run through the model), ``engine`` (``"window"``), ``seconds``; ``clean_pass`` when asked.
     Raises:
         TypeError: ``model`` is not a ProbeModel.
         ValueError: window not an int >= 0, a model without the prefix-cache capability, and as
@@ -555,6 +582,8 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
     res.stats.update(forward_passes=passes, variants=int(var_row_t.numel()), chunks=chunks, tokens=tokens,
                      engine="window", seconds=time.perf_counter() - t0)
+    if keep_clean_pass:
+        res.clean_pass = CleanPass(tuple(rows), clean_all, kv_all)
     _log.info("oar_p_window_scores: window %d, %d rows, %d variants in %d chunks, %.3f s", window, len(rows),
               res.stats["variants"], chunks, res.stats["seconds"])
     return res

@@ -132,7 +132,8 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
     Args:
         model, batch, rows: as :func:`oar.attribution.oar_p_scores`.
         screen: the screen's :class:`~oar.attribution.engines.Attribution` of the same batch and rows (e.g.
-            :func:`oar.attribution.oar_g_scores`), scores >= 0.
+            :func:`oar.attribution.oar_p_window_scores` or :func:`oar.attribution.oar_g_scores`), scores >= 0; its
+            ``clean_pass``, when it has one, replaces the exact pass's clean forward.
         fraction, sample_fraction: see :func:`screen_selection`.
         generator: CPU generator of the random sample.
         positions: {row: reasoning indices} the only candidates of a row (as :func:`oar.attribution.oar_p_scores`:
@@ -171,6 +172,8 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
         top, sample = screen_selection(sc[r, cand], fraction, sample_fraction, generator)
         selection[r] = ([cand[i] for i in top], [cand[i] for i in sample])
     chosen_of = {r: sorted(top + sample) for r, (top, sample) in selection.items() if top or sample}
+    if screen.clean_pass is not None and "clean_pass" not in oar_p_kwargs:
+        oar_p_kwargs = dict(oar_p_kwargs, clean_pass=screen.clean_pass)  # the screen's clean forward, reused
     exact = oar_p_scores(model, batch, rows=rows, positions=chosen_of, **oar_p_kwargs)
     out = exact.scores.clone()
     calibration = {}
