@@ -197,10 +197,11 @@ class ForwardGate:
                          inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                          position_ids=position_ids, keep=keep)
 
-    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int):
+    def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int,
+                                  **masks):
         self._gate(KIND_FORWARD)
         return self._model.tail_logits_shared_prefix(prefix_kv, groups, prefix_len, input_ids=input_ids,
-                                                     position_ids=position_ids, keep=keep)
+                                                     position_ids=position_ids, keep=keep, **masks)
 
     # ---- agreement -----------------------------------------------------------------------------------
     def _gate(self, kind: int) -> None:

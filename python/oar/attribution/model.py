@@ -106,8 +106,9 @@ class SharedPrefixModel(PrefixCacheModel, Protocol):
     supports_shared_prefix_attention: bool
 
     def tail_logits_shared_prefix(self, prefix_kv: list, groups, prefix_len: int, *, input_ids: torch.Tensor,
-                                  position_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """See :meth:`HFProbeModel.tail_logits_shared_prefix`."""
+                                  position_ids: torch.Tensor, keep: int, prefix_bias: torch.Tensor | None = None,
+                                  self_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """See :meth:`HFProbeModel.tail_logits_shared_prefix` (the masks: windowed OAR-P)."""
 
 
 class NoisedEmbeddings:
