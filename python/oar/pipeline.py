@@ -715,7 +715,7 @@ class Pipeline:
                                   noise_draws=cfg.noise_draws, generator=self._generator,
                                   memory_budget_mb=self.memory_budget_mb, positions=positions)
         screen_s = time.perf_counter() - t0
-        fraction = self._screen_fraction(pbatch, run.active, positions, screen_s)
+        fraction = self._screen_fraction(pbatch, run.active, positions, screen_s, screen.clean_pass is None)
         att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
                                     rows=run.active, generator=self._generator, positions=positions, **kw)
         screen.clean_pass = None  # the cache is no longer needed
@@ -725,13 +725,15 @@ class Pipeline:
                          screen_fraction=fraction, screen_seconds=screen_s)
         return att
 
-    def _screen_fraction(self, pbatch, active: list[int], positions, screen_s: float) -> float:
+    def _screen_fraction(self, pbatch, active: list[int], positions, screen_s: float,
+                         clean_pass: bool = True) -> float:
         """The screened share of this call: ``screen_fraction``, cut (never raised) by ``screen_budget`` once a
         previous call measured both the GRPO step (the wall time between the end of one call and the start of the
         next: generation + update + the trainer's own work) and the exact pass's seconds per token. The exact pass
         of a masked reasoning token j costs the tokens from j to the end of its probe context (the prefix engine
         re-runs that suffix); the largest fraction whose cost, with the random sample's expected cost, fits in
-        ``(screen_budget - 1) x GRPO step - screen seconds`` (less the exact pass's clean pass over every context)
+        ``(screen_budget - 1) x GRPO step - screen seconds`` (less the exact pass's clean pass over every context,
+        ``clean_pass``: False when the window screen hands over its own)
         is taken (0: the sample alone)."""
         from oar.attribution.screened import budget_fraction
 
@@ -741,7 +743,8 @@ class Pipeline:
         if not cfg.screen_budget or step_s is None or per_tok is None or per_tok <= 0:
             return f_max
         budget_tokens = ((float(cfg.screen_budget) - 1.0) * step_s - screen_s) / per_tok
-        budget_tokens -= sum(int(pbatch.context_len[r]) for r in active)  # the clean pass
+        if clean_pass:  # the exact pass's own clean pass (none when the window screen hands over its own)
+            budget_tokens -= sum(int(pbatch.context_len[r]) for r in active)
         T = int(pbatch.input_ids.shape[1])
         costs = []  # per row: the suffix cost (tokens) of each candidate (left-padded: every context ends at T)
         for r in active:
