@@ -277,6 +277,17 @@ def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tens
     return lp[torch.arange(len(cols), device=lp.device), answer_ids].mean()
 
 
+def _row_context(batch, r: int, dev):
+    """Row ``r`` of a probe batch unpadded: context ids (n,), reasoning start and length in it, the positions
+    predicting the answer tokens (K,) and the answer ids (K,)."""
+    m = batch.attention_mask[r].bool()
+    ids = batch.input_ids[r][m].to(dev)
+    s = int(batch.reasoning_start[r]) - int((~m).sum())
+    K = int(batch.answer_len[r])
+    first = ids.numel() - (batch.keep - int(batch.probe_start[r]))  # position predicting answer token 0
+    return ids, s, int(batch.reasoning_len[r]), torch.arange(first, first + K, device=dev), batch.answer_ids[r, :K].to(dev)
+
+
 def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched", rows=None, positions=None,
                 variants_per_forward: int = 32) -> dict:
     """OAR-P the way a user would write it from method.md section 3 with Hugging Face: mask each reasoning
@@ -293,15 +304,7 @@ def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched",
     dev = next(model.parameters()).device
     with torch.no_grad():
         for r in rows:
-            m = batch.attention_mask[r].bool()
-            ids = batch.input_ids[r][m].to(dev)  # unpadded context
-            off = int((~m).sum())
-            s = int(batch.reasoning_start[r]) - off
-            L = int(batch.reasoning_len[r])
-            K = int(batch.answer_len[r])
-            first = ids.numel() - (batch.keep - int(batch.probe_start[r]))  # position predicting answer token 0
-            cols = torch.arange(first, first + K, device=dev)
-            a_ids = batch.answer_ids[r, :K].to(dev)
+            ids, s, L, cols, a_ids = _row_context(batch, r, dev)
             clean = _probe_stat(model(input_ids=ids[None]).logits[0], cols, a_ids, probe)
             js = list(range(L)) if positions is None else list(positions[r])
             scores = {}
@@ -341,15 +344,8 @@ def oar_p_window_naive(model, batch, window: int, probe: str = "answer_mean", ro
     dev = next(model.parameters()).device
     with torch.no_grad():
         for r in rows:
-            m = batch.attention_mask[r].bool()
-            ids = batch.input_ids[r][m].to(dev)
+            ids, s, L, cols, a_ids = _row_context(batch, r, dev)
             n = ids.numel()
-            s = int(batch.reasoning_start[r]) - int((~m).sum())
-            L = int(batch.reasoning_len[r])
-            K = int(batch.answer_len[r])
-            first = n - (batch.keep - int(batch.probe_start[r]))
-            cols = torch.arange(first, first + K, device=dev)
-            a_ids = batch.answer_ids[r, :K].to(dev)
             clean = _probe_stat(model(input_ids=ids[None]).logits[0], cols, a_ids, probe, dtype)
             tail = min(s + L, n - batch.keep)
             base = DynamicCache(config=model.config)
