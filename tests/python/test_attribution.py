@@ -728,3 +728,29 @@ def test_oar_p_infinite_divergence_is_an_error():
         oar_p_scores(_ZeroProbModel(7), batch)
     assert math.isinf(float(ops.probe_divergence(torch.zeros(1, 1, 3), torch.tensor([[[-math.inf, 0.0, 0.0]]]),
                                                  probe="last")))  # the op itself documents +inf
+
+
+@pytest.mark.parametrize("engine", ["prefix", "batched"])
+def test_oar_p_with_an_empty_conclude_scores_tokens_inside_the_probe_window(tiny, engine):
+    """With ``conclude = ""`` the last reasoning token predicts the first answer token, so masking it changes a probe
+    position itself; the prefix engine once started such a chunk past ``T - keep`` and read the wrong positions
+    (0.29 off on this batch). Both engines against the one-at-a-time reference (rule 1 against float64)."""
+    import copy
+
+    from oar import reference
+
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, "", "").build(pids, rids, answers)
+    assert int((batch.reasoning_start + batch.reasoning_len).max()) > batch.input_ids.shape[1] - batch.keep
+    res = oar_p_scores(HFProbeModel(model), batch, engine=engine)
+    L = int(batch.reasoning_len.max())
+    ref = []  # truth: full masked contexts, float64; rounding: a window covering the rest (exact), float32
+    for scores in (reference.oar_p_naive(copy.deepcopy(model).double(), batch),
+                   reference.oar_p_window_naive(model, batch, L, dtype=torch.float32)):
+        t = torch.zeros(batch.batch_size, L, dtype=torch.float64)
+        for r, sc in scores.items():
+            for j, v in sc.items():
+                t[r, j] = v
+        ref.append(t)
+    assert_close_to_reference(res.scores.double(), ref[0], ref[1], what=f"{engine}, empty conclude")

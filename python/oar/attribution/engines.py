@@ -430,7 +430,9 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
         shared_chunks = 0
         for ch in plan:
             sl = slice(ch.begin, ch.end)
-            p = ch.prefix_len
+            # The run must cover the kept probe window: with a short conclude string the last reasoning tokens
+            # lie inside it, and a prefix past T - keep would leave fewer than keep positions to read.
+            p = min(ch.prefix_len, T - batch.keep)
             row_index, slots, cols, js = var_row_t[sl], var_slot_t[sl], var_col_t[sl], var_j_t[sl]
             # Shared-prefix attention reads each row's prefix in place and needs the suffixes free of padding
             # (a chunk may mix rows whose padding reaches past p: those chunks take the cached path).
