@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                     ax.annotate(r["method"].split("/")[0].replace("oar_p_window", "W="), (r["seconds_vs_exact"],
                                 r["spearman"]), fontsize=6, textcoords="offset points", xytext=(3, -8))
     ax.axhline(0.95, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("seconds of the model passes relative to exact OAR-P (diamonds: windowed; square: OAR-G)")
+    ax.set_xlabel("model-pass seconds / exact OAR-P (diamonds: windowed; squares: OAR-G)")
     ax.set_ylabel("Spearman with exact OAR-P")
     ax.set_title("oar eval-attribution traces", fontsize=9)
     ax.legend(fontsize=6)
