@@ -11,6 +11,8 @@ reason; ``oar.set_log_level``).
 
 - :func:`oar_p_scores`  OAR-P, exact: one PAD substitution per reasoning token, batched across rollouts
   in chunks planned in C++ (``oar._C.plan_masked_chunks``) under a memory budget.
+- :func:`oar_p_window_scores`  windowed OAR-P (issue 13): masking a token re-runs only the next W reasoning tokens
+  and the probe tail; the default screen of screened OAR-P (:mod:`oar.attribution.screened`).
 - :func:`oar_g_scores`  OAR-G: gradient x input of the probe divergence under Gaussian embedding noise
   on reasoning positions, ``torch.autograd.grad`` w.r.t. the input embeddings only.
 - :func:`entropy_scores`, :func:`random_scores`: the baselines of method.md section 8.
