@@ -277,6 +277,14 @@ def _probe_stat(logits: torch.Tensor, cols: torch.Tensor, answer_ids: torch.Tens
     return lp[torch.arange(len(cols), device=lp.device), answer_ids].mean()
 
 
+def _divergence_of(clean: torch.Tensor, pert: torch.Tensor, probe: str) -> float:
+    """OAR-P score of one masked variant from two :func:`_probe_stat` results: KL(clean || pert) >= 0, or the
+    clamped drop of phi for ``answer_joint``."""
+    if probe == "answer_joint":
+        return max(0.0, float(clean - pert))
+    return float((clean.exp() * (clean - pert)).sum().clamp_min(0))
+
+
 def _row_context(batch, r: int, dev):
     """Row ``r`` of a probe batch unpadded: context ids (n,), reasoning start and length in it, the positions
     predicting the answer tokens (K,) and the answer ids (K,)."""
@@ -316,10 +324,7 @@ def oar_p_naive(model, batch, probe: str = "answer_mean", mode: str = "batched",
                 logits = model(input_ids=masked).logits
                 for i, j in enumerate(chunk):
                     pert = _probe_stat(logits[i], cols, a_ids, probe)
-                    if probe == "answer_joint":
-                        scores[j] = max(0.0, float(clean - pert))
-                    else:
-                        scores[j] = float((clean.exp() * (clean - pert)).sum().clamp_min(0))
+                    scores[j] = _divergence_of(clean, pert, probe)
             out[r] = scores
     return out
 
@@ -369,10 +374,7 @@ def oar_p_window_naive(model, batch, window: int, probe: str = "answer_mean", ro
                 full = torch.zeros(n, logits.shape[-1], dtype=logits.dtype, device=dev)
                 full[tail:] = logits
                 pert = _probe_stat(full, cols, a_ids, probe, dtype)
-                if probe == "answer_joint":
-                    scores[j] = max(0.0, float(clean - pert))
-                else:
-                    scores[j] = float((clean.exp() * (clean - pert)).sum().clamp_min(0))
+                scores[j] = _divergence_of(clean, pert, probe)
             out[r] = scores
     return out
 
