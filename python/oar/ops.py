@@ -84,6 +84,11 @@ def group_advantages(
     sync), so it is not emitted inside ``torch.compile`` (``torch.compiler.is_compiling()``); the stderr
     warning of the op still is.
 
+    On CUDA the op always reads its input checks back (a 64-byte copy and a wait on the current stream), so it
+    cannot be captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): it
+    raises RuntimeError under capture; call it outside the captured region (docs/design.md, "CUDA ops and CUDA
+    graphs").
+
     Groups are given by exactly one of:
 
     - ``offsets``: CSR row starts (G + 1,) int64, offsets[0] = 0, non-decreasing, offsets[-1] = N; empty
@@ -165,6 +170,11 @@ def normalize_importance(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     s_t = log1p(I_t); s_hat_t = (s_t - min_R s) / (max_R s - min_R s) on positions where ``mask`` is true
     (R, the reasoning span of the row), with denominator 1 when max == min (so all-equal scores give 0).
 
+    On CUDA the op always reads its input checks back (a 64-byte copy and a wait on the current stream), so it
+    cannot be captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): it
+    raises RuntimeError under capture; call it outside the captured region (docs/design.md, "CUDA ops and CUDA
+    graphs").
+
     Args:
         scores: (B, T) raw importance I, float16/bfloat16/float32/float64. On masked positions it must be
             finite and >= 0 (values off the mask are ignored).
@@ -207,6 +217,11 @@ def reshape_advantages(
 
     Hence sum_t token_advantages[b] = response_mask[b].sum() * advantages[b] (up to float rounding), w >= 0,
     all-equal scores give w = 1 on the response (plain GRPO), and rows with A = 0 stay 0.
+
+    On CUDA the op always reads its input checks back (a 64-byte copy and a wait on the current stream), so it
+    cannot be captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): it
+    raises RuntimeError under capture; call it outside the captured region (docs/design.md, "CUDA ops and CUDA
+    graphs").
 
     Args:
         advantages: (B,) sequence advantages, float16/bfloat16/float32/float64 (read as float32), finite.
@@ -290,7 +305,9 @@ def probe_divergence(
       (``.clamp_min(0)``), OAR-G differentiates the raw drop (method.md sections 3-4).
 
     KL is forward KL(p_clean || p_perturbed), clamped at 0 against rounding; -inf logits (zero
-    probability) are allowed.
+    probability) are allowed. A finite clean logit has positive probability however far below the clean
+    maximum it lies (-1e4 or ``finfo.min`` included), so a perturbed -inf facing it gives +inf, on every
+    device.
 
     Args:
         clean_logits: (N, S, V) float32/float16/bfloat16. Any strides on N and S, e.g.

@@ -209,6 +209,11 @@ class CleanCache {
   std::vector<float> e_;
 };
 
+// t (or a chunk's t) under a merge factor f >= 0 of Lse::merge. A +inf t holds a term of positive clean
+// probability against a perturbed -inf logit: it stays +inf under any factor, where inf * f would give NaN once
+// f underflows to 0 (chunk maxima more than ~745 apart, e.g. a chunk of -1e4-masked logits). NaN stays NaN.
+inline double rescaled(double t, double f) { return std::isinf(t) ? t : t * f; }
+
 // KL of one row, general strides: clean and perturbed exps per chunk.
 template <typename T>
 double kl_row(const LogitsView<T>& clean, const LogitsView<T>& pert, int64_t n, int64_t Lp, int64_t V) {
@@ -227,7 +232,7 @@ double kl_row(const LogitsView<T>& clean, const LogitsView<T>& pert, int64_t n, 
     const float cs = exp_shifted_sum(zc, cm, be, len);
     const float ct = detail::vdot_diff(be, zc, zp, len);
     const auto [f_old, f_new] = c.merge(cm, cs);
-    t = t * f_old + ct * f_new;
+    t = rescaled(t, f_old) + rescaled(ct, f_new);
   }
   return t / c.s + (p.value() - c.value());
 }

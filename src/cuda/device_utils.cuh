@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -121,17 +122,53 @@ __device__ __forceinline__ void mark(ErrorSink sink, int i) {
 
 // ---- host side --------------------------------------------------------------------------------------------------
 
-/// Throws std::runtime_error if the last launch failed (bad configuration, no kernel image for the device...).
+// Launch checks. CUDA keeps one "last error" per host thread, set by any failing runtime call of any library in
+// the process: reading it with cudaGetLastError after a launch alone would blame oar's launch for an error some
+// other code left behind (and consume it). So every launcher first calls check_no_pending_error: an error already
+// pending is raised as an earlier error, not oar's, before oar launches anything. The cudaGetLastError after each
+// launch then reads oar's own launch (or an asynchronous error of earlier device work that this launch surfaced,
+// which no host-side check can tell apart). check_cuda clears the error it throws for, so that it is reported once.
+
+/// Throws std::runtime_error if a CUDA error is already pending on this host thread before oar launches: it comes
+/// from earlier work (another library, or an earlier failed call), not from oar. A non-sticky error is cleared,
+/// so it is raised once; a sticky one (a kernel fault) stays: the CUDA context is unusable from then on.
+/// cudaErrorNotReady (a status of an asynchronous query, not a failure) is cleared silently.
+inline void check_no_pending_error(const char* what) {
+  const cudaError_t err = cudaPeekAtLastError();
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  if (err == cudaErrorNotReady) return;
+  throw std::runtime_error(std::string("oar ") + what + ": an earlier CUDA error, not from oar, was pending before " +
+                           "the launch: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                           "); nothing was launched");
+}
+
+/// Throws std::runtime_error if the launch just made failed (bad configuration, no kernel image for the device...).
+/// Call check_no_pending_error before the op's first launch, so that the error read here is the launch's own.
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("oar ") + what + " kernel launch failed: " + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("oar ") + what + " kernel launch failed: " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
 }
 
-/// Throws std::runtime_error naming `what` if a CUDA runtime call failed.
+/// Throws std::runtime_error naming `what` if a CUDA runtime call failed (and clears that error: it is reported
+/// by the exception, not left for the next check).
 inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("oar ") + what + ": " + cudaGetErrorString(err));
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw std::runtime_error(std::string("oar ") + what + ": " + cudaGetErrorString(err));
 }
+
+/// Prepares `kernel` (a __global__ function) for a launch on the current device with `dynamic_bytes` of dynamic
+/// shared memory: throws std::runtime_error naming `what` when its static plus dynamic shared memory exceeds the
+/// device's opt-in limit per block, and raises the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize when
+/// `dynamic_bytes` exceeds it. The attribute only ever grows (thread-safe), so a concurrent launch of the same
+/// kernel with a larger size is never undercut. Defined in error_record.cu.
+void allow_dynamic_shared_memory(const void* kernel, size_t dynamic_bytes, const char* what);
+
+/// Static shared memory of `kernel` on the current device (cudaFuncAttributes::sharedSizeBytes; cached).
+size_t static_shared_memory(const void* kernel);
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

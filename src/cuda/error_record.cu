@@ -1,4 +1,5 @@
-// Host side of the device error records (include/oar/cuda/kernels.h) and cached device properties.
+// Host side of the device error records (include/oar/cuda/kernels.h), cached device properties and the
+// dynamic shared-memory limits of oar's kernels (device_utils.cuh).
 //
 // Why a persistent record tagged by epochs: a per-call record would need zeroing before the kernel (a memset or
 // a fill kernel: one more operation in every step's profile). A record that is only ever raised with atomicMax
@@ -8,8 +9,10 @@
 
 #include <array>
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "device_utils.cuh"
 #include "oar/cuda/kernels.h"
@@ -68,7 +71,71 @@ ErrorRecord* pinned_buffer() {
   return buf;
 }
 
+// Shared memory of one kernel on one device: static bytes, and the dynamic bytes its launches may use (the
+// function attribute MaxDynamicSharedMemorySize as last read or raised by oar).
+struct KernelSmem {
+  size_t static_bytes = 0;
+  size_t max_dynamic = 0;
+};
+
+std::mutex& smem_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Keyed by (device, kernel). Only read and written under smem_mutex().
+std::map<std::pair<int, const void*>, KernelSmem>& smem_table() {
+  static std::map<std::pair<int, const void*>, KernelSmem> t;
+  return t;
+}
+
+// The entry of `kernel` on `device`, read from cudaFuncGetAttributes on first use. Call with smem_mutex() held.
+KernelSmem& kernel_smem(int device, const void* kernel) {
+  auto& table = smem_table();
+  const auto key = std::make_pair(device, kernel);
+  auto it = table.find(key);
+  if (it != table.end()) return it->second;
+  cudaFuncAttributes attr{};
+  detail::check_cuda(cudaFuncGetAttributes(&attr, kernel), "cudaFuncGetAttributes");
+  KernelSmem k;
+  k.static_bytes = attr.sharedSizeBytes;
+  k.max_dynamic = attr.maxDynamicSharedSizeBytes > 0 ? static_cast<size_t>(attr.maxDynamicSharedSizeBytes) : 0;
+  return table.emplace(key, k).first->second;
+}
+
 }  // namespace
+
+namespace detail {
+
+size_t static_shared_memory(const void* kernel) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const std::lock_guard<std::mutex> lock(smem_mutex());
+  return kernel_smem(device, kernel).static_bytes;
+}
+
+void allow_dynamic_shared_memory(const void* kernel, size_t dynamic_bytes, const char* what) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const size_t optin = static_cast<size_t>(max_shared_memory_per_block(device));
+  const std::lock_guard<std::mutex> lock(smem_mutex());
+  KernelSmem& k = kernel_smem(device, kernel);
+  if (k.static_bytes + dynamic_bytes > optin)
+    throw std::runtime_error(std::string("oar ") + what + ": a block needs " +
+                             std::to_string(k.static_bytes + dynamic_bytes) + " bytes of shared memory (" +
+                             std::to_string(k.static_bytes) + " static + " + std::to_string(dynamic_bytes) +
+                             " dynamic), more than the " + std::to_string(optin) + " bytes per block of cuda:" +
+                             std::to_string(device));
+  // The default limit is 48 KiB minus the static part: static + dynamic above 48 KiB needs the opt-in, even
+  // when the dynamic part alone is below 48 KiB. Raised only, never lowered: another thread may be launching
+  // this kernel with the larger size right now.
+  if (dynamic_bytes <= k.max_dynamic) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_bytes)),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  k.max_dynamic = dynamic_bytes;
+}
+
+}  // namespace detail
 
 const char* to_string(OpId op) {
   switch (op) {
@@ -116,6 +183,16 @@ ErrorRecord fetch_error_record(int device, Stream stream) {
   const ErrorRecord* rec = device_error_record(device);
   ErrorRecord* host = pinned_buffer();
   const auto s = reinterpret_cast<cudaStream_t>(stream);
+  // The read-back waits on the stream, which a stream being captured into a CUDA graph does not allow (the wait
+  // would fail and invalidate the capture): say so instead (docs/design.md, "CUDA ops and CUDA graphs").
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  detail::check_cuda(cudaStreamIsCapturing(s, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone)
+    throw std::runtime_error(
+        "oar: reading the CUDA error record back waits on the stream, which is not allowed while the stream is "
+        "captured into a CUDA graph: group_advantages, normalize_importance and reshape_advantages (always) and "
+        "the other ops in eager check mode cannot be captured; run them outside the captured region "
+        "(docs/design.md, \"CUDA ops and CUDA graphs\")");
   detail::check_cuda(cudaMemcpyAsync(host, rec, sizeof(ErrorRecord), cudaMemcpyDeviceToHost, s),
                      "copy of the error record");
   detail::check_cuda(cudaStreamSynchronize(s), "wait for the error record");

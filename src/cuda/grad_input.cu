@@ -77,6 +77,7 @@ void launch(const void* grad, const void* input, int64_t rows, int64_t H, float*
   const int64_t blocks = detail::ceil_div(rows * 32, kThreads);
   if (blocks > (int64_t{1} << 31) - 1)
     throw core::InvalidArgument("grad_x_input (CUDA): too many rows for one launch: " + std::to_string(rows));
+  detail::check_no_pending_error("grad_x_input");
   grad_x_input_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const T*>(grad), static_cast<const T*>(input), rows, H, vectorized, out, sink);
   detail::check_launch("grad_x_input");

@@ -190,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const T* __restrict__ r
 template <Estimator E, typename T>
 void launch_typed(const T* r, int64_t n, const int64_t* off, int64_t num_groups, Params p, double* batch_scratch,
                   float* out, ErrorSink sink, cudaStream_t stream) {
+  detail::check_no_pending_error("group_advantages");
   if constexpr (E == Estimator::kBatch) {
     if (batch_scratch == nullptr) throw core::InvalidArgument("group_advantages (CUDA): batch_scratch is null");
     batch_stats_kernel<T><<<1, 1024, 0, stream>>>(r, n, p, batch_scratch, sink);

@@ -69,6 +69,7 @@ void launch_build_masked_batch(const int64_t* input_ids, int64_t B, int64_t T, c
     throw core::InvalidArgument("build_masked_batch (CUDA): too many variants for one launch: M=" + std::to_string(M));
   const bool vec16 = T % 2 == 0 && reinterpret_cast<uintptr_t>(input_ids) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  detail::check_no_pending_error("build_masked_batch");
   masked_batch_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       input_ids, B, T, row_index, positions, tiles, pad_id, vec16, out, sink);
   detail::check_launch("build_masked_batch");

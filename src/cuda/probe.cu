@@ -45,12 +45,30 @@ struct State {
 
 __device__ __forceinline__ State empty_state() { return State{-INFINITY, 0.0f, 0.0f, -INFINITY, 0.0f}; }
 
-// exp(m_old - m_new) with a -inf old max contributing nothing (its sum is 0, or NaN, which stays NaN).
+// exp(m_old - m_new) with a -inf old max contributing nothing (its sum is 0, or NaN, which stays NaN). Underflows
+// to exactly 0 once the old max is ~87 below the new one (__expf): see scaled for the t sum.
 __device__ __forceinline__ float rescale(float m_old, float m_new) {
   return m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
 }
 
-// Adds kN entries. -inf logits add exactly 0 (and no NaN through -inf - -inf); a NaN logit makes the sum NaN.
+// The t sum rescaled by a factor f = rescale(...) >= 0: a +inf t stays +inf (it holds a term of positive
+// probability times an infinite logit difference; a positive factor, however small, keeps it infinite), where
+// inf * 0 would give NaN when f underflows. NaN stays NaN.
+__device__ __forceinline__ float scaled(float t, float f) { return isinf(t) ? t : t * f; }
+
+// One entry's term of t: e (zc - zp) with e = exp(zc - mc). A -inf clean logit (zero probability) adds exactly 0,
+// even against a -inf perturbed one (no -inf - -inf = NaN). A finite clean logit has positive probability even
+// where e underflows to 0 (more than ~87 below the max): an infinite difference (perturbed -inf, or a difference
+// beyond float) adds +inf there, not 0 * inf = NaN, as on the CPU (whose exp never returns 0 for a finite
+// argument). A NaN logit gives NaN.
+__device__ __forceinline__ float t_term(float e, float zc, float zp) {
+  if (zc == -INFINITY) return 0.0f;
+  const float d = zc - zp;
+  return d == INFINITY ? INFINITY : e * d;
+}
+
+// Adds kN entries. -inf logits add exactly 0 to the sums (and no NaN through -inf - -inf); a NaN logit makes the
+// sum NaN. The t sum follows t_term and scaled.
 template <int kN, bool kClean, bool kWithT>
 __device__ __forceinline__ void update(State& st, const float* zc, const float* zp) {
   if constexpr (kClean) {
@@ -60,7 +78,7 @@ __device__ __forceinline__ void update(State& st, const float* zc, const float* 
     if (cmax > st.mc) {
       const float f = rescale(st.mc, cmax);
       st.sc *= f;
-      if constexpr (kWithT) st.tc *= f;
+      if constexpr (kWithT) st.tc = scaled(st.tc, f);
       st.mc = cmax;
     }
 #pragma unroll
@@ -68,7 +86,7 @@ __device__ __forceinline__ void update(State& st, const float* zc, const float* 
       const bool zero = zc[k] == -INFINITY;
       const float e = zero ? 0.0f : __expf(zc[k] - st.mc);
       st.sc += e;
-      if constexpr (kWithT) st.tc += zero ? 0.0f : e * (zc[k] - zp[k]);
+      if constexpr (kWithT) st.tc += t_term(e, zc[k], zp[k]);
     }
   }
   float pmax = zp[0];
@@ -86,7 +104,7 @@ __device__ __forceinline__ void merge(State& a, const State& b) {
   const float mc = fmaxf(a.mc, b.mc);
   const float fa = rescale(a.mc, mc), fb = rescale(b.mc, mc);
   a.sc = a.sc * fa + b.sc * fb;
-  a.tc = a.tc * fa + b.tc * fb;
+  a.tc = scaled(a.tc, fa) + scaled(b.tc, fb);
   a.mc = mc;
   const float mp = fmaxf(a.mp, b.mp);
   a.sp = a.sp * rescale(a.mp, mp) + b.sp * rescale(b.mp, mp);
@@ -464,6 +482,7 @@ void forward_typed(LogitsDesc c, LogitsDesc p, const int64_t* ids, const int64_t
   const bool vec_ok = aligned16(c, sizeof(T)) && aligned16(p, sizeof(T));
   const int64_t splits = plan.splits, chunk = plan.chunk;
   constexpr OpId op = OpId::kProbeDivergence;
+  detail::check_no_pending_error("probe_divergence");
   if (probe == Probe::kAnswerJoint) {
     joint_reduce_kernel<T, true><<<grid_of(N * S * splits, "probe_divergence"), kThreads, 0, stream>>>(
         c, p, lengths, S, V, splits, chunk, vec_ok, ws, sink, op);
@@ -499,6 +518,7 @@ void backward_typed(const float* grad_out, LogitsDesc c, LogitsDesc p, const int
   const int64_t tile = grad_tile(sizeof(T));
   const int64_t tiles = detail::ceil_div(V, tile);
   constexpr OpId op = OpId::kProbeDivergenceBackward;
+  detail::check_no_pending_error("probe_divergence_backward");
   if (probe == Probe::kAnswerJoint) {
     joint_reduce_kernel<T, false><<<grid_of(N * S * splits, "probe_divergence_backward"), kThreads, 0, stream>>>(
         c, p, lengths, S, V, splits, chunk, vec_in, ws, sink, op);

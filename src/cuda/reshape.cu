@@ -270,21 +270,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Dynamic shared memory of a row kept on chip, or 0 when it does not fit (the row then lives in global memory).
-size_t row_smem_bytes(int64_t T_len) {
+// Dynamic shared memory of a row kept on chip, or 0 when the row does not fit next to the kernel's static shared
+// memory (about 1.7 KB) within the device's opt-in limit per block (it then lives in global memory).
+size_t row_smem_bytes(int64_t T_len, size_t static_bytes) {
   int device = 0;
   detail::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  // Leave room for the static shared memory (~2 KiB) and keep several blocks per multiprocessor possible.
-  const int64_t limit = static_cast<int64_t>(max_shared_memory_per_block(device)) - 4096;
+  const int64_t limit = static_cast<int64_t>(max_shared_memory_per_block(device)) - static_cast<int64_t>(static_bytes);
   const int64_t bytes = ((T_len * kSmemPerElement + 15) / 16) * 16;
   return bytes <= limit ? static_cast<size_t>(bytes) : 0;
-}
-
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-                       "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
 }
 
 template <Mode M, Tiers K, bool kNormalized, typename T>
@@ -293,12 +286,16 @@ void launch_rows(const float* adv, const void* scores, const bool* rm, const boo
   if (B == 0) return;
   if (B > (int64_t{1} << 31) - 1)
     throw core::InvalidArgument("reshape (CUDA): at most 2^31 - 1 rows, got B = " + std::to_string(B));
-  const size_t smem = row_smem_bytes(T_len);
+  const char* what = M == Mode::kNormalize ? "normalize_importance" : "reshape_advantages";
+  detail::check_no_pending_error(what);
   auto kernel = row_kernel<M, K, kNormalized, T>;
-  allow_smem(kernel, smem);
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  // Static + dynamic shared memory above 48 KiB needs the kernel's opt-in (from T ~ 9.5k tokens on): allowed here.
+  const size_t smem = row_smem_bytes(T_len, detail::static_shared_memory(fn));
+  detail::allow_dynamic_shared_memory(fn, smem, what);
   kernel<<<static_cast<unsigned>(B), kThreads, smem, stream>>>(adv, static_cast<const T*>(scores), rm, pm, T_len, p,
                                                                smem > 0, out0, out1, sink);
-  detail::check_launch(M == Mode::kNormalize ? "normalize_importance" : "reshape_advantages");
+  detail::check_launch(what);
 }
 
 template <Mode M, Tiers K, bool kNormalized>

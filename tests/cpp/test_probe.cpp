@@ -288,6 +288,33 @@ TEST(Probe, NegativeInfinityLogitsAreZeroProbability) {
   EXPECT_TRUE(std::isinf(out) && out > 0);
 }
 
+TEST(Probe, PerturbedNegInfFacingAFarBelowCleanLogitIsInfAcrossChunks) {
+  // A clean logit of -1e4 has positive probability (its exp underflows only in float64): facing a perturbed -inf it
+  // makes the KL +inf. The chunk merges rescale t by exp(chunk max difference), 0 in double here: an infinite t
+  // must stay +inf (not inf * 0 = NaN, then "row 0 gives a NaN KL divergence"), whether the far-below chunks come
+  // before the maximum (the old t is rescaled) or after it (the new chunk's t is), densely or broadcast (cache).
+  const int64_t S = 1, V = 4 * 2048;
+  for (const bool low_first : {true, false}) {
+    std::vector<float> c(static_cast<size_t>(V), 0.0f);
+    const int64_t far0 = low_first ? 0 : V / 2;
+    for (int64_t v = far0; v < far0 + V / 2; ++v) c[static_cast<size_t>(v)] = -1e4f;
+    std::vector<float> p = c;
+    p[static_cast<size_t>(far0)] = -std::numeric_limits<float>::infinity();
+    for (Probe probe : {Probe::kLast, Probe::kAnswerMean}) {
+      float out = 0.0f;
+      oar::core::probe_divergence<float>(dense_view(c, S, V), dense_view(p, S, V), nullptr, nullptr, 1, S, V,
+                                         probe, &out);
+      EXPECT_TRUE(std::isinf(out) && out > 0) << "low_first=" << low_first << ": " << out;
+      std::vector<float> p2 = p;
+      p2.insert(p2.end(), p.begin(), p.end());
+      float out2[2] = {0.0f, 0.0f};
+      oar::core::probe_divergence<float>(LogitsView<float>{c.data(), 0, V}, dense_view(p2, S, V), nullptr, nullptr,
+                                         2, S, V, probe, out2);
+      EXPECT_TRUE(std::isinf(out2[0]) && out2[0] > 0 && out2[1] == out2[0]) << "broadcast: " << out2[0];
+    }
+  }
+}
+
 TEST(Probe, NaNInputThrowsNamingTheRow) {
   const int64_t N = 3, S = 1, V = 50;
   Logits c = random_logits(N, S, V, 1.0, 8);

@@ -459,6 +459,55 @@ def test_probe_divergence_neg_inf_logits_and_identical_rows(device):
             assert float(dev[1]) == 0.0 or abs(float(dev[1])) < 1e-6
 
 
+# A finite clean logit far below the clean maximum facing a perturbed -inf: positive clean probability against zero
+# perturbed probability, so KL = +inf (and the answer_joint drop +inf at answer id 0), never NaN. On CUDA, __expf
+# underflows to exactly 0 below ~-87 (0 * inf = NaN) and the running t sum is rescaled by factors that underflow;
+# on the CPU the chunk merges in double underflow below ~-745. Rows of (V, S, far value, where it lies):
+# - "tiny": the case (-200 at entry 0, the -inf there);
+# - "low_half": the first half is far below, the -inf at entry 0, the maximum comes later, so an infinite sum is
+#   rescaled: across the threads of a block (V = 1024: whole threads below the maximum), within a thread (V = 8192,
+#   16-bit), across CUDA splits (V = 8192 float32, V = 151,936) and across the CPU's 2048-entry chunks (-1e4);
+# - "high_half": the second half is far below, the -inf at its start: a term whose exp underflows;
+# - "finfo_min": masked with the dtype's lowest value (the logit difference itself overflows).
+# -200 has a nonzero float64 probability, so the reference gives +inf too; -1e4 and finfo.min do not (exp
+# underflows in float64: the reference drops the term), and the op's +inf is the exact answer there.
+FAR_BELOW = [
+    pytest.param(8, 1, -200.0, "first", id="tiny"),
+    pytest.param(1024, 2, -200.0, "low_half", id="low_half-200-block"),
+    pytest.param(8192, 2, -200.0, "low_half", id="low_half-200"),
+    pytest.param(151936, 2, -200.0, "low_half", id="low_half-200-split"),
+    pytest.param(8192, 2, -1e4, "low_half", id="low_half-1e4"),
+    pytest.param(8192, 2, -1e4, "high_half", id="high_half-1e4"),
+    pytest.param(8, 1, "finfo_min", "first", id="finfo_min"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V, S, far, where", FAR_BELOW)
+def test_probe_divergence_far_below_clean_vs_neg_inf_perturbed_is_inf(device, probe, dtype, V, S, far, where):
+    far = torch.finfo(dtype).min if far == "finfo_min" else far
+    clean = torch.zeros(1, S, V, dtype=dtype)
+    if where == "first":
+        clean[..., 0] = far
+    elif where == "low_half":
+        clean[..., : V // 2] = far
+    else:
+        clean[..., V // 2:] = far
+    pert = clean.clone()
+    at = V // 2 if where == "high_half" else 0
+    pert[..., at] = float("-inf")
+    ids = torch.full((1, S), at, dtype=torch.int64)
+    cpu = ops.probe_divergence(clean, pert, probe=probe, answer_ids=ids)
+    dev = ops.probe_divergence(on(clean, device), on(pert, device), probe=probe, answer_ids=on(ids, device))
+    assert float(cpu[0]) == float("inf"), f"CPU: {float(cpu[0])}"
+    assert float(dev[0]) == float("inf"), f"{device}: {float(dev[0])}"
+    want = ref.probe_divergence(clean, pert, probe=probe, answer_ids=ids)
+    if far == -200.0 or probe == "answer_joint":
+        assert float(want[0]) == float("inf")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("probe", PROBES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -5,6 +5,8 @@
 // Conventions shared by every launcher:
 // - All pointers are device pointers on the current device; `stream` is a cudaStream_t.
 // - Every launch is checked (cudaGetLastError); a failure throws std::runtime_error with the CUDA error string.
+//   A CUDA error already pending on the calling thread before the launch (left by other code) is thrown as
+//   such ("an earlier CUDA error, not from oar") and nothing is launched.
 // - Unsupported element types or options throw oar::core::InvalidArgument (the adapters check them first).
 // - Data-dependent input errors (a NaN reward, an out-of-range id, ...) are never thrown from here: the kernels
 //   find them on the device, never read or write out of bounds because of them, and report the error into an
