@@ -9,9 +9,10 @@ Columns of the table (also written to ``$OUT/bench_cuda.csv`` and ``$OUT/bench_c
 to ``./gpu_results``, ``--out`` overrides both):
 
 - ``ms``: median time of one oar call;
-- ``GB/s``: bytes the op must move (every input read once + every output written once; the compulsory
-  traffic, not what the kernel actually moves: a second pass over an input that misses the L2 does not
-  count) / time;
+- ``GB/s``: bytes the op must move (every input element it reads once + every output written once; the
+  compulsory traffic, not what the kernel actually moves: a second pass over an input that misses the L2 does
+  not count) / time. The probe divergence reads positions s < lengths[n] only, so its bytes come from the
+  case's actual lengths;
 - ``%copy``: that bandwidth as a fraction of the measured copy bandwidth (issue 4's goal: >= 70% for the
   probe divergence and the reshaping kernel at large sizes, the rows marked ``large``);
 - ``dev ms`` / ``%copy(dev)``: the same from the device time alone (GPU kernels and copies summed by the PyTorch
@@ -24,6 +25,14 @@ References: ``oar.reference`` where it runs on the device (``probe_divergence``,
 float64; ``reshape_advantages_vectorized``, float32). ``oar.reference.group_advantages`` and
 ``build_masked_batch`` are host loops, so for them the reference is the vectorized PyTorch a user would write
 on the GPU (``_torch_group_advantages``, ``_torch_masked_batch`` below).
+
+Besides the issue's sizes, three groups of rows are diagnostics for the kernels that a reading of the code
+flagged as slow at users' shapes (docs/gpu.md says what each should show and what to change if it does):
+``probe_divergence`` at ``L=S`` (every row reads all S answer positions: S = 2 and 8 next to the S = 1 row of
+the same N and V), ``normalize_importance`` next to ``reshape_advantages`` of the same size (the same first
+passes without the quantile and the weights) plus a small ``B=64,T=1024`` batch, and ``group_advantages`` with
+ragged groups whose sizes are skewed (many groups of 8 and one large group; the team size is chosen from
+the average).
 
 ``--dry-run`` runs every case with tiny sizes on the CPU (wall-clock timer), so that the harness and the table
 are exercised without a GPU (tests/python/test_cuda.py runs it).
@@ -61,7 +70,7 @@ class Case:
     oar_fn: Callable[..., object]
     ref_fn: Callable[..., object] | None
     ref_name: str
-    nbytes: int
+    nbytes: int | Callable[..., int]  # or a function of the inputs (bytes that depend on their values)
     large: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -149,6 +158,30 @@ def _torch_masked_batch(ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
     return out.scatter_(1, pos[:, None], pad)
 
 
+def _torch_group_advantages_ragged(rewards: torch.Tensor, offsets: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages of ragged CSR groups in vectorized PyTorch (segment sums by ``index_add_``), float32."""
+    n, g = rewards.numel(), offsets.numel() - 1
+    sizes = offsets.diff()
+    gid = torch.repeat_interleave(torch.arange(g, device=rewards.device), sizes, output_size=n)
+    cnt = sizes.to(torch.float32)
+    mean = torch.zeros(g, device=rewards.device).index_add_(0, gid, rewards) / cnt
+    d = rewards - mean[gid]
+    std = (torch.zeros(g, device=rewards.device).index_add_(0, gid, d * d) / (cnt - 1)).sqrt()
+    lo = torch.full((g,), float("inf"), device=rewards.device).scatter_reduce_(0, gid, rewards, "amin")
+    hi = torch.full((g,), float("-inf"), device=rewards.device).scatter_reduce_(0, gid, rewards, "amax")
+    a = d / (std[gid] + eps)
+    return torch.where((lo == hi)[gid], torch.zeros_like(a), a)
+
+
+def _torch_normalize(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked per-row log1p min-max normalization in vectorized PyTorch (float64 inside), float32."""
+    lx = torch.log1p(scores.double())
+    lo = torch.where(mask, lx, float("inf")).amin(1, keepdim=True)
+    hi = torch.where(mask, lx, float("-inf")).amax(1, keepdim=True)
+    den = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    return torch.where(mask, (lx - lo) / den, torch.zeros_like(lx)).float()
+
+
 def _probe_backward_ref(clean, pert, lengths):
     p = pert.detach().double().requires_grad_(True)
     (g,) = torch.autograd.grad(ref.probe_divergence(clean, p, lengths=lengths).sum(), p)
@@ -183,10 +216,12 @@ def build_cases(dry: bool) -> list[Case]:
                 return clean.to(dev), pert.to(dev), lengths.to(dev)
 
             es = _size_of(dt)
+            # answer_mean reads clean + perturbed at positions s < L of each row, plus the lengths; writes (N,).
             cases.append(Case("probe_divergence", f"N={N},S={S},V={V}", str(dt).split(".")[-1], make,
                               lambda c, p, ln: ops.probe_divergence(c, p, lengths=ln),
                               lambda c, p, ln: ref.probe_divergence(c, p, lengths=ln),
-                              "reference.probe_divergence (fp64)", 2 * N * S * V * es + 4 * N, large))
+                              "reference.probe_divergence (fp64)",
+                              lambda c, p, ln, V=V, es=es: 2 * int(ln.sum()) * V * es + 12 * ln.numel(), large))
         # backward (bf16 only): reads clean + perturbed, writes the gradient.
         dt = torch.bfloat16
 
@@ -197,14 +232,31 @@ def build_cases(dry: bool) -> list[Case]:
             lengths = torch.randint(1, S + 1, (N,), generator=g)
             return torch.rand(N, generator=g).to(dev), clean.to(dev), pert.to(dev), lengths.to(dev)
 
+        # reads clean + perturbed at positions s < L, writes the whole (N, S, V) gradient (zeros past L).
         cases.append(Case("probe_divergence_backward", f"N={N},S={S},V={V}", "bfloat16", make_b,
                           lambda go, c, p, ln: torch.ops.oar.probe_divergence_backward(go, c, p, None, ln,
                                                                                       "answer_mean"),
                           lambda go, c, p, ln: _probe_backward_ref(c, p, ln) * go.double()[:, None, None],
-                          "autograd of reference.probe_divergence (fp64)", 3 * N * S * V * 2 + 4 * N, large))
+                          "autograd of reference.probe_divergence (fp64)",
+                          lambda go, c, p, ln, N=N, S=S, V=V: (2 * int(ln.sum()) + N * S) * V * 2 + 16 * N, large))
+
+    # Diagnostic (docs/gpu.md): answer_mean with every row reading all S positions (L = S), bf16, next to the
+    # S = 1 row of the same N and V above; the position loop of the kernel runs L - 1 times per vector.
+    for N, S, V in ([(64, 2, 151936), (64, 8, 151936)] if not dry else [(4, 2, 1000), (4, 8, 1000)]):
+        def make_l(dev, N=N, S=S, V=V):
+            g = gen(N + S + V)
+            clean = (2 * torch.randn(N, S, V, generator=g)).to(torch.bfloat16)
+            pert = (clean.float() + 0.5 * torch.randn(N, S, V, generator=g)).to(torch.bfloat16)
+            return clean.to(dev), pert.to(dev), torch.full((N,), S, dtype=torch.int64).to(dev)
+
+        cases.append(Case("probe_divergence", f"N={N},S={S},V={V},L=S", "bfloat16", make_l,
+                          lambda c, p, ln: ops.probe_divergence(c, p, lengths=ln),
+                          lambda c, p, ln: ref.probe_divergence(c, p, lengths=ln),
+                          "reference.probe_divergence (fp64)", 2 * N * S * V * 2 + 12 * N))
 
     # normalize + reshape (raw scores -> token advantages), float32 scores
-    reshape_sizes = [(256, 4096, False), (2048, 8192, True)] if not dry else [(8, 64, False), (16, 300, True)]
+    reshape_sizes = [(64, 1024, False), (256, 4096, False), (2048, 8192, True)] if not dry else \
+        [(4, 32, False), (8, 64, False), (16, 300, True)]
     for B, T, large in reshape_sizes:
         def make_r(dev, B=B, T=T):
             g = gen(B + T)
@@ -218,6 +270,12 @@ def build_cases(dry: bool) -> list[Case]:
                           lambda a, s, rm, pm: ops.reshape_advantages(a, s, rm, pm)[0],
                           lambda a, s, rm, pm: ref.reshape_advantages_vectorized(a, s, rm, pm)[0],
                           "reference.reshape_advantages_vectorized", B * T * (4 + 1 + 1 + 4 + 4) + 4 * B, large))
+        # Diagnostic (docs/gpu.md): the same row kernel's passes 1-2 alone (read scores + one mask, write the
+        # normalized scores): reshape minus this is the quantile's radix passes and the weights.
+        cases.append(Case("normalize_importance", f"B={B},T={T}", "float32", make_r,
+                          lambda a, s, rm, pm: ops.normalize_importance(s, rm),
+                          lambda a, s, rm, pm: _torch_normalize(s, rm), "torch vectorized (bench)",
+                          B * T * (4 + 1 + 4)))
 
     # group advantages (GRPO, groups of 8)
     n, group = (4096, 8) if not dry else (64, 8)
@@ -229,6 +287,22 @@ def build_cases(dry: bool) -> list[Case]:
     cases.append(Case("group_advantages", f"n={n},G={n // group}", "float32", make_g,
                       lambda r: ops.group_advantages(r, group_size=group, preset="trl"),
                       lambda r: _torch_group_advantages(r, group), "torch vectorized (bench)", n * 8))
+
+    # Diagnostic (docs/gpu.md): ragged groups of skewed sizes, many groups of 8 and one large group. The average
+    # group (~24 rewards) selects one warp per group, so one warp walks the large group three times.
+    small, big = (4096, 65536) if not dry else (8, 64)
+
+    def make_s(dev, small=small, big=big):
+        sizes = [8] * small + [big]
+        off = torch.tensor([0] + sizes).cumsum(0)
+        r = torch.randint(0, 3, (int(off[-1]),), generator=gen(big)).float() / 2
+        return r.to(dev), off.to(dev)
+
+    ns = 8 * small + big
+    cases.append(Case("group_advantages", f"n={ns},G={small + 1},ragged 8x{small}+{big}", "float32", make_s,
+                      lambda r, off: ops.group_advantages(r, off, preset="trl"),
+                      lambda r, off: _torch_group_advantages_ragged(r, off), "torch vectorized ragged (bench)",
+                      ns * 8 + (small + 2) * 8))
 
     # grad x input
     rows, H = (16384, 2048) if not dry else (64, 64)
@@ -276,6 +350,7 @@ def run(args) -> list[dict]:
             raise SystemExit("bench_cuda: this oar build has no CUDA kernels (rebuild with nvcc)")
     warmup, repeats = (1, 3) if dry else (args.warmup, args.repeats)
     copy_ms, copy_gbs = copy_bandwidth(device, 4 if dry else args.copy_mib, warmup, repeats)
+    print(f"# copy {4 if dry else args.copy_mib} MiB: {copy_ms:.4f} ms, {copy_gbs:.1f} GB/s", flush=True)
     rows = [dict(op="copy", size=f"{4 if dry else args.copy_mib} MiB", dtype="float32", ms=copy_ms, gbs=copy_gbs,
                  frac=1.0, dev_ms=copy_ms, dev_frac=1.0, ref="", ref_ms=float("nan"), speedup=float("nan"),
                  maxdiff=0.0, large=False)]
@@ -290,8 +365,12 @@ def run(args) -> list[dict]:
             ref_ms = time_fn(lambda: case.ref_fn(*inputs), device, min(warmup, 2), ref_repeats)
             diff = _max_diff(case.oar_fn(*inputs), case.ref_fn(*inputs))
         dev_ms = device_time_ms(lambda: case.oar_fn(*inputs), device, max(3, min(repeats, 10)))
-        gbs = case.nbytes / (ms * 1e-3) / 1e9
-        dev_frac = case.nbytes / (dev_ms * 1e-3) / 1e9 / copy_gbs
+        nbytes = case.nbytes(*inputs) if callable(case.nbytes) else case.nbytes
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        dev_frac = nbytes / (dev_ms * 1e-3) / 1e9 / copy_gbs
+        # One line per case as it finishes: a run stopped by a time limit keeps the rows done so far.
+        print(f"# {case.op} {case.size} {case.dtype}: {ms:.4f} ms, {gbs:.1f} GB/s ({100 * gbs / copy_gbs:.0f}% of "
+              f"copy), device {dev_ms:.4f} ms; ref {ref_ms:.4f} ms", flush=True)
         rows.append(dict(op=case.op, size=case.size, dtype=case.dtype, ms=ms, gbs=gbs, frac=gbs / copy_gbs,
                          dev_ms=dev_ms, dev_frac=dev_frac, ref=case.ref_name, ref_ms=ref_ms, speedup=ref_ms / ms,
                          maxdiff=diff, large=case.large))

