@@ -58,8 +58,10 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  #
 import oar  # noqa: E402
 from oar.integrations import openrlhf as oar_orl  # noqa: E402
 from oar.models import tiny_random_llama  # noqa: E402
+from _tiny import OPENRLHF_TINY  # noqa: E402
 
 N = 4
+
 
 
 def make_experiences(tok):
@@ -134,12 +136,12 @@ def real_layout(tok):
 
 def doc_namespace():
     """Names the docs/trainers/openrlhf.md snippet uses (tests/python/test_trainer_docs.py)."""
-    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
     return {"model": model, "tokenizer": tok, "experience_maker": maker(tok), "experiences": make_experiences(tok)}
 
 
 def main(out_path):
-    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
     base = make_experiences(tok)
     res = {"signature": list(inspect.signature(RemoteExperienceMaker.compute_advantages_and_returns).parameters),
            "inputs": [dict(sequences=e.sequences, action_mask=e.action_mask, rewards=e.rewards, index=e.index)
@@ -252,7 +254,7 @@ def actor_rank(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
-    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
 
     class Actor(torch.nn.Module):  # openrlhf.models.Actor's shape: the policy in .model
         def __init__(self, m):
@@ -295,7 +297,7 @@ def _policy_actor_cls():
             import torch.distributed as dist
 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env set by OpenRLHF
-            model, _ = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+            model, _ = tiny_random_llama(**OPENRLHF_TINY)
 
             class Actor(torch.nn.Module):
                 def __init__(self, m):
@@ -338,7 +340,7 @@ def ray_actors(out_dir):
         group = RayActorGroup(num_nodes=2, num_gpus_per_node=1, ray_actor_type=ray.remote(_policy_actor_cls()),
                               num_gpus_per_actor=0)
         assert all(ray.get(group.async_init_model_from_pretrained()))
-        _, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+        _, tok = tiny_random_llama(**OPENRLHF_TINY)
         out = {}
         for method in ("oar_p", "oar_g"):
             req = actor_request(tok, 0, 2 * N, method)  # the whole batch: the maker splits it per actor

@@ -10,7 +10,7 @@ import oar
 from oar import baselines, ops, reference
 from oar.models import tiny_random_llama
 from _completions import completion_batch
-from _tolerance import assert_close_to_reference, assert_close_to_rounded, assert_within, mass_bound
+from _tolerance import assert_close_to_rounded, assert_within, mass_bound
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from oar.attribution.model import (EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_MEMBERS
                                    SHARED_PREFIX_MEMBERS, NoisedEmbeddings)
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
-from _tolerance import assert_close_to_reference
+from _error_model import Bounded, random_rounding
+from _tolerance import assert_within_error_model
 
 
 def _free_port() -> int:
@@ -226,10 +227,15 @@ def test_gate_is_the_protocol_and_nothing_else():
 
 def _hook_worker(rank, world, port, out_dir, methods):
     _init(rank, world, port)
+    from oar.attribution import HFProbeModel
     from oar.hook import TokenAdvantageHook
     from oar.models import tiny_random_llama
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    with torch.no_grad():  # sharpened (as test_attribution's tiny model): divergences far above float32 rounding
+        for prm in model.parameters():
+            if prm.dim() > 1:
+                prm.mul_(6.0)
     calls = {"n": 0}
     orig = model.forward
 
@@ -275,9 +281,15 @@ def _hook_worker(rank, world, port, out_dir, methods):
         dist.barrier()
         alone = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
         model.double()  # the same computation with a float64 model: the reference of the error budget
-        ref64 = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        # planned as the float32 model (its activation bytes): the same chunks, so OAR-G draws the same noise
+        m64 = HFProbeModel(model, bytes_per_element=4)
+        ref64 = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(m64, prompts, ids, mask, adv, ["5"] * 3)
+        # its scores with the random-rounding estimate of their float32 error (rule 1, _error_model.py)
+        exact = random_rounding(lambda: TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(
+            m64, prompts, ids, mask, adv, ["5"] * 3).scores)
         model.float()  # float32 -> float64 -> float32 is exact: the weights are unchanged
-        res[method] = {"calls": n_synced, **{f"{name}_{f}": getattr(out, f) for name, out in
+        res[method] = {"calls": n_synced, "exact": (exact.value, exact.bound, exact.bound_ref),
+                       **{f"{name}_{f}": getattr(out, f) for name, out in
                                              (("synced", synced), ("alone", alone), ("ref64", ref64))
                                              for f in ("advantages", "scores")},
                        "padding": synced.metrics["oar/padding_forwards"], "real": synced.metrics["oar/forward_passes"]}
@@ -298,10 +310,17 @@ def test_hook_runs_equal_forwards_on_every_rank(tmp_path):
         for k in range(2):  # and the gate changed no value
             # The gate only adds dummy model calls, so the synced scores are the same float32 computation as the
             # ungated ones; kernels may still round them differently (MKL/oneDNN pick code paths by shape and
-            # alignment). Rule 1 of _tolerance.py: the synced scores are no further from the float64 model's
-            # than 2x the ungated scores are.
+            # alignment). Rule 1 of _tolerance.py: both within the random-rounding estimate of the float32 error
+            # around the float64 model's scores.
             got, alone, ref64 = (r[k][f"{run}_scores"] for run in ("synced", "alone", "ref64"))
-            assert_close_to_reference(got, ref64, alone, what=f"{method} rank {k} scores")
+            exact = Bounded(*r[k]["exact"])
+            assert torch.equal(exact.value, ref64.double())
+            # The OAR-G screen's selection is not stable under float32 rounding on this model (its scores are
+            # gradients of a divergence of order sigma^2, with large relative rounding errors): where a draw flips a
+            # token in or out of the masked set, the estimate is as large as the score itself.
+            vac = None if method == "oar_p_screened_g" else 0.25
+            assert_within_error_model(got, exact, vacuous_above=vac, what=f"{method} rank {k} synced scores")
+            assert_within_error_model(alone, exact, vacuous_above=vac, what=f"{method} rank {k} ungated scores")
             # Advantages are normalize + reshape of the scores (deterministic ops): exact where the scores are.
             # (Where the scores differ by rounding they are not compared: OAR-P/OAR-G weights of low-impact
             # tokens are scores divided by the q-quantile score, which on this tiny random model sits at the

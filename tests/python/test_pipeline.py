@@ -15,7 +15,8 @@ from oar.attribution import engines
 from oar.models import tiny_random_llama
 from oar.pipeline import METHOD_TABLE, Pipeline, RolloutBatch, method_spec, with_method
 from _completions import completion_batch
-from _tolerance import assert_close_to_reference, assert_within, mass_bound
+from _error_model import entropy, entropy_error_bound, error_bound
+from _tolerance import assert_within, assert_within_error_model, mass_bound
 
 TEXTS = ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 \\boxed{9}", "I think 5", "2+3=5 #### 5", "4 4 4 \\boxed{8}",
          "5 \\boxed{5}"]
@@ -236,8 +237,9 @@ def test_entropy_from_logits_allows_minus_inf():
     want = torch.tensor([-(1 / 3 * math.log(1 / 3) + 2 / 3 * math.log(2 / 3)), math.log(3.0)], dtype=torch.float64)
     out = engines.entropy_from_logits(x)
     assert torch.isfinite(out).all()
-    ref32 = torch.distributions.Categorical(logits=x).entropy()
-    assert_close_to_reference(out, want, ref32, k=4, atol=1e-7, what="entropy")  # two float32 results: errors add
+    exact = error_bound(entropy, x)  # rule 1: the float32 error model of the entropy of these logits
+    assert float((exact.value - want).abs().max()) <= 2.0**-24  # x holds log 2 rounded to float32 (moves H by < u)
+    assert_within_error_model(out, exact, what="entropy")
     with pytest.raises(ValueError, match=r"logits must not hold NaN or \+inf, got nan at \[0, 1\]"):
         engines.entropy_from_logits(torch.tensor([[0.0, float("nan")]]))
     with pytest.raises(ValueError, match=r"logits at \[0\] are all -inf"):
@@ -276,10 +278,13 @@ def test_entropy_methods_are_finite_with_minus_inf_logits(tiny, method):
                                 position_ids=torch.arange(seq.shape[1])[None],
                                 keep=seq.shape[1])[0, P - 1: seq.shape[1] - 1]
     cols = res.reasoning_mask[i] if method == "entropy" else mask[i].bool()
-    ref64 = torch.distributions.Categorical(logits=logits.double()).entropy()[cols[: int(mask[i].sum())]]
-    ref32 = torch.distributions.Categorical(logits=logits.float()).entropy()[cols[: int(mask[i].sum())]]
-    # k = 4: float32 against a float32 reference (both errors add), and a batched (padded) forward in the pipeline
-    assert_close_to_reference(res.scores[i][cols], ref64, ref32, k=4, atol=1e-5, what=f"{method} entropies")
+    n = int(mask[i].sum())
+    ref32 = torch.distributions.Categorical(logits=logits.float()).entropy()[cols[:n]]
+    # rule 1: the pipeline's batched (padded) forward and torch.distributions' entropy of the unpadded one, both
+    # within the float32 error model of the float64 model's entropies
+    exact = entropy_error_bound(model, seq, P - 1, seq.shape[1] - 1, banned=_BannedVocab.BANNED)[cols[:n]]
+    assert_within_error_model(res.scores[i][cols], exact, what=f"{method} entropies")
+    assert_within_error_model(ref32, exact, what=f"{method} entropies, torch.distributions")
 
 
 # ---- errors in the caller's indexing -----------------------------------------------------------------------------

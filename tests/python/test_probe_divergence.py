@@ -3,8 +3,8 @@
 op too), with opcheck, bad input as one table and torch.compile of the wrapper.
 
 Tolerances (rule 1 of _tolerance.py): the kernel reads the inputs exactly in their own dtype and accumulates in
-float32/float64, so its error vs the float64 reference of the same inputs stays within k times what a naive
-PyTorch computation in float32 on those inputs makes, whatever the input dtype.
+float32/float64, so its error vs the float64 value of its formula on the same inputs stays within the float32
+error model of that formula (_error_model.py: any order of the V-term sums), whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -20,60 +20,23 @@ from oar import reference as ref
 
 from _devices import DEVICES, eager_checks, gen, no_pending_device_errors, on, bad_input_tests, to_device  # noqa: F401
 from _op_inputs import make_inputs
-from _tolerance import assert_close_to_reference as rule1
-from _tolerance import assert_within, gamma, ulp
+from _error_model import error_bound, probe_divergence_error_bound, probe_divergence_grad_formula
+from _tolerance import K_ALGORITHM, assert_within, assert_within_error_model, ulp
 
 PROBES = ["last", "answer_mean", "answer_joint"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def naive_same_dtype(clean, pert, probe, ids, lengths):
-    """What a user writes by hand, computed entirely in the input dtype (the error yardstick)."""
-    N, S, V = pert.shape
-    mask = torch.arange(S)[None, :] < lengths[:, None]
-    cnt = lengths.to(pert.dtype)
-    if probe == "last":
-        zc, zp = clean[:, 0], pert[:, 0]
-    elif probe == "answer_mean":
-        m3 = mask[..., None].to(pert.dtype)
-        zc = (clean * m3).sum(1) / cnt[:, None]
-        zp = (pert * m3).sum(1) / cnt[:, None]
-    else:
-        safe = torch.where(mask, ids, torch.zeros_like(ids))[..., None]
-
-        def phi(z):
-            ll = torch.log_softmax(z, -1).gather(-1, safe)[..., 0]
-            return (ll * mask.to(z.dtype)).sum(1) / cnt
-
-        return phi(clean) - phi(pert)
-    lc, lp = torch.log_softmax(zc, -1), torch.log_softmax(zp, -1)
-    return (lc.exp() * (lc - lp)).sum(-1)
-
-
-def assert_close_to_reference(got, clean, pert, probe, ids, lengths, k=4.0):
-    """Rule 1 against the float64 reference of the same inputs, with plain float32 PyTorch on those inputs as the
-    yardstick (16-bit inputs are read exactly, so float32 is the op's working precision for every dtype). k = 4:
-    the op's and the naive computation's V-term float32 sums round in different orders, and their errors add up
-    in the log-sum-exp difference (measured ratios reach ~1.7)."""
+def assert_close_to_reference(got, clean, pert, probe, ids, lengths):
+    """Rule 1: within the float32 error model (_error_model.py) of the op's formula evaluated in float64 on the same
+    inputs (16-bit inputs are read exactly, so float32 is the op's working precision for every dtype). The bound
+    holds for any order of the V-term sums (the op's chunked, vectorized ones included); the float64 value is checked
+    against the independent reference (log_softmax and KL) too."""
+    exact = probe_divergence_error_bound(clean, pert, probe, ids, lengths)
     want = ref.probe_divergence(clean, pert, probe=probe, answer_ids=ids, lengths=lengths)
-    naive = naive_same_dtype(clean.float(), pert.float(), probe, ids, lengths)
-    rule1(got, want, naive, k=k, atol=cancellation_atol(want, clean, pert), what=f"{probe} {clean.dtype}")
-
-
-def cancellation_atol(want, clean, pert, worst_case=False):
-    """The floor of rule 1 for this op: an ulp of the largest value, plus the rounding of the large terms that
-    cancel. The op computes KL as sum_v p_v (zc_v - zp_v) + (lse(zp) - lse(zc)) (accurate for small KLs), two
-    terms of size up to max |zc - zp|, which cancel when the logits differ by a near-constant shift: their final
-    roundings cost an ulp of that size even when the KL is 0 (where a naive float32 computation may be exact).
-    ``worst_case``: the full float32 accumulation bound of those terms instead, gamma_n max |zc - zp| with n the
-    roundings a term passes in the op (2048-entry chunks summed in float32 lanes, chunks merged in float64)."""
-    d = clean.float() - pert.float()
-    d = d[torch.isfinite(d)]
-    if d.numel() == 0:
-        return float(ulp(want.abs().max()))
-    big = float(d.abs().max())
-    extra = gamma(min(clean.shape[-1], 2048) + 8) * big if worst_case else float(ulp(big))
-    return float(ulp(want.abs().max())) + extra
+    assert_within(exact.value, want, 1e-12 * (1 + want.abs()), what="formula vs reference")
+    assert_within_error_model(got, exact, vacuous_above=None if bool((want.abs() < 1e-6).all()) else 0.25,
+                              what=f"{probe} {clean.dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -154,13 +117,9 @@ def test_neg_inf_logits_are_zero_probability():
     clean[:, :, :50] = float("-inf")
     pert[:, :, :50] = float("-inf")
     got = ops.probe_divergence(clean, pert, probe="last")
-    want = ref.probe_divergence(clean, pert, probe="last")
     assert torch.isfinite(got).all()
-    # Zero-probability entries contribute nothing: the float32 yardstick runs on the finite columns (the naive
-    # formula would give -inf - -inf = NaN there).
-    full = torch.ones(2, dtype=torch.int64)
-    rule1(got, want, naive_same_dtype(clean[..., 50:], pert[..., 50:], "last", None, full), k=4.0,
-          atol=cancellation_atol(want, clean, pert))
+    # Zero-probability entries contribute nothing (to the value and to the error model)
+    assert_close_to_reference(got, clean, pert, "last", None, torch.ones(2, dtype=torch.int64))
 
 
 @settings(max_examples=25, deadline=None)
@@ -186,14 +145,13 @@ def test_property_nonnegative_and_shift_invariant(seed, V, S, probe, shift_c, sh
     if probe != "answer_joint":
         assert (base >= 0).all()
 
-    def budget(c, p):  # rule 1 budget of one run, and its float64 reference
-        want = ref.probe_divergence(c, p, probe=probe, answer_ids=ids, lengths=lengths)
-        naive = naive_same_dtype(c, p, probe, ids, lengths).double()
-        return 4 * float((naive - want).abs().max()) + cancellation_atol(want, c, p, worst_case=True), want
+    def budget(c, p):  # rule 1 budget of one run (the float32 error model), and its float64 value
+        e = probe_divergence_error_bound(c, p, probe, ids, lengths)
+        return K_ALGORITHM * e.bound + ulp(e.value), e.value
 
     # Each run within rule 1 of the float64 value of its own inputs; those two values differ by what the float32
     # rounding of the shifted logits changes (exactly computed here in float64), nothing else. The shifts make
-    # the cancelling terms up to 60 times larger than the KL: their worst-case float32 accumulation bound.
+    # the cancelling terms up to 60 times larger than the KL, which the error model counts.
     (b0, w0), (b1, w1) = budget(clean, pert), budget(clean + shift_c, pert + shift_p)
     assert_within(shifted, base, b0 + b1 + float((w1 - w0).abs().max()), f"{probe} shift")
 
@@ -215,12 +173,11 @@ def test_gradient_matches_autograd_of_reference(probe, dtype):
     (ref.probe_divergence(clean, p64, probe=probe, answer_ids=ids, lengths=lengths) * w.double()).sum().backward()
 
     assert p.grad.dtype == dtype and p.grad.shape == pert.shape
-    # Rule 1 at float32 (the op's working precision), plus the rounding of the stored gradient to the input dtype
-    # (an ulp of that dtype per element: half for the rounding, half for a float32 value on a rounding boundary).
-    p32 = pert.float().requires_grad_(True)
-    (naive_same_dtype(clean.float(), p32, probe, ids, lengths) * w).sum().backward()
-    err32 = float((p32.grad.double() - p64.grad).abs().max())
-    assert_within(p.grad, p64.grad, 4 * err32 + ulp(p64.grad.abs().max()) + ulp(p64.grad, dtype), f"{probe} {dtype}")
+    # Rule 1: the float32 error model of the backward's formula (the op's working precision), plus the rounding of
+    # the stored gradient to the input dtype (an ulp of that dtype per element, in assert_within_error_model)
+    exact = error_bound(lambda c, q: probe_divergence_grad_formula(c, q, probe, ids, lengths, w), clean, pert)
+    assert_within(exact.value, p64.grad, 1e-12 * float(p64.grad.abs().max()), what="formula vs autograd")
+    assert_within_error_model(p.grad, exact, what=f"{probe} {dtype}")
 
 
 def test_clean_logits_get_no_gradient():
@@ -240,10 +197,10 @@ def test_gradient_with_expanded_clean():
     (g,) = torch.autograd.grad(out.sum(), pert)
     p64 = pert.detach().double().requires_grad_(True)
     (g64,) = torch.autograd.grad(ref.probe_divergence(clean1.expand(N, S, V), p64).sum(), p64)
-    p32 = pert.detach().requires_grad_(True)
-    full = torch.full((N,), S, dtype=torch.int64)
-    (g32,) = torch.autograd.grad(naive_same_dtype(clean1.expand(N, S, V), p32, "answer_mean", None, full).sum(), p32)
-    rule1(g, g64, g32, k=4.0)  # as the forward
+    exact = error_bound(lambda c, q: probe_divergence_grad_formula(c, q, "answer_mean"), clean1.expand(N, S, V),
+                        pert.detach())
+    assert_within(exact.value, g64, 1e-12 * float(g64.abs().max()), what="formula vs autograd")
+    assert_within_error_model(g, exact, what="expanded clean")  # rule 1, as the forward
 
 
 def test_torch_compile_parity():

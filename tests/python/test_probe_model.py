@@ -25,7 +25,8 @@ from oar.attribution import (
 )
 from oar.models import tiny_random_llama
 
-from _tolerance import assert_close_to_reference
+from _error_model import error_bound
+from _tolerance import assert_within_error_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONCLUDE = "\nThe answer is \\boxed{"
@@ -222,7 +223,7 @@ def _page_snippets():
 
 def _naive_answer_mean(tail, ctx, P, L, K, S, pad):
     """OAR-P of one unpadded context by definition: replace each reasoning token by ``pad`` in its own forward, KL
-    of the mean answer-position logits, in the dtype of ``tail``'s logits."""
+    of the mean answer-position logits, in the dtype of ``tail``'s logits: a list of L 0-d tensors."""
     def probe(ids):
         t = torch.tensor([ids])
         z = tail(t)[0]  # (len, V)
@@ -235,8 +236,8 @@ def _naive_answer_mean(tail, ctx, P, L, K, S, pad):
         masked = list(ctx)
         masked[P + j] = pad
         lp = probe(masked)
-        out.append(float((clean.exp() * (clean - lp)).sum()))
-    return torch.tensor(out, dtype=torch.float64)
+        out.append((clean.exp() * (clean - lp)).sum())
+    return out
 
 
 def _mean_pool_logits(net, dtype):
@@ -262,8 +263,11 @@ def test_models_page_example_runs_and_is_exact(tiny):
             row = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
             P, L, K = len(prompt_ids[i]), int(batch.reasoning_len[i]), int(batch.answer_len[i])
             assert L > 0 and row[P: P + L] == response_ids[i][:L]
-            truth = _naive_answer_mean(_mean_pool_logits(net, torch.float64), row, P, L, K, S, batch.pad_id)
-            ref32 = _naive_answer_mean(_mean_pool_logits(net, torch.float32), row, P, L, K, S, batch.pad_id)
-            assert truth.abs().max() > 1e-4, "toy model too flat: the comparison would be vacuous"
-            # Rule 1 (_tolerance.py), k = 4: a float32 engine against a float32 one-at-a-time reference (errors add)
-            assert_close_to_reference(res.scores[i, :L], truth, ref32, k=4, what=f"row {i}")
+            def naive(row=row, P=P, L=L, K=K):
+                terms = _naive_answer_mean(_mean_pool_logits(net, torch.float64), row, P, L, K, S, batch.pad_id)
+                return torch.stack(terms), terms
+
+            exact = error_bound(naive)  # float64 scores with their float32 error model
+            assert exact.value.abs().max() > 1e-4, "toy model too flat: the comparison would be vacuous"
+            # Rule 1 (_tolerance.py): the engine within the float32 error model of the float64 scores
+            assert_within_error_model(res.scores[i, :L], exact, what=f"row {i}")

@@ -9,14 +9,14 @@ import torch
 
 import oar
 from oar import ops
-from oar import reference
 from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores,
                             screened)
 from oar.attribution.screened import budget_fraction, calibrate, oar_p_screened_scores, screen_selection
 from oar.pipeline import Pipeline, RolloutBatch
 
-from _tolerance import assert_close_to_reference
-from test_attribution import CONCLUDE, _rollouts, _truth, tiny  # noqa: F401 - the module fixture
+from _error_model import oar_p_window_error_bound
+from _tolerance import assert_within_error_model
+from test_attribution import CONCLUDE, _exact, _rollouts, tiny  # noqa: F401 - the module fixture
 
 
 def _setup(tiny):  # noqa: F811
@@ -35,9 +35,9 @@ def test_screen_off_equals_exact_oar_p(tiny):  # noqa: F811
     res = oar_p_screened_scores(pm, batch, screen, fraction=1.0, sample_fraction=0.0)
     assert res.stats["masked"] == res.stats["scored_tokens"] == int(batch.reasoning_len.sum())
     assert torch.equal(res.mask, full.mask)
-    truth = _truth(tiny, "answer_mean")
-    W = truth.shape[1]
-    assert_close_to_reference(res.scores[:, :W], truth, full.scores[:, :W], what="screen off")
+    exact = _exact(tiny, "answer_mean")
+    W = exact.value.shape[1]
+    assert_within_error_model(res.scores[:, :W], exact, what="screen off")
 
 
 @pytest.mark.parametrize("fraction, sample", [(0.2, 0.1), (0.5, 0.0), (0.0, 0.3), (0.3, 0.3)])
@@ -46,8 +46,7 @@ def test_masked_tokens_are_exact_and_the_rest_calibrated(tiny, fraction, sample)
     a_i x screen with a_i the least-squares scale on the row's random sample (else its masked tokens); every score
     is finite and >= 0; the counts are ceil(fraction L) + ceil(sample L)."""
     pm, batch, screen = _setup(tiny)
-    full = oar_p_scores(pm, batch)
-    truth = _truth(tiny, "answer_mean")
+    exact = _exact(tiny, "answer_mean")
     res = oar_p_screened_scores(pm, batch, screen, fraction=fraction, sample_fraction=sample,
                                 generator=torch.Generator().manual_seed(1))
     assert bool(torch.isfinite(res.scores).all()) and bool((res.scores >= 0).all())
@@ -60,7 +59,7 @@ def test_masked_tokens_are_exact_and_the_rest_calibrated(tiny, fraction, sample)
         assert len(samp) == min(L - len(top), math.ceil(sample * L))
         chosen = sorted(set(top) | set(samp))
         masked_total += len(chosen)
-        assert_close_to_reference(res.scores[r, chosen], truth[r, chosen], full.scores[r, chosen], what=f"row {r}")
+        assert_within_error_model(res.scores[r, chosen], exact[r, chosen], what=f"row {r}")
         a = res.stats["calibration"][r]
         assert a == pytest.approx(calibrate(screen.scores[r, :L], res.scores[r, :L], samp, chosen), rel=1e-12)
         rest = [j for j in range(L) if j not in chosen]
@@ -199,23 +198,18 @@ def test_pipeline_time_budget_cuts_the_fraction(tiny):  # noqa: F811
     assert pipe.compute(batch, model).metrics["oar/screen_fraction"] == 0.5
 
 
-def _window_truth(tiny, window, probe):  # noqa: F811
-    """Windowed OAR-P by the step-by-step reference (oar.reference.oar_p_window_naive): float64 model (truth) and
-    float32 model with a float32 divergence (the rounding reference), as (B, L_max) tensors."""
-    import copy
+_WINDOW = {}
 
-    model, tok = tiny
-    pids, rids, answers = _rollouts(tok)
-    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
-    L_max = int(batch.reasoning_len.max())
-    out = []
-    for m, dt in ((copy.deepcopy(model).double(), torch.float64), (model, torch.float32)):
-        t = torch.zeros(batch.batch_size, L_max, dtype=torch.float64)
-        for r, sc in reference.oar_p_window_naive(m, batch, window, probe=probe, dtype=dt).items():
-            for j, v in sc.items():
-                t[r, j] = v
-        out.append(t)
-    return out
+
+def _window_exact(tiny, window, probe):  # noqa: F811
+    """Windowed OAR-P by the step-by-step reference (oar.reference.oar_p_window_naive's steps) on the float64 model,
+    with the float32 error bounds (``_error_model.Bounded``, (B, L_max)), cached."""
+    if (window, probe) not in _WINDOW:
+        model, tok = tiny
+        pids, rids, answers = _rollouts(tok)
+        batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+        _WINDOW[window, probe] = oar_p_window_error_bound(model, batch, window, probe)
+    return _WINDOW[window, probe]
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -232,14 +226,14 @@ def test_window_scores_equal_the_stepwise_reference(tiny, window, probe, budget_
     assert oar.attribution.probe_capabilities(pm).shared_prefix == shared
     res = oar_p_window_scores(pm, batch, window=window, probe=probe, memory_budget_mb=budget_mb)
     assert res.stats["engine"] == "window" and res.stats["variants"] == int(batch.reasoning_len.sum())
-    ref64, ref32 = _window_truth(tiny, window, probe)
-    assert float(ref64.max()) > 1e-3, "test model too flat: the comparison would be vacuous"
-    assert_close_to_reference(res.scores.double(), ref64, ref32, what=f"window {window}")
+    want = _window_exact(tiny, window, probe)
+    assert float(want.value.max()) > 1e-3, "test model too flat: the comparison would be vacuous"
+    assert_within_error_model(res.scores, want, what=f"window {window}")
     assert bool((res.scores >= 0).all())
-    if window == 0:
-        exact = _truth(tiny, probe)
-        W = exact.shape[1]
-        assert float((ref64[:, :W] - exact).abs().max()) > 100 * float((ref32 - ref64).abs().max())
+    if window == 0:  # the window's approximation error is outside exact OAR-P's rounding budget
+        exact = _exact(tiny, probe)
+        with pytest.raises(AssertionError, match="outside the budget"):
+            assert_within_error_model(res.scores[:, : exact.value.shape[1]], exact, what="window 0 vs exact")
 
 
 def test_window_covering_the_rest_is_exact_oar_p(tiny):  # noqa: F811
@@ -247,15 +241,15 @@ def test_window_covering_the_rest_is_exact_oar_p(tiny):  # noqa: F811
     the exact engine's float32 scores as rounding reference); with positions, only those tokens are scored."""
     pm, batch, _ = _setup(tiny)
     full = oar_p_scores(pm, batch)
-    truth = _truth(tiny, "answer_mean")
-    W = truth.shape[1]
+    exact = _exact(tiny, "answer_mean")
+    W = exact.value.shape[1]
     res = oar_p_window_scores(pm, batch, window=int(batch.reasoning_len.max()))
     assert torch.equal(res.mask, full.mask)
-    assert_close_to_reference(res.scores[:, :W], truth, full.scores[:, :W], what="window = L")
+    assert_within_error_model(res.scores[:, :W], exact, what="window = L")
     some = {0: [0, 3, 5], 2: [1]}
     part = oar_p_window_scores(pm, batch, window=100, rows=[0, 2], positions=some)
     for r, js in some.items():
-        assert_close_to_reference(part.scores[r, js], truth[r, js], full.scores[r, js], what=f"row {r}")
+        assert_within_error_model(part.scores[r, js], exact[r, js], what=f"row {r}")
         others = [j for j in range(int(batch.reasoning_len[r])) if j not in js]
         assert (part.scores[r, others] == 0).all()
     assert not part.mask[1].any() and part.stats["variants"] == 4
@@ -323,7 +317,7 @@ def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811
 
 def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F811
     """With the window screen's clean pass (``keep_clean_pass``), the exact pass runs no clean forward of its own and
-    its scores are the same exact OAR-P numbers (rule 1 against float64, the full run's as rounding reference); a
+    its scores are the same exact OAR-P numbers (rule 1: the float32 error model of the float64 scores); a
     clean pass that misses a scored row is refused."""
     pm, batch, _ = _setup(tiny)
     screen = oar_p_window_scores(pm, batch, window=2, keep_clean_pass=True)
@@ -336,13 +330,13 @@ def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F8
     assert shared.stats["masked"] == own.stats["masked"]
     assert shared.stats["forward_passes"] == own.stats["forward_passes"] - 1  # one clean chunk fewer
     assert shared.stats["tokens"] == own.stats["tokens"] - 3 * batch.input_ids.shape[1]
-    truth, full = _truth(tiny, "answer_mean"), oar_p_scores(pm, batch)
+    exact = _exact(tiny, "answer_mean")
     g = gen()
     for r in range(3):  # the same draws, in row order
         L = int(batch.reasoning_len[r])
         top, samp = screen_selection(screen.scores[r, :L], 0.3, 0.1, g)
         chosen = sorted(set(top) | set(samp))
-        assert_close_to_reference(shared.scores[r, chosen], truth[r, chosen], full.scores[r, chosen], what=f"row {r}")
+        assert_within_error_model(shared.scores[r, chosen], exact[r, chosen], what=f"row {r}")
     with pytest.raises(ValueError, match="clean_pass covers rows \\[0\\], not every row scored \\(\\[0, 1\\]\\)"):
         oar_p_scores(pm, batch, rows=[0, 1], clean_pass=oar_p_window_scores(pm, batch, window=0, rows=[0],
                                                                               keep_clean_pass=True).clean_pass)

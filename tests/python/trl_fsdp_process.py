@@ -23,7 +23,8 @@ from oar.integrations.trl import OARGRPOTrainer
 from oar.models import tiny_random_llama
 
 PROMPTS = [(1, 2), (3, 4)]
-MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, tokenizer="minimal", seed=0)
+# sharpened (initializer_range 0.12): divergences (~1e-2) far above float32 rounding (rule 1 of _tolerance.py)
+MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, tokenizer="minimal", seed=0, initializer_range=0.12)
 
 
 def reward(prompts, completions, answer, **kw):
