@@ -14,7 +14,7 @@ For correct sampled traces of a task:
    intervals over traces. ``random`` is reported by its exact expectation per trace, ceil(K% x L) / L (about K%),
    not by one draw; the other methods' random draws (OAR-G's noise) are seeded per trace (:func:`trace_seed`).
 
-4. **Fidelity to exact OAR-P** (issue 13): screened OAR-P (``--screen-fractions``) and 1-draw OAR-G against exact
+4. **Fidelity to exact OAR-P** (docs/design.md, "Screened OAR-P"): screened OAR-P (``--screen-fractions``) and 1-draw OAR-G against exact
    OAR-P (answer_mean) on the same traces: Spearman, top-10% overlap, reshaped-weight L1, recall@10% difference,
    the share masked exactly and the cost of the model passes relative to exact OAR-P.
 
@@ -82,7 +82,7 @@ def expected_random_recall(length: int, causal: list[bool], percent: float) -> f
     """Exact expected :func:`recall_at` of a uniformly random ranking of a trace's ``length`` tokens: the top
     k = ceil(percent% x L) tokens hold each causal token with probability k / L, so the expected recall is k / L.
     None when the trace has no causal token (as :func:`recall_at`). This replaces one random draw per trace: a
-    draw seeded alike for every trace ranked every trace alike (issue 13)."""
+    draw seeded alike for every trace ranked every trace alike)."""
     if len(causal) != length:
         raise ValueError(f"causal ({len(causal)}) must have one entry per token (length {length})")
     if isinstance(percent, bool) or not isinstance(percent, numbers.Real) or not 0 < percent <= 100:
@@ -295,7 +295,7 @@ def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
 
 
 def summarize_fidelity(traces: list[Trace], cfg, exact: str = "oar_p/answer_mean") -> list[dict]:
-    """Per task, how close each answer_mean method's scores are to exact OAR-P's on the same traces (issue 13):
+    """Per task, how close each answer_mean method's scores are to exact OAR-P's on the same traces:
     mean Spearman rank correlation, top-10% overlap and reshaped-weight L1 (:func:`reshaped_weights_l1`) with 95%
     bootstrap intervals over traces; recall@10% minus exact OAR-P's (paired per trace); the share of tokens masked
     exactly; the cost as seconds and tokens of the model passes relative to exact OAR-P's (ratio of sums)."""

@@ -11,7 +11,7 @@ reason; ``oar.set_log_level``).
 
 - :func:`oar_p_scores`  OAR-P, exact: one PAD substitution per reasoning token, batched across rollouts
   in chunks planned in C++ (``oar._C.plan_masked_chunks``) under a memory budget.
-- :func:`oar_p_window_scores`  windowed OAR-P (issue 13): masking a token re-runs only the next W reasoning tokens
+- :func:`oar_p_window_scores`  windowed OAR-P (docs/design.md, "Screened OAR-P"): masking a token re-runs only the next W reasoning tokens
   and the probe tail; the default screen of screened OAR-P (:mod:`oar.attribution.screened`).
 - :func:`oar_g_scores`  OAR-G: gradient x input of the probe divergence under Gaussian embedding noise
   on reasoning positions, ``torch.autograd.grad`` w.r.t. the input embeddings only.
@@ -218,7 +218,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     Each variant replaces reasoning token t by ``batch.pad_id`` (same length, still attended). Two exact
     engines compute the same scores (equal within fp32 rounding; tested):
 
-    - ``"prefix"`` (issue 3): variant t shares the clean prefix before t. One clean forward over the
+    - ``"prefix"`` (docs/design.md, "OAR-P: prefix key/value cache"): variant t shares the clean prefix before t. One clean forward over the
       requested rows yields the clean probe logits and the key/value cache; variants are sorted by masked
       column and cut by the C++ planner (``oar._C.plan_prefix_chunks``) into chunks that each run only
       columns ``[p, T)`` on the cropped clean cache, p = the chunk's smallest masked column, under
@@ -473,7 +473,7 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
 def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                         rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
                         memory_budget_mb: int = 1024, keep_clean_pass: bool = False) -> Attribution:
-    """Windowed OAR-P (issue 13's screen; docs/design.md "Screened OAR-P"): I_t as in :func:`oar_p_scores`
+    """Windowed OAR-P (the screen of screened OAR-P; docs/design.md "Screened OAR-P"): I_t as in :func:`oar_p_scores`
     (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
     the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
     on keep their clean keys/values. It measures the effect of token t that reaches the answer directly or

@@ -1,4 +1,4 @@
-"""Screened OAR-P (issue 13): exact masking on the tokens a cheap screen ranks first, plus a random sample of the
+"""Screened OAR-P (docs/design.md, "Screened OAR-P"): exact masking on the tokens a cheap screen ranks first, plus a random sample of the
 rest; the tokens not masked get the screen's scores mapped onto the exact scale (docs/attribution_eval.md).
 
 For one rollout of L reasoning tokens with screen scores s (e.g. OAR-G):
