@@ -22,7 +22,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ METHODS: tuple[str, ...] = tuple(_C.METHOD_NAMES)
 
 __all__ = [
     "METHODS", "METHOD_TABLE", "MethodSpec", "sequence_advantages", "method_spec", "with_method", "RolloutBatch", "TokenAdvantages",
-    "TokenScores", "Pipeline", "compute", "scores", "group_ids_from",
+    "TokenScores", "Pipeline", "pipeline_for", "group_ids_from",
 ]
 
 
@@ -428,7 +428,6 @@ def sequence_advantages(rewards: torch.Tensor, config=None, *, offsets=None, gro
 class _Run:
     """One call's state, handed to the scorers (internal)."""
 
-    pipe: "Pipeline"
     b: _Batch
     adv: torch.Tensor
     active: list[int]
@@ -525,12 +524,12 @@ class Pipeline:
         adv = _sequence_advantages(b, batch, self.config, preset)
         credit = self.method.credit
         if credit == "uniform":
-            run = _Run(self, b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
+            run = _Run(b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
             tok = adv[:, None] * b.eligible
             weights = b.eligible.float()
             sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
         elif credit == "reshape":
-            run = _Run(self, b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
+            run = _Run(b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
             sc, reasoning = self._scores(run)
             r = self.config.reshape
             tok, weights = ops.reshape_advantages(adv, sc, reasoning, b.eligible, q=r.q, beta=r.beta, floor=r.floor,
@@ -563,12 +562,12 @@ class Pipeline:
         b = _validate(batch)
         adv = _sequence_advantages(b, batch, self.config, preset)
         if self.method.credit == "reshape":
-            run = _Run(self, b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
+            run = _Run(b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
             sc, reasoning = self._scores(run)
         elif self.method.credit == "add":
             run, _, sc, reasoning = self._additive(b, adv, model)
         else:
-            run = _Run(self, b, adv, [], model)
+            run = _Run(b, adv, [], model)
             sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
         self._last_end = time.perf_counter()
         dev = b.out_device
@@ -794,7 +793,7 @@ class Pipeline:
 
         name = self.method.name
         if name == "entropy_shaping":
-            run = _Run(self, b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
+            run = _Run(b, adv, [i for i in range(b.B) if float(adv[i]) != 0.0], model)
             if b.entropy is not None:
                 H = b.entropy
             else:
@@ -814,7 +813,7 @@ class Pipeline:
             tok = baselines.entropy_shaping_advantages(adv, sc, b.eligible, alpha=es.alpha, kappa=es.kappa)
             return run, tok, sc, b.eligible.clone()
         # ktae: needs whole groups; correctness from rewards (NaN = unscorable = wrong), else from A > 0
-        run = _Run(self, b, adv, list(range(b.B)), model)
+        run = _Run(b, adv, list(range(b.B)), model)
         if b.group_ids is None:
             raise ValueError("method 'ktae' needs group_ids (the group of each row): its token tables are built per "
                              "prompt")
@@ -887,12 +886,3 @@ def pipeline_for(config=None, tokenizer=None) -> Pipeline:
         per[key] = Pipeline(cfg, tokenizer)
     return per[key]
 
-
-def compute(batch: RolloutBatch, config=None, *, model=None, tokenizer=None, preset: str | None = None) -> TokenAdvantages:
-    """:meth:`Pipeline.compute` through the cached pipeline of (``tokenizer``, ``config``)."""
-    return pipeline_for(config, tokenizer).compute(batch, model, preset=preset)
-
-
-def scores(batch: RolloutBatch, config=None, *, model=None, tokenizer=None, preset: str | None = None) -> TokenScores:
-    """:meth:`Pipeline.scores` through the cached pipeline of (``tokenizer``, ``config``)."""
-    return pipeline_for(config, tokenizer).scores(batch, model, preset=preset)
