@@ -43,9 +43,15 @@ def bool_arg(name: str, value) -> bool:
     return bool(value)
 
 
-def int_arg(name: str, value) -> int:
-    """``int(value)`` for objects with ``__index__`` (int, numpy integers) that fit in int64; ValueError for
-    bool, tensors, floats and out-of-range values."""
+def int_arg(name: str, value, *, tensors: bool = False) -> int:
+    """``int(value)`` for objects with ``__index__`` (int, numpy integers) that fit in int64; with ``tensors``,
+    also integer 0-d tensors (row and position indices of the engines; the ops' scalar arguments refuse them, so
+    that a traced call never reads a tensor's value). ValueError for bool, floats, other tensors and
+    out-of-range values (``int(0.5)`` would silently pick row 0)."""
+    if tensors and isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an int, got tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+        value = int(value)
     if isinstance(value, (bool, torch.Tensor)) or not hasattr(value, "__index__"):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     v = int(value.__index__())

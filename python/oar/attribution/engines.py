@@ -35,7 +35,7 @@ from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_lo
 _C = load_extension()
 _log = logging.getLogger("oar")
 
-PROBES = ("last", "answer_mean", "answer_joint")
+PROBES = ops.PROBES
 
 
 @dataclass
@@ -73,15 +73,8 @@ def _check_probe(probe: str) -> str:
 
 
 def _int_value(name: str, v) -> int:
-    """``v`` as an int: Python/numpy integers and integer 0-d tensors; floats, bools and strings are refused
-    (int(0.5) would silently pick row 0)."""
-    if isinstance(v, torch.Tensor):
-        if v.dim() != 0 or v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
-            raise ValueError(f"{name} must be an int, got tensor of shape {tuple(v.shape)} and dtype {v.dtype}")
-        return int(v)
-    if isinstance(v, bool) or not hasattr(v, "__index__"):
-        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-    return int(v.__index__())
+    """``v`` as an int, integer 0-d tensors included (:func:`oar._args.int_arg`)."""
+    return _args.int_arg(name, v, tensors=True)
 
 
 def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
