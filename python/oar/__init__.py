@@ -32,9 +32,7 @@ _logging._apply_environment()  # OAR_LOG_LEVEL, read once
 _C.cpu_isa()
 from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.oar.*)
 
-OARConfig = _C.OARConfig
-ReshapeOptions = _C.ReshapeOptions
-GroupAdvantageOptions = _C.GroupAdvantageOptions
+from oar.schema import GroupAdvantageOptions, OARConfig, ReshapeOptions  # noqa: E402  (the config schema)
 
 from oar.api import METHODS, sequence_advantages, token_advantages  # noqa: E402  (functional API)
 from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402  (the one method pipeline)

@@ -29,6 +29,7 @@ import torch
 from oar import _args, ops
 from oar._lib import load_extension
 from oar.groups import resolve_groups
+from oar.schema import OARConfig
 
 _log = logging.getLogger("oar")
 
@@ -110,7 +111,6 @@ def with_method(config, method: str):
     """A copy of ``config`` (``oar.OARConfig``) whose method is ``method``, every other key kept. The schema's
     one rule between keys applies: ``dr_grpo`` implies the ``dr_grpo`` estimator, so switching to it sets the
     estimator and switching away from it restores ``grpo``."""
-    from oar import OARConfig
 
     method_spec(method)
     obj = json.loads(config.to_json())
@@ -407,7 +407,6 @@ def sequence_advantages(rewards: torch.Tensor, config=None, *, offsets=None, gro
     Raises:
         ValueError: as :func:`oar.ops.group_advantages`; a NaN reward without ``skip_nan`` names its group.
     """
-    from oar import OARConfig
 
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
         got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
@@ -455,7 +454,6 @@ class Pipeline:
 
     def __init__(self, config=None, tokenizer=None, *, markers: Sequence[str] | None = None, pad_id: int | None = None,
                  sync_forwards: bool | None = None, ignore_ids: Sequence[int] | None = None):
-        from oar import OARConfig
         from oar.attribution import DEFAULT_MARKERS, ProbeContextBuilder
 
         if config is not None and not isinstance(config, OARConfig):
@@ -868,7 +866,6 @@ _NO_TOKENIZER: dict = {}
 def pipeline_for(config=None, tokenizer=None) -> Pipeline:
     """The cached :class:`Pipeline` of (``tokenizer``, ``config``) (a new one when the tokenizer cannot be
     weakly referenced). Raises ValueError as :class:`Pipeline`."""
-    from oar import OARConfig
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from oar.schema import OARConfig
+
 #: Environment variable read by the verl plugin and the OpenRLHF launcher when no config was passed in code:
 #: a JSON object (the ``oar`` schema of docs/config.md) or a path to a JSON/YAML file holding one.
 CONFIG_ENV = "OAR_CONFIG"
@@ -23,8 +25,6 @@ def config_from_env(method: str | None = None):
         ValueError: unreadable file, invalid JSON/YAML (naming $OAR_CONFIG and the file), or a value the schema
             refuses (message names the key).
     """
-    from oar import OARConfig
-
     raw = os.environ.get(CONFIG_ENV, "").strip()
     obj: dict = {}
     if raw:

@@ -36,6 +36,7 @@ import torch
 
 from oar.integrations._common import CONFIG_ENV, config_from_env
 from oar.pipeline import Pipeline, RolloutBatch, method_spec
+from oar.schema import OARConfig
 
 SUPPORTED_OPENRLHF = ("0.11.2",)
 #: OpenRLHF estimators whose advantages are one value per response (what OAR reshapes).
@@ -62,7 +63,6 @@ def _check_signature(fn) -> None:
 
 
 def _check_config(config) -> None:
-    from oar import OARConfig
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
@@ -265,7 +265,6 @@ def actor_scores(self, request: dict) -> dict:
     Returns:
         ``{"scores": (b, C) float32, "reasoning_mask": (b, C) bool}`` on the CPU (rows with advantage 0 unscored).
     """
-    from oar import OARConfig
 
     cfg = OARConfig.from_json(request["config"])
     pipe = _pipeline(cfg, request["tokenizer"])

@@ -34,6 +34,7 @@ import warnings
 import torch
 
 from oar.pipeline import Pipeline, RolloutBatch
+from oar.schema import OARConfig
 
 #: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
 TESTED_TRL = ("1.13.0",)
@@ -75,7 +76,6 @@ def check_trl_features(trainer_cls) -> None:
 def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
     """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for the methods
     that read reference answers, that a dataset with known columns has the answer column."""
-    from oar import OARConfig
     from oar.pipeline import method_spec
 
     if oar_config is not None and not isinstance(oar_config, OARConfig):
@@ -133,7 +133,6 @@ class OARTrainerMixin:
     """
 
     def _oar_setup(self, oar_config, answer_column: str = "answer") -> None:
-        from oar import OARConfig
 
         check_trl_features(type(self))
         if oar_config is None:

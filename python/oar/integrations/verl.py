@@ -42,6 +42,7 @@ import torch
 
 from oar.integrations._common import config_from_env
 from oar.pipeline import Pipeline, RolloutBatch, with_method
+from oar.schema import OARConfig
 
 SUPPORTED_VERL = ("0.9.1",)
 
@@ -83,7 +84,7 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
         ValueError: ``config`` not an ``oar.OARConfig`` / None, ``scorer`` not callable / None, ``ignore_ids`` not a
             sequence of ints (checked here, not at the first training step).
     """
-    from oar import OARConfig, _args
+    from oar import _args
 
     if config is not None and not isinstance(config, OARConfig):
         raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "

@@ -31,6 +31,7 @@ from verl.single_controller.base.decorator import make_nd_compute_dataproto_disp
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from oar.pipeline import Pipeline, RolloutBatch
+from oar.schema import OARConfig
 
 #: The actor roles whose worker computes the scores (verl's ``Role`` values as strings).
 ACTOR_ROLES = ("actor", "actor_rollout", "actor_rollout_ref")
@@ -147,8 +148,6 @@ def _request_batch(data: TensorDict) -> RolloutBatch:
 def _pipeline(config_json: str, tokenizer) -> Pipeline:
     """This worker's pipeline of a config (cached: OAR-G's noise draws advance from step to step; every rank
     draws the same sequence, so ranks given the same rows agree)."""
-    from oar import OARConfig
-
     if config_json not in _PIPELINES:
         _PIPELINES[config_json] = Pipeline(OARConfig.from_json(config_json), tokenizer)
     return _PIPELINES[config_json]
