@@ -88,6 +88,11 @@ def main(version: int, out_dir: str) -> None:
     _cpu_fsdp.enable()
     res = {m: run(m, version, out_dir) for m in ("oar_g", "oar_p")}
     torch.save(res, f"{out_dir}/rank{res['oar_g']['process_index']}.pt")
+    # End the process group before the interpreter exits: torn down at exit with gloo's threads still running, a
+    # rank once aborted ("terminate called without an active exception") after finishing its work.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ def main(out_dir: str) -> None:
     res = {m: run(m, out_dir) for m in ("oar_p", "ktae")}
     rank = res["oar_p"]["process_index"]
     torch.save(res, f"{out_dir}/rank{rank}.pt")
+    if torch.distributed.is_initialized():  # not left to the interpreter's exit (see trl_fsdp_process.py)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
