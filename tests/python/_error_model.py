@@ -306,41 +306,6 @@ class Bounded:
         return Bounded(self.value[index], self.bound[index], self.bound_ref[index])
 
 
-def _batched_sensitivities(flat, tensors, records, bound, bound_ref, chunk: int = 256) -> bool:
-    """The per-element sums of :func:`error_bound` for ``chunk`` elements of ``flat`` per backward pass (vmap over
-    one-hot gradients). Returns False, with nothing written, where an operation of the graph has no batching rule."""
-    n = flat.numel()
-    live = torch.isfinite(flat.detach())
-    b, br = torch.zeros_like(bound), torch.zeros_like(bound_ref)
-    try:
-        for lo in range(0, n, chunk):
-            idx = torch.arange(lo, min(lo + chunk, n))
-            seeds = torch.zeros(len(idx), n, dtype=flat.dtype)
-            seeds[torch.arange(len(idx)), idx] = 1
-            grads = torch.autograd.grad(flat, tensors, grad_outputs=seeds, retain_graph=True, allow_unused=True,
-                                        is_grads_batched=True)
-            for g, (_, rho, in_f32, in_ref) in zip(grads, records):
-                if g is None:
-                    continue
-                g = g.detach()
-                nan = g.isnan().reshape(len(idx), -1).any(1) & live[idx]
-                if bool(nan.any()):
-                    raise ValueError(f"error_bound: a NaN sensitivity of element {int(idx[nan][0])} (an operation "
-                                     "whose gradient is NaN, e.g. 0 x -inf in a product that a where() discards)")
-                r = rho.to(g.dtype).expand_as(g[0])
-                term = torch.where(g != 0, g.abs() * r, torch.zeros_like(g)).nan_to_num(0.0).reshape(len(idx), -1)
-                term = term.sum(1).double()
-                if in_f32:
-                    b[idx] += term
-                if in_ref:
-                    br[idx] += term
-    except RuntimeError:
-        return False
-    bound += torch.where(live, b, torch.zeros_like(b))
-    bound_ref += torch.where(live, br, torch.zeros_like(br))
-    return True
-
-
 def error_bound(fn, *inputs: torch.Tensor) -> Bounded:
     """Runs ``fn(*inputs)`` in float64 and bounds the float32 rounding error of each element of its result.
 
@@ -374,7 +339,6 @@ def error_bound(fn, *inputs: torch.Tensor) -> Bounded:
             raise TypeError(f"error_bound: fn must return a floating tensor, got {type(y).__name__}")
         flat = y.reshape(-1)
         n = flat.numel()
-        stacked = elements is None
         if elements is None:
             elements = [flat[i] for i in range(n)]
         elif len(elements) != n:
@@ -382,8 +346,6 @@ def error_bound(fn, *inputs: torch.Tensor) -> Bounded:
         tensors = [r[0] for r in rec.records]
         bound = torch.zeros(n, dtype=torch.float64)
         bound_ref = torch.zeros(n, dtype=torch.float64)
-        if stacked and flat.requires_grad and _batched_sensitivities(flat, tensors, rec.records, bound, bound_ref):
-            return Bounded(y.detach().double(), bound.view(y.shape), bound_ref.view(y.shape))
         for i, e in enumerate(elements):
             if not e.requires_grad or not bool(torch.isfinite(e)):
                 continue
@@ -403,14 +365,30 @@ def error_bound(fn, *inputs: torch.Tensor) -> Bounded:
     return Bounded(y.detach().double(), bound.view(y.shape), bound_ref.view(y.shape))
 
 
-def float64_copy(model):
-    """A float64 copy of ``model`` whose parameters require gradients (the sensitivities of :func:`error_bound`)."""
+def float64_copy(model, exact_norms: bool = False):
+    """A float64 copy of ``model`` whose parameters require gradients (the sensitivities of :func:`error_bound`).
+    ``exact_norms``: its RMSNorms compute in float64 too (Hugging Face's upcast them to float32), for
+    :func:`random_rounding`, which then has no float32 operation of the model to account for."""
     import copy
 
     m64 = copy.deepcopy(model).double()
     for prm in m64.parameters():
         prm.requires_grad_(True)
+    if exact_norms:
+        for mod in m64.modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                def forward(h, mod=mod):
+                    return mod.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))
+                mod.forward = forward
     return m64
+
+
+def _oar_p_divergence(clean: torch.Tensor, pert: torch.Tensor, probe: str) -> torch.Tensor:
+    """OAR-P's score of one masked variant from two :func:`oar.reference._probe_stat` results, differentiable:
+    KL(clean || pert) clamped at 0, or the clamped drop of phi for ``answer_joint``."""
+    if probe == "answer_joint":
+        return (clean - pert).clamp_min(0)
+    return (clean.exp() * (clean - pert)).sum().clamp_min(0)
 
 
 def oar_p_error_bound(model, batch, probe: str = "answer_mean"):
@@ -437,10 +415,7 @@ def oar_p_error_bound(model, batch, probe: str = "answer_mean"):
                 masked = ids.clone()
                 masked[s + j] = batch.pad_id
                 pert = _probe_stat(m64(input_ids=masked[None]).logits[0], cols, a_ids, probe)
-                if probe == "answer_joint":
-                    row.append((clean - pert).clamp_min(0))
-                else:
-                    row.append((clean.exp() * (clean - pert)).sum().clamp_min(0))
+                row.append(_oar_p_divergence(clean, pert, probe))
             row += [torch.zeros((), dtype=torch.float64)] * (Lm - L)
             elements += row
             rows.append(torch.stack(row))
@@ -469,9 +444,6 @@ def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mea
     ckw = "cache" if "cache" in inspect.signature(m64.forward).parameters else "past_key_values"
     B, Lm = batch.batch_size, int(batch.reasoning_len.max())
 
-    def divergence(clean, pert):
-        return (clean - pert).clamp_min(0) if probe == "answer_joint" else (clean.exp() * (clean - pert)).sum().clamp_min(0)
-
     def run():
         rows, elements = [], []
         for r in range(B):
@@ -497,7 +469,7 @@ def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mea
                 logits = m64(input_ids=masked[None, tail:], attention_mask=att, use_cache=True,
                              position_ids=torch.arange(tail, n)[None], **{ckw: cache}).logits[0]
                 full = torch.cat([torch.zeros(tail, logits.shape[-1], dtype=logits.dtype), logits])
-                row.append(divergence(clean, _probe_stat(full, cols, a_ids, probe)))
+                row.append(_oar_p_divergence(clean, _probe_stat(full, cols, a_ids, probe), probe))
             row += [torch.zeros((), dtype=torch.float64)] * (Lm - L)
             elements += row
             rows.append(torch.stack(row))
@@ -788,8 +760,8 @@ def random_rounding(fn, draws: int = 8, seed: int = 0) -> Bounded:
     deviation sigma of the float32 error of each element times ``LAMBDA`` (so that ``bound`` plays the worst-case
     bound's part in :func:`_tolerance.assert_within_error_model`). Operations that ``fn`` carries out in float32
     (oar's probe op on logits rounded to float32, Hugging Face's rotary tables) are randomized too, and then
-    ``value`` carries one such float32 error itself: ``bound_ref`` = ``bound`` (else 0; :func:`float64_exact_copy`
-    makes a model compute in float64 throughout).
+    ``value`` carries one such float32 error itself: ``bound_ref`` = ``bound`` (else 0; :func:`float64_copy` with
+    ``exact_norms`` makes a model compute in float64 throughout).
 
     Raises:
         NotImplementedError: an aten operation with no rule.
@@ -813,19 +785,6 @@ def random_rounding(fn, draws: int = 8, seed: int = 0) -> Bounded:
 #: Hoeffding's tail 2 exp(-12.5) = 7e-6. The magnitudes rho are worst cases per operation, so real float32 errors
 #: sit far inside (observed: below 1% of the bound on the test suite's computations).
 LAMBDA = 10.0
-
-
-def float64_exact_copy(model):
-    """A float64 copy of a Hugging Face Llama-family ``model`` that computes in float64 throughout (its RMSNorms,
-    which upcast to float32 in Hugging Face's code, compute in float64), for :func:`random_rounding`."""
-    m64 = float64_copy(model)
-    for mod in m64.modules():
-        if type(mod).__name__.endswith("RMSNorm"):
-            def forward(h, mod=mod):
-                var = h.pow(2).mean(-1, keepdim=True)
-                return mod.weight * (h * torch.rsqrt(var + mod.variance_epsilon))
-            mod.forward = forward
-    return m64
 
 
 def oar_g_reference(model, batch, noises, probe: str = "answer_mean", sigma: float = 1e-3) -> torch.Tensor:

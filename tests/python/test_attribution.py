@@ -26,7 +26,7 @@ from oar.attribution import (
 )
 from oar.models import tiny_random_llama
 
-from _error_model import (entropy_error_bound, float64_exact_copy, oar_g_reference, oar_p_error_bound,
+from _error_model import (entropy_error_bound, float64_copy, oar_g_reference, oar_p_error_bound,
                           random_rounding)
 from _tolerance import assert_close_to_reference, assert_within, assert_within_error_model, float64_model, ulp
 
@@ -336,7 +336,7 @@ def test_oar_g_matches_plain_autograd_and_writes_no_grad(tiny, probe):
     assert expected.max() > 1e-4, "test model too flat: the comparison would be vacuous"
     # Rule 1: the engine and plain float32 autograd within the random-rounding estimate of the float32 error of
     # the float64 model's OAR-G (a gradient: _error_model.random_rounding)
-    m64 = float64_exact_copy(model)
+    m64 = float64_copy(model, exact_norms=True)
     exact = random_rounding(lambda: oar_g_reference(m64, batch, [noise], probe, sigma))
     assert_within_error_model(res.scores[0, :L], exact[0], what=probe)
     assert_within_error_model(expected, exact[0], what=f"plain autograd {probe}")
@@ -463,7 +463,7 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     W, H = int(batch.context_len.max()), model.config.hidden_size
     gen = torch.Generator().manual_seed(7)
     noises = [torch.randn((batch.batch_size, W, H), generator=gen, dtype=torch.float32) for _ in range(draws)]
-    e64 = float64_exact_copy(model)
+    e64 = float64_copy(model, exact_norms=True)
     exact = random_rounding(lambda: oar_g_reference(e64, batch, noises, probe, 1e-2))
     Lm = exact.value.shape[1]
     for name, got in (("prefix path", fast.scores), ("plain path", plain.scores)):

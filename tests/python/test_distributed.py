@@ -283,14 +283,13 @@ def _hook_worker(rank, world, port, out_dir, methods):
         model.double()  # the same computation with a float64 model: the reference of the error budget
         # planned as the float32 model (its activation bytes): the same chunks, so OAR-G draws the same noise
         m64 = HFProbeModel(model, bytes_per_element=4)
-        ref64 = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(m64, prompts, ids, mask, adv, ["5"] * 3)
         # its scores with the random-rounding estimate of their float32 error (rule 1, _error_model.py)
         exact = random_rounding(lambda: TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(
             m64, prompts, ids, mask, adv, ["5"] * 3).scores)
         model.float()  # float32 -> float64 -> float32 is exact: the weights are unchanged
         res[method] = {"calls": n_synced, "exact": (exact.value, exact.bound, exact.bound_ref),
                        **{f"{name}_{f}": getattr(out, f) for name, out in
-                                             (("synced", synced), ("alone", alone), ("ref64", ref64))
+                                             (("synced", synced), ("alone", alone))
                                              for f in ("advantages", "scores")},
                        "padding": synced.metrics["oar/padding_forwards"], "real": synced.metrics["oar/forward_passes"]}
     torch.save(res, os.path.join(out_dir, f"hook{rank}.pt"))
@@ -312,9 +311,8 @@ def test_hook_runs_equal_forwards_on_every_rank(tmp_path):
             # ungated ones; kernels may still round them differently (MKL/oneDNN pick code paths by shape and
             # alignment). Rule 1 of _tolerance.py: both within the random-rounding estimate of the float32 error
             # around the float64 model's scores.
-            got, alone, ref64 = (r[k][f"{run}_scores"] for run in ("synced", "alone", "ref64"))
+            got, alone = (r[k][f"{run}_scores"] for run in ("synced", "alone"))
             exact = Bounded(*r[k]["exact"])
-            assert torch.equal(exact.value, ref64.double())
             # The OAR-G screen's selection is not stable under float32 rounding on this model (its scores are
             # gradients of a divergence of order sigma^2, with large relative rounding errors): where a draw flips a
             # token in or out of the masked set, the estimate is as large as the score itself.
