@@ -9,7 +9,8 @@ Entry points:
     oar.reference      plain-PyTorch references of every op
     oar.OARConfig      configuration (one schema with the C++ side)
     oar.token_advantages(...)  rewards -> per-token advantages in one call (custom training loops)
-    oar.Pipeline, oar.RolloutBatch  the one method pipeline every trainer adapter uses (oar.pipeline)
+    oar.Pipeline, oar.RolloutBatch  the one method pipeline every trainer adapter uses (oar.pipeline, oar.batch;
+                       one module per method in oar.methods)
     oar.baselines      entropy shaping, KTAE, IRPO rewards (oar.irpo_rewards)
     oar.build_info()   what this build contains; oar.has_cuda_kernels()
     oar.set_log_level("debug")  C++ planner + Python engine logging (or OAR_LOG_LEVEL=debug)
@@ -32,10 +33,11 @@ _logging._apply_environment()  # OAR_LOG_LEVEL, read once
 _C.cpu_isa()
 from oar import ops  # noqa: E402  (loads liboar_torch.so, registers torch.ops.oar.*)
 
-from oar.schema import GroupAdvantageOptions, OARConfig, ReshapeOptions  # noqa: E402  (the config schema)
+from oar.schema import METHODS, GroupAdvantageOptions, OARConfig, ReshapeOptions  # noqa: E402  (the config schema)
 
-from oar.api import METHODS, sequence_advantages, token_advantages  # noqa: E402  (functional API)
-from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402  (the one method pipeline)
+from oar.batch import RolloutBatch, sequence_advantages  # noqa: E402
+from oar.pipeline import Pipeline  # noqa: E402  (the one method pipeline)
+from oar.api import token_advantages  # noqa: E402  (functional API)
 from oar.baselines import irpo_advantages, irpo_rewards  # noqa: E402
 
 #: Folder to put on CMAKE_PREFIX_PATH so that find_package(oar) finds this installation.

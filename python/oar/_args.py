@@ -58,3 +58,62 @@ def int_arg(name: str, value, *, tensors: bool = False) -> int:
     if not -(2**63) <= v < 2**63:
         raise ValueError(f"{name} must fit in int64, got {v}")
     return v
+
+
+# ---- tensors (the library's one set of tensor checks; messages name the argument and the caller's dims) ----
+
+
+def _ndim(dims: str) -> int:
+    return len([d for d in dims.strip("()").split(",") if d.strip()])
+
+
+def tensor_arg(name: str, value, dims: str, shape: tuple | None = None) -> torch.Tensor:
+    """``value`` itself when it is a tensor with data of ``dims`` (the caller's dimension names, e.g. ``"(B, C)"``)
+    and, when given, exactly ``shape``. ValueError naming ``name``, the expected and the actual shape otherwise."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a {dims} torch.Tensor, got {type(value).__name__}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must be a {dims} = {tuple(shape)} tensor, got {tuple(value.shape)}")
+    if value.dim() != _ndim(dims):
+        raise ValueError(f"{name} must be {_ndim(dims)}-D {dims}, got shape {tuple(value.shape)}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} must hold data, got a tensor on the meta device")
+    return value
+
+
+def real_arg(name: str, value, dims: str, shape: tuple | None = None) -> torch.Tensor:
+    """:func:`tensor_arg` of a real tensor: bool (as 0/1), integer or floating dtype, as :func:`oar.ops.group_advantages`
+    takes rewards; ValueError naming the dtype for complex."""
+    value = tensor_arg(name, value, dims, shape)
+    if value.dtype.is_complex:
+        raise ValueError(f"{name} must be real, got dtype {value.dtype}")
+    return value
+
+
+def mask_arg(name: str, value, dims: str, shape: tuple | None = None) -> torch.Tensor:
+    """:func:`tensor_arg` of a mask, returned as a bool tensor on its device: bool, or any real dtype holding only
+    0 and 1 (ValueError naming the dtype otherwise)."""
+    value = tensor_arg(name, value, dims, shape)
+    if value.dtype.is_complex or (value.dtype != torch.bool and not bool(((value == 0) | (value == 1)).all())):
+        raise ValueError(f"{name} must be a bool or 0/1 mask, got dtype {value.dtype} with other values")
+    return value.detach().bool()
+
+
+def finite_arg(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` when every element is finite; ValueError naming the first non-finite element otherwise."""
+    bad = ~torch.isfinite(value)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(f"{name} must be finite, got {float(value[idx])} at {list(idx)}")
+    return value
+
+
+def fits_float32(name: str, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float64) as float32; ValueError naming ``name`` when a value overflows float32."""
+    f = out.float()
+    bad = ~torch.isfinite(f)
+    if bool(bad.any()):
+        idx = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(f"{name} too large: the result at {idx} = {float(out[tuple(idx)]):.6g} overflows float32 "
+                         "(|x| <= 3.4e38); rescale the input")
+    return f

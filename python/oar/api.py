@@ -11,9 +11,10 @@ from typing import Sequence
 
 import torch
 
-from oar.pipeline import METHODS, RolloutBatch, TokenAdvantages, group_ids_from, pipeline_for, sequence_advantages
+from oar.batch import RolloutBatch, TokenAdvantages, group_ids_from
+from oar.pipeline import pipeline_for
 
-__all__ = ["token_advantages", "sequence_advantages", "METHODS"]
+__all__ = ["token_advantages"]
 
 
 def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -51,20 +52,10 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
             answers), shapes (naming the argument, rows in the caller's indexing).
     """
     pipe = pipeline_for(config, tokenizer)
-    if not isinstance(completion_ids, torch.Tensor) or completion_ids.dim() != 2:
-        got = tuple(completion_ids.shape) if isinstance(completion_ids, torch.Tensor) else type(completion_ids).__name__
-        raise ValueError(f"completion_ids must be a (B, C) tensor, got {got}")
-    B = completion_ids.shape[0]
-    if not isinstance(rewards, torch.Tensor) or tuple(rewards.shape) != (B,):
-        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
-        raise ValueError(f"rewards must be a (B,) = ({B},) tensor, one per completion row, got {got}")
-    if rewards.device.type == "meta":
-        raise ValueError("rewards must hold data, got a tensor on the meta device")
-    pipe.method.check_inputs(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, answers=answers)
-    groups = group_ids_from(B, offsets=offsets, group_ids=group_ids, group_size=group_size)
+    n = int(completion_ids.shape[0]) if isinstance(completion_ids, torch.Tensor) and completion_ids.dim() == 2 else 0
+    groups = group_ids_from(n, offsets=offsets, group_ids=group_ids, group_size=group_size)
     if groups is None:
         raise ValueError("pass exactly one of offsets, group_ids, group_size; got none")
-    seq = sequence_advantages(rewards, pipe.config, group_ids=groups, preset=preset)
     batch = RolloutBatch(completion_ids, completion_mask, prompt_ids=prompt_ids, eligible_mask=eligible_mask,
-                         rewards=rewards, group_ids=groups, answers=answers, sequence_advantages=seq)
-    return pipe.compute(batch, model)
+                         rewards=rewards, group_ids=groups, answers=answers)
+    return pipe.compute(batch, model, preset=preset)

@@ -52,6 +52,7 @@ __all__ = [
     "information_gain",
     "ktae_token_scores",
     "ktae_advantages",
+    "add_token_bonus",
     "irpo_rewards",
     "irpo_advantages",
 ]
@@ -67,51 +68,6 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 _FISHER_MAX_N = 1_000_000
 # Relative tolerance when comparing table probabilities with the observed one (ties), as scipy does.
 _TIE_RTOL = 1e-7
-
-
-def _tensor(name: str, value, dims: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != dims:
-        shape = "(B,)" if dims == 1 else "(B, T)"
-        raise ValueError(f"{name} must be {dims}-D {shape}, got shape {tuple(value.shape)}")
-    if value.device.type == "meta":
-        raise ValueError(f"{name} must hold data, got a tensor on the meta device")
-    return value
-
-
-def _real(name: str, value: torch.Tensor) -> torch.Tensor:
-    if value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(f"{name} must be a real floating-point tensor, got dtype {value.dtype}")
-    return value
-
-
-def _mask(name: str, value, shape) -> torch.Tensor:
-    value = _tensor(name, value, 2)
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{name} must be (B, T) = {tuple(shape)}, got {tuple(value.shape)}")
-    if value.dtype.is_floating_point or value.dtype.is_complex:
-        if not bool(((value == 0) | (value == 1)).all()):
-            raise ValueError(f"{name} must be a bool or 0/1 mask, got values other than 0 and 1")
-    return value.bool()
-
-
-def _fits_float32(name: str, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (float64) as float32; ValueError naming ``name`` when a value overflows float32."""
-    f = out.float()
-    bad = ~torch.isfinite(f)
-    if bool(bad.any()):
-        idx = [int(i) for i in torch.nonzero(bad)[0]]
-        raise ValueError(f"{name} too large: the result at {idx} = {float(out[tuple(idx)]):.6g} overflows float32 "
-                         "(|x| <= 3.4e38); rescale the input")
-    return f
-
-
-def _finite(name: str, value: torch.Tensor) -> None:
-    bad = ~torch.isfinite(value)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(f"{name} must be finite, got {float(value[idx])} at {list(idx)}")
 
 
 # ==== entropy shaping =====================================================================================
@@ -138,11 +94,11 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
         ValueError: shapes, dtypes, non-finite advantages or entropies, negative entropies on the mask,
             alpha < 0, kappa <= 0, token advantages beyond float32 range (messages name the argument).
     """
-    adv = _real("advantages", _tensor("advantages", advantages, 1)).detach()
-    ent = _real("entropy", _tensor("entropy", entropy, 2)).detach()
+    adv = _args.real_arg("advantages", advantages, "(B,)").detach()
+    ent = _args.real_arg("entropy", entropy, "(B, T)").detach()
     if adv.shape[0] != ent.shape[0]:
         raise ValueError(f"advantages must be (B,) = ({ent.shape[0]},) like entropy's rows, got {tuple(adv.shape)}")
-    m = _mask("mask", mask, ent.shape).to(ent.device)
+    m = _args.mask_arg("mask", mask, "(B, T)", tuple(ent.shape)).to(ent.device)
     alpha = _args.float_arg("alpha", alpha)
     kappa = _args.float_arg("kappa", kappa)
     if not (alpha >= 0 and math.isfinite(alpha)):
@@ -150,15 +106,15 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
     if not (kappa > 0 and math.isfinite(kappa)):
         raise ValueError(f"kappa must be finite and > 0, got {kappa}")
     a = adv.to(ent.device, torch.float64)
-    _finite("advantages", a)
+    _args.finite_arg("advantages", a)
     e = torch.where(m, ent.double(), torch.zeros((), dtype=torch.float64, device=ent.device))
-    _finite("entropy", e)
+    _args.finite_arg("entropy", e)
     if bool((e < 0).any()):
         idx = [int(i) for i in torch.nonzero(e < 0)[0]]
         raise ValueError(f"entropy must be >= 0 on the mask, got {float(e[idx[0], idx[1]])} at {idx}")
     bonus = torch.minimum(alpha * e, (a.abs() / kappa)[:, None])
     out = (a[:, None] + bonus) * m
-    return _fits_float32("advantages", out)
+    return _args.fits_float32("advantages", out)
 
 
 def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
@@ -188,11 +144,11 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
     from oar.attribution import as_probe_model
     from oar.attribution.engines import entropy_from_logits
 
-    cids = _tensor("completion_ids", completion_ids, 2)
+    cids = _args.tensor_arg("completion_ids", completion_ids, "(B, T)")
     if cids.dtype.is_floating_point or cids.dtype.is_complex or cids.dtype == torch.bool:
         raise ValueError(f"completion_ids must be an integer tensor of token ids, got dtype {cids.dtype}")
     B, C = cids.shape
-    cmask = _mask("completion_mask", completion_mask, (B, C)).cpu()
+    cmask = _args.mask_arg("completion_mask", completion_mask, "(B, T)", (B, C)).cpu()
     cids = cids.detach().cpu().long()
     if len(prompt_ids) != B:
         raise ValueError(f"prompt_ids must have B = {B} entries, got {len(prompt_ids)}")
@@ -261,7 +217,7 @@ def fisher_exact_pvalue(table: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: wrong shape, negative or non-integer counts, a table total n above 10^6 (cost O(n) per row).
     """
-    t = _tensor("table", table, 2)
+    t = _args.tensor_arg("table", table, "(B, T)")
     if t.shape[1] != 4:
         raise ValueError(f"table must be (N, 4) rows [a, b, c, d], got shape {tuple(t.shape)}")
     if t.dtype.is_complex or t.dtype == torch.bool:
@@ -316,7 +272,7 @@ def information_gain(table: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: wrong shape, complex dtype, negative or non-finite counts.
     """
-    t = _tensor("table", table, 2)
+    t = _args.tensor_arg("table", table, "(B, T)")
     if t.shape[1] != 4:
         raise ValueError(f"table must be (N, 4) rows [a, b, c, d], got shape {tuple(t.shape)}")
     if t.dtype.is_complex:
@@ -432,15 +388,15 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         ValueError: shapes/dtypes, non-finite rewards, bad weights, scale beyond float32, malformed groups,
             ignore_ids that are not a sequence of ints.
     """
-    ids = _tensor("token_ids", token_ids, 2)
+    ids = _args.tensor_arg("token_ids", token_ids, "(B, T)")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"token_ids must be an integer tensor of token ids, got dtype {ids.dtype}")
     B, T = ids.shape
-    m = _mask("mask", mask, (B, T)).cpu()
-    r = _real("rewards", _tensor("rewards", rewards, 1)).detach().cpu().double()
+    m = _args.mask_arg("mask", mask, "(B, T)", (B, T)).cpu()
+    r = _args.real_arg("rewards", rewards, "(B,)").detach().cpu().double()
     if r.shape[0] != B:
         raise ValueError(f"rewards must be (B,) = ({B},), got {tuple(r.shape)}")
-    _finite("rewards", r)
+    _args.finite_arg("rewards", r)
     alpha = _args.float_arg("alpha", alpha)
     beta = _args.float_arg("beta", beta)
     scale = _args.float_arg("scale", scale)
@@ -472,6 +428,29 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
     return out.float().to(ids.device)
 
 
+def add_token_bonus(advantages: torch.Tensor, bonus: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Additive token advantages (method.md section 8): A_{i,t} = A_i + bonus_{i,t} on ``mask``, 0 elsewhere, summed
+    in float64 and rounded once.
+
+    Args:
+        advantages: (B,) real, finite sequence advantages. bonus: (B, T) real, finite on ``mask``.
+        mask: (B, T) bool or 0/1.
+
+    Returns:
+        (B, T) float32 on ``bonus.device``. Not sum-preserving.
+
+    Raises:
+        ValueError: shapes, non-finite advantages or bonus, token advantages that overflow float32.
+    """
+    bonus = _args.real_arg("bonus", bonus, "(B, T)").detach()
+    B, T = bonus.shape
+    adv = _args.real_arg("advantages", advantages, "(B,)", (B,)).detach()
+    m = _args.mask_arg("mask", mask, "(B, T)", (B, T)).to(bonus.device)
+    a = _args.finite_arg("advantages", adv.to(bonus.device, torch.float64))
+    b = _args.finite_arg("bonus", torch.where(m, bonus.double(), torch.zeros((), dtype=torch.float64, device=bonus.device)))
+    return _args.fits_float32("advantages", (a[:, None] + b) * m)
+
+
 def ktae_advantages(advantages: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor,
                     offsets=None, **kwargs) -> torch.Tensor:
     """KTAE token advantages: A_{i,t} = A_i + ktae_token_scores(...)_{i,t} on masked tokens, 0 elsewhere.
@@ -487,14 +466,8 @@ def ktae_advantages(advantages: torch.Tensor, token_ids: torch.Tensor, mask: tor
         ValueError: as :func:`ktae_token_scores`; advantages of the wrong shape, non-finite, or whose token
             advantages overflow float32.
     """
-    adv = _real("advantages", _tensor("advantages", advantages, 1)).detach()
     bonus = ktae_token_scores(token_ids, mask, rewards, offsets, **kwargs)
-    if adv.shape[0] != bonus.shape[0]:
-        raise ValueError(f"advantages must be (B,) = ({bonus.shape[0]},), got {tuple(adv.shape)}")
-    a = adv.to(bonus.device, torch.float64)
-    _finite("advantages", a)
-    m = mask.bool().to(bonus.device)
-    return _fits_float32("advantages", (a[:, None] + bonus.double()) * m)
+    return add_token_bonus(advantages, bonus, mask)
 
 
 # ==== IRPO ================================================================================================
@@ -526,8 +499,8 @@ def irpo_rewards(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, *,
     Raises:
         ValueError: wrong shapes, empty groups, non-finite scores, chunk < 1.
     """
-    sc = _real("chosen_scores", _tensor("chosen_scores", chosen_scores, 1)).detach()
-    sr = _real("rejected_scores", _tensor("rejected_scores", rejected_scores, 1)).detach()
+    sc = _args.real_arg("chosen_scores", chosen_scores, "(B,)").detach()
+    sr = _args.real_arg("rejected_scores", rejected_scores, "(B,)").detach()
     if sc.numel() == 0 or sr.numel() == 0:
         raise ValueError(f"chosen_scores and rejected_scores must be non-empty, got {sc.numel()} and {sr.numel()}")
     chunk = _args.int_arg("chunk", chunk)
@@ -536,8 +509,8 @@ def irpo_rewards(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, *,
     dev = sc.device
     x = sc.double()
     y = sr.to(dev).double()
-    _finite("chosen_scores", x)
-    _finite("rejected_scores", y)
+    _args.finite_arg("chosen_scores", x)
+    _args.finite_arg("rejected_scores", y)
     ux, inv_x, cnt_x = torch.unique(x, return_inverse=True, return_counts=True)
     uy, inv_y, cnt_y = torch.unique(y, return_inverse=True, return_counts=True)
     cx, cy = cnt_x.double(), cnt_y.double()

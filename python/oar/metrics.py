@@ -6,7 +6,11 @@ float32 values (B,); rows with an empty mask give NaN-free defaults documented p
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+from oar.groups import resolve_groups
 
 
 def ess_ratio(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -43,4 +47,40 @@ def top_mass(token_advantages: torch.Tensor, weights: torch.Tensor, mask: torch.
         k = max(1, int(-(-frac * n // 1)))
         top = torch.topk(w[b], k).indices
         out[b] = a[b, top].sum() / total
+    return out
+
+
+def pipeline_metrics(tok: torch.Tensor, weights: torch.Tensor, eligible: torch.Tensor, reasoning: torch.Tensor,
+                     active: list, stats: dict, adv: torch.Tensor, groups: list | None, t0: float) -> dict:
+    """The diagnostics of method.md section 9 of one pipeline call, one definition for every method and adapter.
+
+    Args: token advantages ``tok``, ``weights`` (B, C) float32, ``eligible`` / ``reasoning`` (B, C) bool, the scored
+    rows ``active``, the engines' ``stats``, sequence advantages ``adv`` (B,), the rows' group ids (or None) and the
+    call's start ``t0`` (``time.perf_counter()``).
+
+    Returns: ``oar/ess_ratio``, ``oar/top10_mass``, ``oar/reasoning_frac``, ``oar/skipped_rows_frac``,
+    ``oar/skipped_groups_frac`` (with groups), ``oar/screen_fraction`` and ``oar/masked_frac`` (screened OAR-P),
+    ``oar/forward_passes``, ``oar/padding_forwards``, ``oar/attribution_seconds`` (floats).
+    """
+    B = tok.shape[0]
+    rows = [i for i in active if bool(eligible[i].any())]
+    idx = torch.tensor(rows, dtype=torch.long)
+    w = weights.abs()
+    out = {
+        "oar/ess_ratio": float(ess_ratio(w[idx], eligible[idx]).mean()) if rows else 1.0,
+        "oar/top10_mass": float(top_mass(tok[idx], w[idx], eligible[idx], 0.1).mean()) if rows else 0.1,
+        "oar/reasoning_frac": float(reasoning.sum() / eligible.sum().clamp_min(1)),
+        "oar/skipped_rows_frac": 1.0 - len(active) / max(B, 1),
+    }
+    if groups is not None and B:
+        g = resolve_groups(adv, group_ids=groups)
+        a, off = g.gather(adv), g.offsets.tolist()
+        spans = [(int(x), int(y)) for x, y in zip(off, off[1:]) if y > x]
+        out["oar/skipped_groups_frac"] = sum(bool((a[x:y] == 0).all()) for x, y in spans) / max(len(spans), 1)
+    if "screen_fraction" in stats:  # screened OAR-P: the share taken from the screen, the share masked
+        out["oar/screen_fraction"] = float(stats["screen_fraction"])
+        out["oar/masked_frac"] = stats["masked"] / max(stats["scored_tokens"], 1)
+    out["oar/forward_passes"] = float(stats.get("forward_passes", 0))
+    out["oar/padding_forwards"] = float(stats.get("padding_forwards", 0))
+    out["oar/attribution_seconds"] = time.perf_counter() - t0
     return out

@@ -20,6 +20,7 @@ import torch
 from oar import _args, _lib
 from oar.cuda_checks import check_cuda_errors, cuda_checks, set_cuda_checks
 from oar.groups import ADVANTAGE_PRESETS, resolve_groups
+from oar.schema import ESTIMATORS, PROBES
 
 _lib.load_ops_library()
 
@@ -49,7 +50,6 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
 # These ops have no autograd: advantages and weights are constants of the policy-gradient loss. The C++
 # side registers a fallthrough on the Autograd key, so outputs never require grad (src/torch/cpu_advantages.cpp).
 
-ESTIMATORS = ("grpo", "dr_grpo", "batch", "rloo")
 TIERS = ("both", "boost", "suppress")
 
 
@@ -277,8 +277,6 @@ def _reshape_advantages_fake(advantages, scores, reasoning_mask, response_mask, 
 # ==== end section: advantages ===========================================================================
 
 # ==== section: probe (probe divergence + autograd, grad x input, masked batch) =========================
-
-PROBES = ("last", "answer_mean", "answer_joint")
 
 
 def probe_divergence(

@@ -20,7 +20,7 @@ def token_rollouts(tok, rollouts, sequence_advantages, group_size: int):
     ``completion`` (token ids, observations of multi-turn rollouts included), ``eligible`` (0/1 per completion
     token) and ``label`` (the reference answer); completions right-padded with ``pad_token_id`` to the longest;
     groups of ``group_size`` consecutive rows."""
-    from oar.pipeline import RolloutBatch
+    from oar.batch import RolloutBatch
 
     B = len(rollouts)
     C = max(len(t["completion"]) for t in rollouts)

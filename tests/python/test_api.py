@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import oar
-import oar.hook  # a submodule that "import oar" does not load (the test used to pass only after another module had)
 from oar import baselines, ops, reference
 from oar.models import tiny_random_llama
 from _completions import completion_batch
@@ -146,15 +145,16 @@ def test_bad_rewards_shape(tiny):
                              config=_cfg(method="grpo"))
 
 
-def test_hook_ktae_needs_groups(tiny):
+def test_pipeline_ktae_needs_groups(tiny):
     model, tok = tiny
     prompts, ids, mask, rewards = _batch(tok)
-    hook = oar.hook.TokenAdvantageHook(_cfg(method="ktae"), tok)
-    with pytest.raises(ValueError, match="group_offsets"):
-        hook.compute(model, prompts, ids, mask, torch.ones(6), ["5"] * 6)
+    pipe = oar.Pipeline(_cfg(method="ktae"), tok)
+    with pytest.raises(ValueError, match="needs group_ids"):
+        pipe.compute(oar.RolloutBatch(ids, mask, prompt_ids=prompts, sequence_advantages=torch.ones(6)), model)
     # with groups and without rewards, correctness is A > 0
     adv = ops.group_advantages(rewards, group_size=3)
-    out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 6, group_offsets=3)
+    out = pipe.compute(oar.RolloutBatch(ids, mask, prompt_ids=prompts, sequence_advantages=adv,
+                                        group_ids=[i // 3 for i in range(6)]), model)
     bonus = baselines.ktae_token_scores(ids, mask, adv, group_size=3, ignore_ids=[tok.eos_token_id, tok.pad_token_id])
     torch.testing.assert_close(out.advantages, (adv[:, None] + bonus) * mask.bool(), rtol=0, atol=0)
 
@@ -162,7 +162,7 @@ def test_hook_ktae_needs_groups(tiny):
 def test_random_baseline_advances_between_calls(tiny):
     a, _ = _call(tiny, method="random", seed=11)
     b, _ = _call(tiny, method="random", seed=11)
-    assert not torch.equal(a.scores, b.scores)  # one cached hook per (tokenizer, config): the generator advances
+    assert not torch.equal(a.scores, b.scores)  # one cached pipeline per (tokenizer, config): the generator advances
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

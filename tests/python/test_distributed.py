@@ -225,10 +225,11 @@ def test_gate_is_the_protocol_and_nothing_else():
         ForwardGate(type("Sizes", (), {"vocab_size": 5, "hidden_size": 2, "device": torch.device("cpu")})())
 
 
-def _hook_worker(rank, world, port, out_dir, methods):
+def _pipeline_worker(rank, world, port, out_dir, methods):
     _init(rank, world, port)
     from oar.attribution import HFProbeModel
-    from oar.hook import TokenAdvantageHook
+    from oar.batch import RolloutBatch
+    from oar.pipeline import Pipeline
     from oar.models import tiny_random_llama
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
@@ -276,16 +277,16 @@ def _hook_worker(rank, world, port, out_dir, methods):
         cfg = oar.OARConfig.from_json(json.dumps({**keys, "max_variants_per_chunk": 4, "seed": 5,
                                                   "memory_budget_mb": 1}))
         calls["n"] = 0
-        synced = TokenAdvantageHook(cfg, tok).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        batch = RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 3, sequence_advantages=adv)
+        synced = Pipeline(cfg, tok).compute(batch, model)
         n_synced = calls["n"]
         dist.barrier()
-        alone = TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(model, prompts, ids, mask, adv, ["5"] * 3)
+        alone = Pipeline(cfg, tok, sync_forwards=False).compute(batch, model)
         model.double()  # the same computation with a float64 model: the reference of the error budget
         # planned as the float32 model (its activation bytes): the same chunks, so OAR-G draws the same noise
         m64 = HFProbeModel(model, bytes_per_element=4)
         # its scores with the random-rounding estimate of their float32 error (rule 1, _error_model.py)
-        exact = random_rounding(lambda: TokenAdvantageHook(cfg, tok, sync_forwards=False).compute(
-            m64, prompts, ids, mask, adv, ["5"] * 3).scores)
+        exact = random_rounding(lambda: Pipeline(cfg, tok, sync_forwards=False).compute(batch, m64).scores)
         model.float()  # float32 -> float64 -> float32 is exact: the weights are unchanged
         res[method] = {"calls": n_synced, "exact": (exact.value, exact.bound, exact.bound_ref),
                        **{f"{name}_{f}": getattr(out, f) for name, out in
@@ -299,8 +300,8 @@ def _hook_worker(rank, world, port, out_dir, methods):
 METHODS = ["oar_p", "oar_g", "entropy", "entropy_shaping", "oar_p_screened", "oar_p_screened_g"]
 
 
-def test_hook_runs_equal_forwards_on_every_rank(tmp_path):
-    mp.spawn(_hook_worker, args=(2, _free_port(), str(tmp_path), METHODS), nprocs=2, join=True)
+def test_pipeline_runs_equal_forwards_on_every_rank(tmp_path):
+    mp.spawn(_pipeline_worker, args=(2, _free_port(), str(tmp_path), METHODS), nprocs=2, join=True)
     res = [torch.load(tmp_path / f"hook{k}.pt") for k in range(2)]
     for method in METHODS:
         r = [res[0][method], res[1][method]]

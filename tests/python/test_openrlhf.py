@@ -209,7 +209,8 @@ def test_experience_maker_folds_actor_group_scores(res):
     whole batch with the scores the actors returned, at the experiences' action-mask columns."""
     import oar
     from oar.models import tiny_random_llama
-    from oar.pipeline import Pipeline, RolloutBatch
+    from oar.batch import RolloutBatch
+    from oar.pipeline import Pipeline
 
     remote, real = res["remote"], res["real"]
     truth = real["truth"]
@@ -248,7 +249,7 @@ def test_actor_budget_cap_from_openrlhf_token_budget():
     from oar.attribution import as_probe_model
     from oar.integrations import openrlhf as oar_orl
     from oar.models import tiny_random_llama
-    from oar.pipeline import RolloutBatch
+    from oar.batch import RolloutBatch
 
     model, _ = tiny_random_llama(**OPENRLHF_TINY)
     pm = as_probe_model(model)

@@ -12,7 +12,9 @@ from oar import ops
 from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores,
                             screened)
 from oar.attribution.screened import budget_fraction, calibrate, oar_p_screened_scores, screen_selection
-from oar.pipeline import Pipeline, RolloutBatch
+from oar.batch import RolloutBatch
+from oar.pipeline import Pipeline
+from oar.methods import oar_p as oar_p_method
 
 from _error_model import oar_p_window_error_bound
 from _tolerance import assert_within_error_model
@@ -154,7 +156,7 @@ def test_pipeline_screened_oar_p_is_the_screen_then_the_screened_pass(tiny, monk
         calls.append((pbatch, screen, dict(kw), out))
         return out
 
-    monkeypatch.setattr(screened, "oar_p_screened_scores", spy)
+    monkeypatch.setattr(oar_p_method, "oar_p_screened_scores", spy)  # where the OAR-P method calls it
     pipe = Pipeline(cfg, tok)
     res = pipe.compute(batch, model)
     (pbatch, screen, kw, out), = calls
@@ -189,12 +191,12 @@ def test_pipeline_time_budget_cuts_the_fraction(tiny):  # noqa: F811
     pipe = Pipeline(oar.OARConfig(method="oar_p", screen_fraction=0.5, screen_sample=0.1, screen_budget=1.5), tok)
     first = pipe.compute(batch, model)
     assert first.metrics["oar/screen_fraction"] == 0.5
-    assert pipe._exact_s_per_token is not None and pipe._exact_s_per_token > 0
+    assert pipe.scorer.exact_s_per_token is not None and pipe.scorer.exact_s_per_token > 0
     pipe._last_end = None  # the next call's GRPO step: set by hand instead of measured
-    pipe._grpo_step_s = 0.0
+    pipe.outside_seconds = 0.0
     starved = pipe.compute(batch, model)
     assert starved.metrics["oar/screen_fraction"] == 0.0
-    pipe._last_end, pipe._grpo_step_s, pipe._exact_s_per_token = None, 1e9, 1e-9
+    pipe._last_end, pipe.outside_seconds, pipe.scorer.exact_s_per_token = None, 1e9, 1e-9
     assert pipe.compute(batch, model).metrics["oar/screen_fraction"] == 0.5
 
 
@@ -293,7 +295,7 @@ def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811
         calls.append((pbatch, screen, dict(kw)))
         return real(model_, pbatch, screen, **kw)
 
-    monkeypatch.setattr(screened, "oar_p_screened_scores", spy)
+    monkeypatch.setattr(oar_p_method, "oar_p_screened_scores", spy)  # where the OAR-P method calls it
     Pipeline(cfg, tok).compute(batch, model)
     (pbatch, screen, kw), = calls
     want = oar_p_window_scores(HFProbeModel(model), pbatch, window=2, rows=[0, 1, 2], positions=kw["positions"])

@@ -25,7 +25,8 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from oar.models import tiny_random_llama  # noqa: E402
-from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402
+from oar.batch import RolloutBatch
+from oar.pipeline import Pipeline
 
 from _error_model import pipeline_scores_estimate  # noqa: E402
 from _tolerance import assert_within_error_model  # noqa: E402

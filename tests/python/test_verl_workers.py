@@ -22,7 +22,8 @@ from oar.integrations import verl as oar_verl  # noqa: E402
 oar_verl.register()
 from oar.integrations import verl_workers  # noqa: E402
 from oar.models import tiny_random_llama  # noqa: E402
-from oar.pipeline import Pipeline, RolloutBatch  # noqa: E402
+from oar.batch import RolloutBatch
+from oar.pipeline import Pipeline
 
 from _error_model import pipeline_scores_estimate  # noqa: E402
 from _tolerance import assert_within_error_model  # noqa: E402

@@ -1,4 +1,5 @@
-"""TokenAdvantageHook: the trainer contract of docs/trainers.md, end to end on a tiny model."""
+"""The trainer contract of docs/trainers.md through oar.Pipeline, end to end on a tiny model: sequence advantages
+and a generation batch in, per-token advantages out."""
 
 import json
 
@@ -6,11 +7,32 @@ import pytest
 import torch
 
 import oar
-from oar.hook import TokenAdvantageHook
+from oar.batch import RolloutBatch, group_ids_from
+from oar.pipeline import Pipeline
 from oar.metrics import ess_ratio, top_mass
 from oar.models import tiny_random_llama
 from _completions import completion_batch
 from _tolerance import assert_close_to_rounded, assert_within, mass_bound
+
+
+class _Contract:
+    """A trainer's call of the contract: (model, prompts, completions, mask, sequence advantages, answers) ->
+    oar.Pipeline.compute on the RolloutBatch the adapters build."""
+
+    def __init__(self, config, tokenizer):
+        self.pipeline = Pipeline(config, tokenizer)
+
+    def compute(self, model, prompt_ids, completion_ids, completion_mask, sequence_advantages, answers,
+                eligible_mask=None, rewards=None, group_offsets=None):
+        groups = None
+        if group_offsets is not None:
+            size = group_offsets if isinstance(group_offsets, int) else None
+            groups = group_ids_from(int(completion_ids.shape[0]), offsets=None if size else group_offsets,
+                                    group_size=size)
+        batch = RolloutBatch(completion_ids, completion_mask, prompt_ids=prompt_ids, eligible_mask=eligible_mask,
+                             rewards=rewards, group_ids=groups, answers=answers,
+                             sequence_advantages=sequence_advantages)
+        return self.pipeline.compute(batch, model)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +57,7 @@ def test_contract_invariants(tiny, method):
     model, tok = tiny
     prompts, ids, mask = _batch(tok)
     adv = torch.tensor([0.8, -1.2, 0.0, 0.4])
-    hook = TokenAdvantageHook(_cfg(method=method), tok)
+    hook = _Contract(_cfg(method=method), tok)
     out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4)
     m = mask.bool()
     assert out.advantages.shape == ids.shape and out.advantages.dtype == torch.float32
@@ -58,7 +80,7 @@ def test_grpo_method_is_uniform(tiny):
     model, tok = tiny
     prompts, ids, mask = _batch(tok)
     adv = torch.tensor([0.5, -0.5, 1.0, 0.0])
-    out = TokenAdvantageHook(_cfg(method="grpo"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4)
+    out = _Contract(_cfg(method="grpo"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4)
     torch.testing.assert_close(out.advantages, adv[:, None] * mask.float(), rtol=0, atol=0)
     assert out.metrics["oar/ess_ratio"] == pytest.approx(1.0)
 
@@ -69,7 +91,7 @@ def test_eligible_mask_excludes_tool_tokens(tiny):
     eligible = mask.clone()
     eligible[0, 3:6] = 0  # e.g. tool output tokens
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0])
-    out = TokenAdvantageHook(_cfg(method="random"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4,
+    out = _Contract(_cfg(method="random"), tok).compute(model, prompts, ids, mask, adv, ["5"] * 4,
                                                                   eligible_mask=eligible)
     assert (out.advantages[0, 3:6] == 0).all()
     assert_within(out.advantages.sum(1), adv * eligible.sum(1), mass_bound(adv, eligible.sum(1)), "mass")
@@ -78,7 +100,7 @@ def test_eligible_mask_excludes_tool_tokens(tiny):
 def test_bad_input_names_argument(tiny):
     model, tok = tiny
     prompts, ids, mask = _batch(tok)
-    hook = TokenAdvantageHook(_cfg(method="random"), tok)
+    hook = _Contract(_cfg(method="random"), tok)
     with pytest.raises(ValueError, match="advantages must be"):
         hook.compute(model, prompts, ids, mask, torch.zeros(3), ["5"] * 4)
     with pytest.raises(ValueError, match="completion_mask must be"):
@@ -103,7 +125,7 @@ def test_skipped_groups_metric(tiny):
     model, tok = tiny
     prompts, ids, mask = _batch(tok)
     adv = torch.tensor([0.0, 0.0, 0.7, -0.7])  # group 0 (rows 0-1) all zero, group 1 not
-    hook = TokenAdvantageHook(_cfg(method="random"), tok)
+    hook = _Contract(_cfg(method="random"), tok)
     out = hook.compute(model, prompts, ids, mask, adv, ["5"] * 4, group_offsets=2)
     assert out.metrics["oar/skipped_groups_frac"] == pytest.approx(0.5)
     assert out.metrics["oar/skipped_rows_frac"] == pytest.approx(0.5)
@@ -129,15 +151,15 @@ def _hook_batch(tok, C=12):
 
 
 def _hook(tok, method="oar_p"):
-    return TokenAdvantageHook(oar.OARConfig.from_json(json.dumps({"method": method})), tok)
+    return _Contract(oar.OARConfig.from_json(json.dumps({"method": method})), tok)
 
 
 # (arguments of compute that replace the valid ones: prompt_ids / completion_ids / completion_mask of _hook_batch,
 # advantages [1, -1], answers ["5", "5"]; a callable builds them from the valid (prompt_ids, completion_ids),
 # exception, message regex)
 HOOK_BAD_INPUT = [
-    pytest.param(dict(advantages=[1.0, -1.0]), ValueError,
-                 r"advantages must be a \(B,\) tensor of sequence advantages, got list", id="advantages_list"),
+    pytest.param(dict(sequence_advantages=[1.0, -1.0]), ValueError,
+                 r"sequence_advantages must be a \(B,\) tensor, got list", id="advantages_list"),
     pytest.param(dict(completion_ids=None), ValueError, r"completion_ids must be a \(B, C\) tensor, got NoneType",
                  id="completion_ids_none"),
     pytest.param(lambda P, ids: dict(completion_ids=ids.float()), ValueError,
@@ -154,11 +176,11 @@ HOOK_BAD_INPUT = [
                  r"prompt_ids\[0\] must be a 1-D integer tensor of token ids", id="prompt_ids_2d_tensor"),
     pytest.param(dict(prompt_ids=[[1.5], [1]]), ValueError, r"prompt_ids\[0\] must hold integer token ids, got 1\.5",
                  id="prompt_ids_float"),
-    pytest.param(dict(advantages=torch.tensor([3e38, -1.0])), ValueError,
+    pytest.param(dict(sequence_advantages=torch.tensor([3e38, -1.0])), ValueError,
                  r"advantages\[0\] = 3e\+38 times its weight .* overflows float32", id="advantages_weight_overflow"),
-    pytest.param(dict(advantages=torch.tensor([1e300, -1.0], dtype=torch.float64)), ValueError,
+    pytest.param(dict(sequence_advantages=torch.tensor([1e300, -1.0], dtype=torch.float64)), ValueError,
                  r"advantages must fit in float32", id="advantages_beyond_float32"),
-    pytest.param(dict(advantages=torch.ones(2, device="meta")), ValueError,
+    pytest.param(dict(sequence_advantages=torch.ones(2, device="meta")), ValueError,
                  r"advantages must hold data, got a tensor on the meta device", id="advantages_meta"),
 ]
 
@@ -169,7 +191,7 @@ def test_hook_bad_input(tiny_1layer, method, over, exc, match):
     model, tok = tiny_1layer
     P, ids, mask = _hook_batch(tok)
     h = _hook(tok, method)
-    args = dict(prompt_ids=P, completion_ids=ids, completion_mask=mask, advantages=torch.tensor([1.0, -1.0]),
+    args = dict(prompt_ids=P, completion_ids=ids, completion_mask=mask, sequence_advantages=torch.tensor([1.0, -1.0]),
                 answers=["5", "5"])
     args.update(over(P, ids) if callable(over) else over)
     with pytest.raises(exc, match=match):

@@ -1,0 +1,8 @@
+"""GRPO and Dr. GRPO (method.md section 1): every eligible token gets its rollout's sequence advantage. They differ
+only in the sequence advantages' estimator (``dr_grpo``: no std scaling), which the config schema sets
+(:func:`oar.schema.with_method`); the pipeline's uniform credit does the rest."""
+
+from oar.methods.base import MethodSpec
+
+GRPO = MethodSpec("grpo", "uniform")
+DR_GRPO = MethodSpec("dr_grpo", "uniform")

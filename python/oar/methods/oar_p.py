@@ -1,0 +1,91 @@
+"""OAR-P (method.md sections 2-3): each reasoning token's probe divergence when it is masked, reshaped (sections
+5-6). Exact (every eligible reasoning token masked), or screened (config ``screen_fraction`` < 1; docs/design.md
+"Screened OAR-P"): a cheap screen ranks the tokens, exact masking runs on the top share plus a random sample, and
+``screen_budget`` may cut the share so that a step stays within a multiple of the GRPO step."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from oar.attribution import oar_g_scores, oar_p_scores, oar_p_window_scores, probe_capabilities
+from oar.attribution.screened import budget_fraction, oar_p_screened_scores
+from oar.methods.base import MethodSpec, Step
+
+_log = logging.getLogger("oar")
+
+
+class OARPScorer:
+    """OAR-P scores of the eligible reasoning tokens, exact or screened (state: the exact pass's measured seconds per
+    token, which the time budget reads on the next call)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.exact_s_per_token: float | None = None
+        self._warned_screen = False  # the window screen fell back to OAR-G (warned once)
+
+    def score(self, step: Step, pm, pbatch, positions):
+        cfg = self.config
+        kw = dict(probe=cfg.probe, memory_budget_mb=step.memory_budget_mb,
+                  max_variants_per_chunk=cfg.max_variants_per_chunk)
+        if cfg.screen_fraction < 1:
+            return self._screened(step, pm, pbatch, positions, kw)
+        return oar_p_scores(pm, pbatch, rows=step.active, positions=positions, **kw)
+
+    def _screened(self, step: Step, pm, pbatch, positions, kw):
+        """The screen (config ``screen``: windowed OAR-P with ``screen_window``, or OAR-G with the config's sigma and
+        noise draws), then exact masking of the selection. A model without the prefix-cache capability (sliding-window
+        or recurrent layers) cannot run the window screen: OAR-G screens instead (warned once)."""
+        cfg = self.config
+        kind = cfg.screen
+        if kind == "window" and not probe_capabilities(pm).prefix_cache:
+            if not self._warned_screen:
+                _log.warning("screen 'window' needs a model with the prefix-cache capability; %s has none: "
+                             "screening with OAR-G", type(pm).__name__)
+                self._warned_screen = True
+            kind = "oar_g"
+        t0 = time.perf_counter()
+        if kind == "window":
+            screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
+                                         rows=step.active, positions=positions, memory_budget_mb=step.memory_budget_mb,
+                                         keep_clean_pass=True)
+        else:
+            screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=step.active, sigma=cfg.sigma,
+                                  noise_draws=cfg.noise_draws, generator=step.generator,
+                                  memory_budget_mb=step.memory_budget_mb, positions=positions)
+        screen_s = time.perf_counter() - t0
+        fraction = self._fraction(step, pbatch, positions, screen_s, screen.clean_pass is None)
+        att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
+                                    rows=step.active, generator=step.generator, positions=positions, **kw)
+        screen.clean_pass = None  # the cache is no longer needed
+        if att.stats.get("tokens"):  # seconds per token the exact pass ran: the time budget's cost model
+            self.exact_s_per_token = float(att.stats["seconds"]) / float(att.stats["tokens"])
+        att.stats.update(forward_passes=int(screen.stats.get("forward_passes", 0)) + int(att.stats["forward_passes"]),
+                         screen_fraction=fraction, screen_seconds=screen_s)
+        return att
+
+    def _fraction(self, step: Step, pbatch, positions, screen_s: float, clean_pass: bool = True) -> float:
+        """The screened share of this call: ``screen_fraction``, cut (never raised) by ``screen_budget`` once a
+        previous call measured both the GRPO step (:attr:`Step.outside_seconds`) and the exact pass's seconds per
+        token. The exact pass of a masked reasoning token j costs the tokens from j to the end of its probe context
+        (the prefix engine re-runs that suffix); the largest fraction whose cost, with the random sample's expected
+        cost, fits in ``(screen_budget - 1) x GRPO step - screen seconds`` (less the exact pass's clean pass over
+        every context, ``clean_pass``: False when the window screen hands over its own) is taken (0: the sample
+        alone)."""
+        cfg = self.config
+        f_max = float(cfg.screen_fraction)
+        step_s, per_tok = step.outside_seconds, self.exact_s_per_token
+        if not cfg.screen_budget or step_s is None or per_tok is None or per_tok <= 0:
+            return f_max
+        budget_tokens = ((float(cfg.screen_budget) - 1.0) * step_s - screen_s) / per_tok
+        if clean_pass:
+            budget_tokens -= sum(int(pbatch.context_len[r]) for r in step.active)
+        T = int(pbatch.input_ids.shape[1])
+        costs = []  # per row: the suffix cost (tokens) of each candidate (left-padded: every context ends at T)
+        for r in step.active:
+            cand = range(int(pbatch.reasoning_len[r])) if positions is None else positions.get(r, ())
+            costs.append([T - int(pbatch.reasoning_start[r]) - j for j in cand])
+        return budget_fraction(costs, f_max, float(cfg.screen_sample), budget_tokens)
+
+
+SPEC = MethodSpec("oar_p", "reshape", needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARPScorer)
