@@ -5,7 +5,7 @@
 #                 fetch_debs.sh; needed by every run (the device image has none of them). About 2 MB.
 #   .gpu-wheels/  wheels of the `train` extra's packages that the device image lacks (trl, datasets, gguf,
 #                 math-verify at the versions of requirements/train.txt; pure Python, --no-deps). Needed only by
-#                 --step: benchmarks/python/bench_step.py imports oar.eval_attribution, which checks that the whole
+#                 --step: benchmarks/python/bench_step.py imports oar.app.eval_attribution, which checks that the whole
 #                 extra is installed; the step's code path imports none of the four. About 2 MB.
 # The device image's own packages (torch, transformers, pytest, hypothesis, numpy, pyyaml, pybind11, cmake, ninja,
 # ...) are used as they are: its package list was read on 2026-11-17 (the device tool's KINDS.md).

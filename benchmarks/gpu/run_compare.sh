@@ -46,7 +46,7 @@ log "model: $MODEL, python: $PY, data: $OAR_DATA_DIR"
 SETS=(--set "model.name=$MODEL" --set "grpo.max_steps=${STEPS:-20}")
 for s in ${EXTRA_SET:-}; do SETS+=(--set "$s"); done
 # shellcheck disable=SC2086
-"$PY" -m oar.cli compare --config gpu_compare_math --methods ${METHODS:-grpo oar_g oar_p random} \
+"$PY" -m oar.app.cli compare --config gpu_compare_math --methods ${METHODS:-grpo oar_g oar_p random} \
   --seeds ${SEEDS:-0 1} --out "$OUT_DIR/compare" ${MAX_RUNS:+--max-runs $MAX_RUNS} --no-progress "${SETS[@]}" \
   2>&1 | tee "$OUT_DIR/compare.log"
 rc=${PIPESTATUS[0]}

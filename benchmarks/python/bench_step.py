@@ -59,7 +59,7 @@ import oar
 from oar import ops, reference
 from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores
 from oar.attribution.screened import oar_p_screened_scores
-from oar.eval_attribution import reshaped_weights_l1, spearman, top_overlap
+from oar.app.eval_attribution import reshaped_weights_l1, spearman, top_overlap
 
 
 def _commit() -> str:
@@ -224,8 +224,8 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
 
 
 def suite_default(args) -> list[dict]:
-    from oar.models import load_model
-    from oar.tasks import get_task
+    from oar.app.models import load_model
+    from oar.app.tasks import get_task
 
     model, tok = load_model("smollm2-135m-instruct")
     model.to(device=_DEVICE, dtype=args.torch_dtype).eval()
@@ -254,7 +254,7 @@ def suite_default(args) -> list[dict]:
 
 
 def suite_fixed(args) -> list[dict]:
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
 
     rows = []
     for L in args.lengths:

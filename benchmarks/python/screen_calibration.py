@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from oar.eval_attribution import recall_at, spearman, top_overlap
+from oar.app.eval_attribution import recall_at, spearman, top_overlap
 
 d = json.load(open(sys.argv[1]))
 traces = d["traces"]

@@ -28,9 +28,10 @@ import torch
 
 import oar
 from oar import ops
-from oar.eval_attribution import spearman
+from oar.app.eval_attribution import spearman
 from oar.metrics import ess_ratio, top_mass
-from oar.pipeline import Pipeline, RolloutBatch
+from oar.batch import RolloutBatch
+from oar.pipeline import Pipeline
 
 CLASSES = ("number", "operator", "word", "other")
 
@@ -103,8 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/compare/weight_profile")
     a = p.parse_args(argv)
-    from oar.models import load_model
-    from oar.tasks import get_task
+    from oar.app.models import load_model
+    from oar.app.tasks import get_task
 
     t0 = time.perf_counter()
     model, tok = load_model("smollm2-135m-instruct")

@@ -106,17 +106,17 @@ cfg = oar.OARConfig(method="oar_g", probe="answer_mean", q=0.25)
 assert cfg.method == "oar_g" and cfg.reshape.q == 0.25
 
 try:
-    import oar.train  # noqa: F401
+    import oar.app.train  # noqa: F401
 except ModuleNotFoundError as e:
     msg = str(e)
-    assert msg.startswith("oar.train needs ") and "trl" in msg and msg.endswith('pip install "oar[train]"'), msg
+    assert msg.startswith("oar.app.train needs ") and "trl" in msg and msg.endswith('pip install "oar[train]"'), msg
 else:
-    raise AssertionError("import oar.train worked without trl")
+    raise AssertionError("import oar.app.train worked without trl")
 p = subprocess.run([f"{sys.prefix}/bin/oar", "train"], capture_output=True, text=True)
 assert p.returncode == 2 and p.stderr.startswith("oar: error: oar train needs "), (p.returncode, p.stderr)
 p = subprocess.run([f"{sys.prefix}/bin/oar", "info"], capture_output=True, text=True)
 assert p.returncode == 0 and '"torch_built_against"' in p.stdout, (p.returncode, p.stderr)
-print("[install-test] import oar, verl estimators oar_g/oar_p/oar_grpo registered, oar.train and `oar train` "
+print("[install-test] import oar, verl estimators oar_g/oar_p/oar_grpo registered, oar.app.train and `oar train` "
       "name the train extra, `oar info` runs: OK")
 PY
 log "passed"

@@ -83,16 +83,16 @@ _ENABLED = False
 # tiny model
 # ----------------------------------------------------------------------------------------------------------------
 
-#: The tiny model of the verl worker tests: ``oar.models.tiny_random_llama(**TINY)`` (float32, minimal tokenizer),
+#: The tiny model of the verl worker tests: ``oar.app.models.tiny_random_llama(**TINY)`` (float32, minimal tokenizer),
 #: sharpened (``initializer_range=0.12``): divergences (~1e-2) far above float32 rounding, so that rule 1's error
 #: budgets (_tolerance.py) are not vacuous.
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0, initializer_range=0.12)
 
 
 def save_tiny_model(path: str) -> str:
-    """Saves ``oar.models.tiny_random_llama(**TINY)`` (model and tokenizer, ``save_pretrained``) to ``path``, where
+    """Saves ``oar.app.models.tiny_random_llama(**TINY)`` (model and tokenizer, ``save_pretrained``) to ``path``, where
     verl's ``HFModelConfig`` loads it from; returns ``path``. The same call in the test process is the reference."""
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
 
     model, tok = tiny_random_llama(**TINY)
     os.makedirs(path, exist_ok=True)

@@ -57,7 +57,7 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  #
 
 import oar  # noqa: E402
 from oar.integrations import openrlhf as oar_orl  # noqa: E402
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 from _tiny import OPENRLHF_TINY  # noqa: E402
 
 N = 4

@@ -8,7 +8,7 @@ import torch
 
 import oar
 from oar import baselines, ops, reference
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 from _completions import completion_batch
 from _tolerance import assert_close_to_rounded, assert_within, mass_bound
 

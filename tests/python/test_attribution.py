@@ -1,6 +1,6 @@
 """Attribution engines against independent one-at-a-time implementations (method.md sections 2-4).
 
-Uses a tiny random Llama with the character-level tokenizer (oar.models), so token <-> character and
+Uses a tiny random Llama with the character-level tokenizer (oar.app.models), so token <-> character and
 every expected value is computed here with plain PyTorch on unpadded single sequences.
 """
 
@@ -24,7 +24,7 @@ from oar.attribution import (
     random_scores,
     reasoning_length,
 )
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 
 from _error_model import (entropy_error_bound, float64_copy, oar_g_reference, oar_p_error_bound,
                           random_rounding)

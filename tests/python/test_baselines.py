@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import oar
 from oar import baselines, ops
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 from _error_model import Bounded, entropy_error_bound
 from _tolerance import assert_close_to_rounded, assert_within, assert_within_error_model, gamma, ulp
 

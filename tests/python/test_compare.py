@@ -1,4 +1,4 @@
-"""oar.stats (bootstrap intervals) and oar compare (grid runs, resume, report) on tiny runs and synthetic results."""
+"""oar.app.stats (bootstrap intervals) and oar compare (grid runs, resume, report) on tiny runs and synthetic results."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from oar.compare import build_report, run_compare, run_name
-from oar.stats import bootstrap_grid_mean, bootstrap_mean
-from oar.train import write_json_atomic
+from oar.app.compare import build_report, run_compare, run_name
+from oar.app.stats import bootstrap_grid_mean, bootstrap_mean
+from oar.app.train import write_json_atomic
 
 
 # ------------------------------------------------------------------------------------------------ stats
@@ -141,7 +141,7 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
 
 def test_compare_cli_report_only_and_usage_errors(tmp_path):
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "oar.cli", "compare"]
+    cmd = [sys.executable, "-m", "oar.app.cli", "compare"]
     p = subprocess.run(cmd + ["--methods", "grpo", "nope"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "methods must be among" in p.stderr and "Traceback" not in p.stderr
     p = subprocess.run(cmd + ["--report-only", "--out", str(tmp_path / "none")], capture_output=True, text=True, env=env)

@@ -10,7 +10,7 @@ import re
 import pytest
 
 import oar
-from oar.config import load_config, parse_overrides
+from oar.app.config import load_config, parse_overrides
 from oar.integrations import openrlhf
 from oar.integrations._common import config_from_env
 
@@ -86,7 +86,7 @@ def test_yaml_scientific_notation_is_a_number(tmp_path):
     ("eval.before_cache=3", r"eval\.before_cache must be a file path or null, got 3"),
 ])
 def test_cli_train_bad_set_is_a_usage_error(tmp_path, capsys, item, match):
-    from oar.cli import main
+    from oar.app.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--set", item, "--output-dir", str(tmp_path / "run")])

@@ -230,7 +230,7 @@ def _pipeline_worker(rank, world, port, out_dir, methods):
     from oar.attribution import HFProbeModel
     from oar.batch import RolloutBatch
     from oar.pipeline import Pipeline
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
     with torch.no_grad():  # sharpened (as test_attribution's tiny model): divergences far above float32 rounding

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from oar.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at,
+from oar.app.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at,
                                   reshaped_weights_l1, spearman, summarize, summarize_fidelity, top_overlap,
                                   trace_seed, write_outputs)
 
@@ -82,7 +82,7 @@ class _Task:
 
 
 def test_oracle_marks_tokens_whose_masking_flips_the_answer(monkeypatch):
-    import oar.eval_attribution as ev
+    import oar.app.eval_attribution as ev
 
     # Fake greedy decoder: the answer is 7 unless token id 99 (the "pivotal" token) was replaced by PAD (0).
     def fake_answers(model, tok, contexts, max_new):
@@ -196,13 +196,13 @@ def test_write_outputs_with_no_trace_kept(tmp_path):
 @pytest.fixture()
 def no_model(monkeypatch):
     """Fails the test if the command gets as far as loading a model or running the evaluation."""
-    import oar.eval_attribution as ea
+    import oar.app.eval_attribution as ea
 
     def boom(*a, **k):
         raise AssertionError("eval-attribution ran past its argument checks")
 
     monkeypatch.setattr(ea, "run", boom)
-    monkeypatch.setattr("oar.models.load_by_name", boom)
+    monkeypatch.setattr("oar.app.models.load_by_name", boom)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -220,7 +220,7 @@ def no_model(monkeypatch):
 ])
 def test_cli_eval_attribution_fails_fast(tmp_path, monkeypatch, capsys, no_model, argv, match):
     # Each of these used to load the model (and for --out, run to the end before failing to write the results).
-    from oar.cli import main
+    from oar.app.cli import main
 
     monkeypatch.setenv("OAR_DATA_DIR", str(tmp_path / "no-data"))
     argv = [a.replace("DIR", str(tmp_path)) for a in argv]
@@ -240,8 +240,8 @@ def test_score_trace_windows_and_both_screens():
     both equal exact OAR-P; the costs of a screened method include its screen's."""
     import oar
     from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_p_window_scores
-    from oar.eval_attribution import score_trace, screened_name, window_name
-    from oar.models import tiny_random_llama
+    from oar.app.eval_attribution import score_trace, screened_name, window_name
+    from oar.app.models import tiny_random_llama
     from test_attribution import CONCLUDE, _rollouts
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, tokenizer="minimal", seed=1)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
 import flop_bounds as fb  # noqa: E402
 
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "python"
 
 #: lowest first; a module belongs to the layer of its longest matching prefix (docs/architecture.md, "Layers")
 LAYERS = [
-    ("foundation", ["oar._C", "oar._lib", "oar._logging", "oar._args", "oar._extras", "oar.schema", "oar.cuda_checks",
+    ("foundation", ["oar._C", "oar._lib", "oar._logging", "oar._args", "oar.app._extras", "oar.schema", "oar.cuda_checks",
                     "oar.groups", "oar.reference"]),
     ("ops", ["oar.ops", "oar.metrics"]),
     ("attribution", ["oar.attribution", "oar.distributed", "oar.baselines", "oar.batch"]),

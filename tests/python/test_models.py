@@ -1,11 +1,11 @@
-"""Tests of oar.models: the tiny random Llama (fast) and the real SmolLM2-135M-Instruct load (slow)."""
+"""Tests of oar.app.models: the tiny random Llama (fast) and the real SmolLM2-135M-Instruct load (slow)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oar.models import load_model, minimal_tokenizer, smollm2_gguf_path, tiny_random_llama
+from oar.app.models import load_model, minimal_tokenizer, smollm2_gguf_path, tiny_random_llama
 
 HAS_SMOLLM2 = smollm2_gguf_path() is not None
 

@@ -135,7 +135,7 @@ def test_real_experience_layout_keeps_the_question(res, method):
     sequence, multi-turn observations between responses): the patch attributes each response with its question
     as the probe context and the observations as unscored context, exactly as the pipeline does on the token lists
     the rollouts were made from; the advantages land on the action-mask columns of their tokens."""
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
     from oar.pipeline import Pipeline
 
     import oar
@@ -183,7 +183,7 @@ def test_actor_method_scores_on_the_policy_actors(actors, method):
     actor is back in training mode, and the scores are the single-process pipeline's (rule 1 of _tolerance.py
     against the float64 policy: the gate only adds dummy calls)."""
     import oar
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
     from oar.pipeline import Pipeline
 
     r = [actors[0][method], actors[1][method]]
@@ -208,7 +208,7 @@ def test_experience_maker_folds_actor_group_scores(res):
     rows to each data-parallel policy actor (method ``oar_scores``), and its advantages are the pipeline's on the
     whole batch with the scores the actors returned, at the experiences' action-mask columns."""
     import oar
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
     from oar.batch import RolloutBatch
     from oar.pipeline import Pipeline
 
@@ -248,7 +248,7 @@ def test_actor_budget_cap_from_openrlhf_token_budget():
 
     from oar.attribution import as_probe_model
     from oar.integrations import openrlhf as oar_orl
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
     from oar.batch import RolloutBatch
 
     model, _ = tiny_random_llama(**OPENRLHF_TINY)
@@ -285,7 +285,7 @@ def test_actor_group_on_ray_actors(ray_actors, method):
     (rule 1 of _tolerance.py against the float64 policy)."""
     import oar
     from oar.integrations import openrlhf as oar_orl
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
     from oar.pipeline import Pipeline
 
     r = ray_actors[method]

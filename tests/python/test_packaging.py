@@ -12,8 +12,7 @@ import pytest
 from packaging.requirements import Requirement
 
 import oar
-from oar import _extras
-
+from oar.app import _extras
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
 
@@ -92,14 +91,14 @@ def test_require_names_the_missing_packages_and_the_extra(monkeypatch):
                         lambda name, *a: None if name in ("gguf", "math_verify") else real(name, *a))
     assert _extras.missing("train", ["transformers", "gguf"]) == ["gguf"]
     with pytest.raises(ModuleNotFoundError) as e:
-        _extras.require("train", "oar.models", ["transformers", "gguf"])
-    assert str(e.value) == 'oar.models needs gguf, which is not installed: pip install "oar[train]"'
+        _extras.require("train", "oar.app.models", ["transformers", "gguf"])
+    assert str(e.value) == 'oar.app.models needs gguf, which is not installed: pip install "oar[train]"'
     assert e.value.name == "gguf"
     with pytest.raises(ModuleNotFoundError) as e:
         _extras.require("train", "oar train")
     assert str(e.value) == 'oar train needs gguf, math-verify, which are not installed: pip install "oar[train]"'
     assert e.value.name == "gguf"
-    _extras.require("train", "oar.models", ["transformers"])  # present: no error
+    _extras.require("train", "oar.app.models", ["transformers"])  # present: no error
 
 
 def test_missing_refuses_unknown_names():
@@ -123,17 +122,18 @@ def test_import_oar_without_the_train_extra():
 
         sys.meta_path.insert(0, Hide())
         import torch
-        import oar, oar.ops, oar.hook, oar.integrations.verl, oar.integrations.openrlhf
+        import oar, oar.ops, oar.pipeline, oar.integrations.verl, oar.integrations.openrlhf
+        assert not [m for m in sys.modules if m.startswith("oar.app")], "import oar loaded the application"
         cfg = oar.OARConfig(method="grpo", q=0.3)
         a = oar.ops.group_advantages(torch.tensor([1.0, 0.0]), group_size=2)
         print(cfg.method, cfg.reshape.q, round(a[0].item(), 4))
         assert not set(HIDDEN) & {{m.split(".")[0] for m in sys.modules}}, "a train-extra module was imported"
-        for mod in ("oar.train", "oar.compare", "oar.models", "oar.attribute", "oar.eval_attribution"):
+        for mod in ("oar.app.train", "oar.app.compare", "oar.app.models", "oar.app.attribute", "oar.app.eval_attribution"):
             try:
                 __import__(mod)
             except ModuleNotFoundError as e:
                 print(mod, "|", e)
-        from oar.cli import main
+        from oar.app.cli import main
         try:
             main(["train"])
         except SystemExit as e:
@@ -145,11 +145,11 @@ def test_import_oar_without_the_train_extra():
     every = ", ".join(_extras.EXTRAS["train"].values())
     assert p.stdout.splitlines() == [
         "grpo 0.3 0.7071",
-        f'oar.train | oar.train needs {every}, which are not installed: pip install "oar[train]"',
-        f'oar.compare | oar.compare needs {every}, which are not installed: pip install "oar[train]"',
-        'oar.models | oar.models needs transformers, which is not installed: pip install "oar[train]"',
-        f'oar.attribute | oar.attribute needs {every}, which are not installed: pip install "oar[train]"',
-        f'oar.eval_attribution | oar.eval_attribution needs {every}, which are not installed: pip install "oar[train]"',
+        f'oar.app.train | oar.app.train needs {every}, which are not installed: pip install "oar[train]"',
+        f'oar.app.compare | oar.app.compare needs {every}, which are not installed: pip install "oar[train]"',
+        'oar.app.models | oar.app.models needs transformers, which is not installed: pip install "oar[train]"',
+        f'oar.app.attribute | oar.app.attribute needs {every}, which are not installed: pip install "oar[train]"',
+        f'oar.app.eval_attribution | oar.app.eval_attribution needs {every}, which are not installed: pip install "oar[train]"',
         "exit 2",
     ]
     assert p.stderr.strip().splitlines()[-1] == f'oar: error: oar train needs {every}, which are not installed: ' \

@@ -12,7 +12,7 @@ import oar
 from oar import baselines, ops
 from oar.attribution import HFProbeModel
 from oar.attribution import engines
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 from oar.batch import RolloutBatch
 from oar.methods import METHOD_TABLE, method_spec
 from oar.pipeline import Pipeline

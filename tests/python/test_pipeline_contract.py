@@ -10,7 +10,7 @@ import oar
 from oar.batch import RolloutBatch, group_ids_from
 from oar.pipeline import Pipeline
 from oar.metrics import ess_ratio, top_mass
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 from _completions import completion_batch
 from _tolerance import assert_close_to_rounded, assert_within, mass_bound
 

@@ -23,7 +23,7 @@ from oar.attribution import (
     oar_p_scores,
     probe_capabilities,
 )
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 
 from _error_model import error_bound
 from _tolerance import assert_within_error_model

@@ -1,4 +1,4 @@
-"""Tests of oar.tasks: answer extraction, verification, the arithmetic generator, GSM8K/MATH500 loaders.
+"""Tests of oar.app.tasks: answer extraction, verification, the arithmetic generator, GSM8K/MATH500 loaders.
 
 Fast (no model). The real data files are read from $OAR_DATA_DIR or ../shared/data when present, else skipped.
 """
@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar.tasks import Problem, available_tasks, get_task
-from oar.tasks.arithmetic import _ITEMS as ARITH_ITEMS
-from oar.tasks.arithmetic import _NAMES as ARITH_NAMES
-from oar.tasks.arithmetic import FEW_SHOT_EXAMPLES, LEVELS
-from oar.tasks.gsm8k import load_gsm8k, parse_gsm8k_answer, solution_steps
-from oar.tasks.math500 import load_math500, parse_math_answer
-from oar.tasks.verify import (
+from oar.app.tasks import Problem, available_tasks, get_task
+from oar.app.tasks.arithmetic import _ITEMS as ARITH_ITEMS
+from oar.app.tasks.arithmetic import _NAMES as ARITH_NAMES
+from oar.app.tasks.arithmetic import FEW_SHOT_EXAMPLES, LEVELS
+from oar.app.tasks.gsm8k import load_gsm8k, parse_gsm8k_answer, solution_steps
+from oar.app.tasks.math500 import load_math500, parse_math_answer
+from oar.app.tasks.verify import (
     answer_start,
     extract_answer,
     extract_answer_with_rule,

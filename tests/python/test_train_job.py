@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import oar
-from oar.tasks import register_task
-from oar.tasks.arithmetic import ArithmeticTask
-from oar.config import config_dir, load_config, parse_overrides
+from oar.app.tasks import register_task
+from oar.app.tasks.arithmetic import ArithmeticTask
+from oar.app.config import config_dir, load_config, parse_overrides
 
 
 @pytest.mark.parametrize("name", ["default", "gsm8k", "gpu_qwen_math", "compare_cpu", "gpu_compare_math"])
 def test_shipped_configs_parse(name):
-    from oar.train import eval_settings
+    from oar.app.train import eval_settings
 
     cfg = load_config(name)
     assert cfg.oar.method in ("oar_g", "oar_p")
@@ -25,7 +25,7 @@ def test_shipped_configs_parse(name):
 
 
 def test_compare_cpu_config_is_the_harder_arithmetic_mix_with_disjoint_heldout():
-    from oar.train import build_task, eval_settings, heldout_problems
+    from oar.app.train import build_task, eval_settings, heldout_problems
 
     cfg = load_config("compare_cpu")
     task, train = build_task(cfg)
@@ -35,7 +35,7 @@ def test_compare_cpu_config_is_the_harder_arithmetic_mix_with_disjoint_heldout()
 
 
 def test_math500_holdout_partition(tmp_path):
-    from oar.tasks import get_task
+    from oar.app.tasks import get_task
 
     rows = [{"question": f"What is {i} + {i}?", "answer": f"... \\boxed{{{2 * i}}}"} for i in range(200)]
     path = tmp_path / "test.jsonl"
@@ -97,8 +97,8 @@ def _rows(path):
 def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from oar.models import load_model
-    from oar.train import run_training
+    from oar.app.models import load_model
+    from oar.app.train import run_training
 
     out = tmp_path / "run"
     summary = run_training(None, TINY + ["eval.every_steps=1"], str(out))
@@ -126,7 +126,7 @@ def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
     assert held["gain"]["mean"] == pytest.approx(held["after"] - held["before"])
     assert json.load(open(out / "config.json"))["oar"]["method"] == "oar_g"
     assert saved["peak_rss_mb"] > 0
-    from oar.train import cpu_has_native_bf16
+    from oar.app.train import cpu_has_native_bf16
 
     assert saved["precision"] == ("bf16-autocast" if cpu_has_native_bf16() else "float32")  # CPU run, no grpo.bf16
     # The trained policy is a Hugging Face folder that both loaders read, with the trained weights.
@@ -139,8 +139,8 @@ def test_train_job_writes_metrics_plot_summary_and_model(tmp_path):
 
 
 def test_heldout_problems_are_disjoint_from_training_and_shared_across_seeds():
-    from oar.config import load_config
-    from oar.train import build_task, eval_settings, heldout_problems
+    from oar.app.config import load_config
+    from oar.app.train import build_task, eval_settings, heldout_problems
 
     held = []
     for seed in (0, 1):
@@ -158,7 +158,7 @@ def _without_times(rows):
 
 
 def test_same_config_same_seed_gives_the_same_metrics_line_for_line(tmp_path):
-    from oar.train import run_training
+    from oar.app.train import run_training
 
     args = TINY + ["task.name=digit-test", "grpo.max_steps=3", "grpo.learning_rate=1e-2"]
     for name in ("a", "b"):
@@ -172,7 +172,7 @@ def test_same_config_same_seed_gives_the_same_metrics_line_for_line(tmp_path):
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path):
-    from oar.train import run_training
+    from oar.app.train import run_training
 
     out = tmp_path / "run"
     ck = TINY + ["task.name=digit-test", "grpo.save_strategy=steps", "grpo.save_steps=1", "run.save_model=false"]
@@ -194,7 +194,7 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
 
 
 def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
-    from oar.train import run_training
+    from oar.app.train import run_training
 
     out = tmp_path / "run"
     args = TINY + ["grpo.max_steps=1", "run.save_model=false"]
@@ -210,7 +210,7 @@ def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
 
 
 def test_resume_refuses_other_settings(tmp_path):
-    from oar.train import RunFolderError, run_training
+    from oar.app.train import RunFolderError, run_training
 
     out = tmp_path / "run"
     ck = TINY + ["grpo.max_steps=1", "grpo.save_strategy=steps", "grpo.save_steps=1", "run.save_model=false"]
@@ -220,8 +220,8 @@ def test_resume_refuses_other_settings(tmp_path):
 
 
 def test_eval_section_errors_name_the_key():
-    from oar.config import load_config
-    from oar.train import eval_settings
+    from oar.app.config import load_config
+    from oar.app.train import eval_settings
 
     with pytest.raises(ValueError, match="eval.problems must be an integer >= 0"):
         eval_settings(load_config(None, ["eval.problems=-1"]))
@@ -233,7 +233,7 @@ def test_eval_section_errors_name_the_key():
 
 
 def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):
-    from oar.cli import main
+    from oar.app.cli import main
 
     monkeypatch.delenv("OAR_DATA_DIR", raising=False)
     for argv in (["attribute", "--data", "/nonexistent/test.jsonl"], ["train", "--config", "gsm8k"]):
@@ -250,7 +250,7 @@ def test_cli_reports_missing_data_without_traceback(monkeypatch, capsys):
 def test_cpu_bf16_autocast_only_where_the_cpu_runs_bfloat16(monkeypatch):
     """TRL's GRPOConfig turns bf16 on by default (a GPU default); a CPU run of ``oar train`` uses it only where
     torch's CPU kernels run bfloat16 natively, float32 elsewhere; an explicit grpo.bf16 / grpo.fp16 is kept."""
-    import oar.train as tr
+    import oar.app.train as tr
 
     for native, want in ((True, "bf16-autocast"), (False, "float32")):
         monkeypatch.setattr(tr, "cpu_has_native_bf16", lambda native=native: native)
@@ -269,7 +269,7 @@ def test_native_bf16_follows_torchs_active_cpu_kernels():
     import subprocess
     import sys
 
-    code = "import torch, oar.train as t; print(torch.backends.cpu.get_cpu_capability(), t.cpu_has_native_bf16())"
+    code = "import torch, oar.app.train as t; print(torch.backends.cpu.get_cpu_capability(), t.cpu_has_native_bf16())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

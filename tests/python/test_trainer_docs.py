@@ -36,7 +36,7 @@ def test_trl_page(tmp_path):
     pytest.importorskip("trl")
     import datasets
 
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
 
@@ -63,7 +63,7 @@ def test_verl_page():
     finally:
         sys.path.remove(HERE)
     from oar.integrations import verl as oar_verl
-    from oar.models import tiny_random_llama
+    from oar.app.models import tiny_random_llama
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
     ns = {"model": model, "tokenizer": tok, "batch": _batch(tok)}

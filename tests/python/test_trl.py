@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 
 import oar  # noqa: E402
 from oar import baselines, ops  # noqa: E402
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 from _tolerance import assert_close_to_rounded, assert_within, mass_bound  # noqa: E402
 
 

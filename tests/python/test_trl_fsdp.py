@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
 

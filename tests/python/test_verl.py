@@ -21,7 +21,7 @@ ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer")
 import oar  # noqa: E402
 from oar import baselines, ops  # noqa: E402
 from oar.integrations import verl as oar_verl  # noqa: E402
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402

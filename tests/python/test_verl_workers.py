@@ -21,7 +21,7 @@ from oar.integrations import verl as oar_verl  # noqa: E402
 
 oar_verl.register()
 from oar.integrations import verl_workers  # noqa: E402
-from oar.models import tiny_random_llama  # noqa: E402
+from oar.app.models import tiny_random_llama  # noqa: E402
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
 

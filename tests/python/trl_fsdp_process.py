@@ -20,7 +20,7 @@ from datasets import Dataset
 import _cpu_fsdp
 import oar
 from oar.integrations.trl import OARGRPOTrainer
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 
 PROMPTS = [(1, 2), (3, 4)]
 # sharpened (initializer_range 0.12): divergences (~1e-2) far above float32 rounding (rule 1 of _tolerance.py)

@@ -16,7 +16,7 @@ from datasets import Dataset
 
 import oar
 from oar.integrations.trl import OARGRPOTrainer
-from oar.models import tiny_random_llama
+from oar.app.models import tiny_random_llama
 
 
 def reward_digits(prompts, completions, answer, **kw):

@@ -210,7 +210,7 @@ def gpu_worker_group(config, n: int):
 
 def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora_rank: int = 0):
     """``device="cuda"`` (benchmarks/gpu/run_verl_oar.sh): the same steps on ``ranks`` GPUs with verl's engine as
-    verl runs it, on ``model`` (a name of oar.models.load_by_name, e.g. SmolLM2), with the time of each stage."""
+    verl runs it, on ``model`` (a name of oar.app.models.load_by_name, e.g. SmolLM2), with the time of each stage."""
     import time
 
     import ray
@@ -223,7 +223,7 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
             if model == "tiny":
                 path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
             else:
-                from oar.models import load_by_name
+                from oar.app.models import load_by_name
 
                 m, t = load_by_name(model)
                 path = os.path.join(tmp, "model")
@@ -291,7 +291,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.models.load_by_name (GPU runs)")
+    ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.app.models.load_by_name (GPU runs)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA actor (verl's model.lora_rank)")
     a = ap.parse_args()

@@ -4,7 +4,7 @@ Format: one object per line with ``question`` and ``answer``; the answer is a so
 ``\\boxed{...}`` followed by ``The answer is: <final answer>``. The canonical answer is the text after
 the last ``The answer is:`` (stripped); when a line lacks it, the content of the solution's last
 ``\\boxed{...}``. Answers are LaTeX (``\\frac{14}{3}``, ``\\left( 3, \\frac{\\pi}{2} \\right)``),
-compared with math-verify (``oar.tasks.verify``).
+compared with math-verify (``oar.app.tasks.verify``).
 
 The file is found from an explicit path, else ``data_dir/math500/test.jsonl``, else
 ``$OAR_DATA_DIR/math500/test.jsonl``. Only a ``test`` split exists.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import zlib
 
-from oar.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
-from oar.tasks.verify import last_boxed
+from oar.app.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
+from oar.app.tasks.verify import last_boxed
 
 __all__ = ["Math500Task", "load_math500", "parse_math_answer"]
 
@@ -75,7 +75,7 @@ class Math500Task(Task):
             ``test`` split (problems whose CRC32 of the question is 0 mod k, about 500 / k) and a disjoint
             ``train`` split (the rest), fixed for every run and seed, so that ``oar train`` / ``oar compare``
             can train on MATH-style problems and evaluate on held-out ones.
-        **kwargs: :class:`oar.tasks.base.Task` options. The last-number fallback is off by default
+        **kwargs: :class:`oar.app.tasks.base.Task` options. The last-number fallback is off by default
             here (``allow_last_number=False``): MATH answers are expressions, and the last number of
             a derivation is rarely the answer.
     """

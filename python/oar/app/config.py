@@ -3,10 +3,10 @@
 Sections:
     run:   output_dir, seed, plot (bool), save_model (bool)
     model: name (``smollm2-135m-instruct`` or a local HF folder), dtype
-    task:  name (arithmetic | gsm8k | math500), kwargs (passed to oar.tasks.get_task), train_size
+    task:  name (arithmetic | gsm8k | math500), kwargs (passed to oar.app.tasks.get_task), train_size
     grpo:  keyword arguments of ``trl.GRPOConfig`` (max_steps, learning_rate, num_generations, ...)
     eval:  held-out evaluation of ``oar train`` (problems, every_steps, max_new_tokens, batch_size, seed,
-           before_cache; ``oar.train.EVAL_DEFAULTS``)
+           before_cache; ``oar.app.train.EVAL_DEFAULTS``)
     oar:   the OAR schema, validated by the C++ parser (``oar.OARConfig.from_json``; docs/config.md)
 
 Unknown top-level sections raise ValueError naming them; unknown ``oar`` keys raise from the C++ schema.
@@ -79,12 +79,12 @@ _PKG = os.path.dirname(os.path.abspath(__file__))
 
 
 def config_dir() -> str:
-    """Folder of the shipped configs: ``oar/configs`` in an installed wheel (copied from the repository's
-    configs/ at install), else the repository's ``configs/`` (development layout)."""
+    """Folder of the shipped configs: ``oar/app/configs`` in an installed wheel (copied from the repository's
+    configs/ at install), else the repository's ``configs/`` (development layout: python/oar/app -> the root)."""
     installed = os.path.join(_PKG, "configs")
     if os.path.isdir(installed):
         return installed
-    return os.path.join(os.path.dirname(os.path.dirname(_PKG)), "configs")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_PKG))), "configs")
 
 
 def resolve_config(name_or_path: str | None) -> str:

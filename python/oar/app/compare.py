@@ -34,12 +34,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from oar._extras import require
+from oar.app._extras import require
 
-require("train", "oar.compare")  # runs `oar train`, plots with matplotlib, shows progress with rich
+require("train", "oar.app.compare")  # runs `oar train`, plots with matplotlib, shows progress with rich
 
-from oar.stats import bootstrap_grid_mean  # noqa: E402
-from oar.train import write_json_atomic  # noqa: E402
+from oar.app.stats import bootstrap_grid_mean  # noqa: E402
+from oar.app.train import write_json_atomic  # noqa: E402
 
 __all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name"]
 
@@ -88,7 +88,7 @@ def check_grid(methods: Sequence[str], seeds: Sequence[int], overrides: Sequence
 def _grid_file(out_dir: str, config: str | None, overrides: list[str], methods, seeds) -> None:
     """Writes ``grid.json``, or checks that a resumed sweep has the same resolved configuration (the config
     file's values after the overrides; comments and formatting may change)."""
-    from oar.config import load_config, resolve_config
+    from oar.app.config import load_config, resolve_config
 
     path = os.path.join(out_dir, "grid.json")
     cfg = load_config(config, overrides)
@@ -176,8 +176,8 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
         ValueError: unknown or repeated methods or seeds, a bad config, ``out_dir`` holding a sweep of
             another configuration, or another ``oar compare`` running on ``out_dir`` (a lock file).
     """
-    from oar.config import load_config
-    from oar.train import eval_settings
+    from oar.app.config import load_config
+    from oar.app.train import eval_settings
 
     overrides = list(overrides)
     check_grid(methods, seeds, overrides)
@@ -206,7 +206,7 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
 
 def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, reward_level, progress,
               python) -> dict:
-    from oar.config import resolve_config
+    from oar.app.config import resolve_config
 
     max_steps = int(cfg.grpo.get("max_steps", 0))
     _grid_file(out_dir, config, overrides, methods, seeds)
@@ -231,7 +231,7 @@ def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_mo
             run_dir = os.path.join(out_dir, "runs", name)
             if os.path.exists(run_dir):  # a run that did not finish: never reported, redone from scratch
                 shutil.rmtree(run_dir)
-            cmd = [python, "-m", "oar.cli", "train", "--config", cfg_arg, "--output-dir", run_dir]
+            cmd = [python, "-m", "oar.app.cli", "train", "--config", cfg_arg, "--output-dir", run_dir]
             for o in overrides + [f"oar.method={method}", f"run.seed={seed}", f"oar.seed={seed}",
                                   f"eval.before_cache={before_cache}", "run.plot=false",
                                   f"run.save_model={'true' if save_models else 'false'}"]:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from oar._extras import require
+from oar.app._extras import require
 
-require("train", "oar.models", ["transformers"])
+require("train", "oar.app.models", ["transformers"])
 
 __all__ = ["SMOLLM2_NAME", "load_model", "smollm2_gguf_path", "tiny_random_llama", "minimal_tokenizer"]
 

@@ -1,6 +1,6 @@
 """The main job: GRPO training with OAR per-token advantages through TRL (``oar train``).
 
-Reads a run config (oar.config), loads the model (oar.models) and task (oar.tasks), evaluates the policy on
+Reads a run config (oar.app.config), loads the model (oar.app.models) and task (oar.app.tasks), evaluates the policy on
 held-out problems of the task (greedy, the task's verifier; never seen in training), trains with
 :class:`oar.integrations.trl.OARGRPOTrainer`, evaluates again, and writes to ``run.output_dir``:
 
@@ -10,7 +10,7 @@ held-out problems of the task (greedy, the task's verifier; never seen in traini
   step 0 = before training). The console shows the same names.
 - ``reward_curve.png``: reward per step and the held-out accuracy points (matplotlib);
 - ``config.json``: the resolved configuration (oar section as parsed by the C++ schema);
-- ``model/``: the trained policy (Hugging Face folder: ``oar.models.load_model(path)`` and
+- ``model/``: the trained policy (Hugging Face folder: ``oar.app.models.load_model(path)`` and
   ``transformers.AutoModelForCausalLM.from_pretrained(path)`` load it), when ``run.save_model`` (default);
 - ``checkpoint-N/``: TRL checkpoints when ``grpo.save_strategy: steps`` (``oar train --resume`` continues
   from the last one);
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from oar._extras import require
+from oar.app._extras import require
 
-require("train", "oar.train")  # transformers, trl, datasets, ... (pip install "oar[train]")
+require("train", "oar.app.train")  # transformers, trl, datasets, ... (pip install "oar[train]")
 
-from oar.config import RunConfig, load_config  # noqa: E402
+from oar.app.config import RunConfig, load_config  # noqa: E402
 
 #: Defaults of the ``eval`` config section (docs/config.md).
 EVAL_DEFAULTS = {"problems": 96, "every_steps": 0, "max_new_tokens": None, "batch_size": 32, "seed": 0,
@@ -243,7 +243,7 @@ def eval_settings(cfg: RunConfig) -> dict:
 
 def build_task(cfg: RunConfig):
     """The task of a config and its training problems (``task.train_size``, drawn with ``run.seed``)."""
-    from oar.tasks import get_task
+    from oar.app.tasks import get_task
 
     seed = int(cfg.run.get("seed", 0))
     tcfg = dict(cfg.task)
@@ -319,7 +319,7 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, prob
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from oar.models import load_by_name
+    from oar.app.models import load_by_name
 
     seed = int(cfg.run.get("seed", 0))
     torch.manual_seed(seed)
@@ -364,7 +364,7 @@ def _main_job_trainer_class():
 
 
 def _before_cache_key(cfg: RunConfig, ev: dict, problems) -> dict:
-    from oar.models import TINY_RANDOM_NAME
+    from oar.app.models import TINY_RANDOM_NAME
 
     # The initial weights depend on run.seed only for the random test model; left-padded batched greedy decoding
     # can depend on the batch size.
@@ -377,7 +377,7 @@ def _before_cache_key(cfg: RunConfig, ev: dict, problems) -> dict:
 def _evaluate_before(cfg, ev, task, problems, model, tokenizer):
     """The before-training evaluation, read from ``eval.before_cache`` when it holds one for the same model,
     task, problems and length (greedy decoding is deterministic), else computed (and stored there)."""
-    from oar.tasks.evaluate import HeldoutResult, heldout_accuracy
+    from oar.app.tasks.evaluate import HeldoutResult, heldout_accuracy
 
     key = _before_cache_key(cfg, ev, problems)
     path = ev["before_cache"]
@@ -407,7 +407,7 @@ def _eval_callback(every: int, evaluate):
 
 
 def _load_evals(path: str, keep_until: int | None) -> dict:
-    from oar.tasks.evaluate import HeldoutResult
+    from oar.app.tasks.evaluate import HeldoutResult
 
     if keep_until is None or not os.path.exists(path):
         return {}
@@ -514,7 +514,7 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
     evals = _load_evals(os.path.join(out, "heldout.json"), keep_until)
     try:
         def evaluate(model, step):
-            from oar.tasks.evaluate import heldout_accuracy
+            from oar.app.tasks.evaluate import heldout_accuracy
 
             res = heldout_accuracy(task, held, model, tokenizer, max_new_tokens=ev["max_new_tokens"],
                                    batch_size=ev["batch_size"])
@@ -567,7 +567,7 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
 
 def summarize(writer: MetricsWriter, evals: dict, final_step: int) -> dict:
     """The summary of a finished run: per metric name (the names of metrics.jsonl) its aggregates."""
-    from oar.stats import bootstrap_mean
+    from oar.app.stats import bootstrap_mean
 
     train = writer.train_rows()
 
@@ -611,5 +611,5 @@ def format_summary(summary: dict) -> str:
         lines.append(f"[oar] heldout/accuracy (greedy, {held['n']} problems never trained on): "
                      f"before {held['before']:.3f} -> after {held['after']:.3f}{gain}")
     if summary.get("model_dir"):
-        lines.append(f"[oar] trained policy saved to {summary['model_dir']} (oar.models.load_model(path))")
+        lines.append(f"[oar] trained policy saved to {summary['model_dir']} (oar.app.models.load_model(path))")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 Plain ``model.generate`` with sampling, batched with left padding: enough for evaluation and for
 measuring whether a task has the reward variance GRPO needs (the arithmetic levels were tuned with
-:func:`sample_accuracy`). Imports torch, so ``oar.tasks`` does not import this module eagerly.
+:func:`sample_accuracy`). Imports torch, so ``oar.app.tasks`` does not import this module eagerly.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from oar.tasks.base import Problem, Task
+from oar.app.tasks.base import Problem, Task
 
 __all__ = ["generate_completions", "sample_accuracy", "AccuracyReport", "heldout_accuracy", "HeldoutResult"]
 

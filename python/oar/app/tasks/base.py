@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from oar.tasks.verify import extract_answer, verify_answer
+from oar.app.tasks.verify import extract_answer, verify_answer
 
 __all__ = [
     "Problem",

@@ -2,20 +2,20 @@
 
 ``get_task(name, **kwargs)`` builds a registered task:
 
-* ``"arithmetic"``: generated word problems (``oar.tasks.arithmetic``), no data files.
-* ``"gsm8k"``: GSM8K JSONL files (``oar.tasks.gsm8k``), optionally only the easiest questions.
-* ``"math500"``: the MATH500 JSONL file (``oar.tasks.math500``).
+* ``"arithmetic"``: generated word problems (``oar.app.tasks.arithmetic``), no data files.
+* ``"gsm8k"``: GSM8K JSONL files (``oar.app.tasks.gsm8k``), optionally only the easiest questions.
+* ``"math500"``: the MATH500 JSONL file (``oar.app.tasks.math500``).
 
 Each task has ``problems(split, n=None, seed=0)``, ``prompt(problem)`` (chat messages) and
 ``reward(completion, problem)`` (1.0 / 0.0). Answer extraction and verification live in
-``oar.tasks.verify``. This package imports only the standard library at import time (math-verify
-and sympy load on the first verification); the torch-based sampler is ``oar.tasks.evaluate``.
+``oar.app.tasks.verify``. This package imports only the standard library at import time (math-verify
+and sympy load on the first verification); the torch-based sampler is ``oar.app.tasks.evaluate``.
 """
 
 from __future__ import annotations
 
-from oar.tasks import arithmetic, gsm8k, math500  # noqa: F401  (register the built-in tasks)
-from oar.tasks.base import (
+from oar.app.tasks import arithmetic, gsm8k, math500  # noqa: F401  (register the built-in tasks)
+from oar.app.tasks.base import (
     DEFAULT_INSTRUCTION,
     DEFAULT_SYSTEM_PROMPT,
     Problem,
@@ -24,7 +24,7 @@ from oar.tasks.base import (
     get_task,
     register_task,
 )
-from oar.tasks.verify import answer_start, extract_answer, verify_answer
+from oar.app.tasks.verify import answer_start, extract_answer, verify_answer
 
 __all__ = [
     "DEFAULT_INSTRUCTION",

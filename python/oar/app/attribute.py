@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oar._extras import require
+from oar.app._extras import require
 
-require("train", "oar.attribute")  # loads models (transformers, gguf), checks answers (math-verify)
+require("train", "oar.app.attribute")  # loads models (transformers, gguf), checks answers (math-verify)
 
 
 @dataclass
@@ -98,8 +98,8 @@ def run_attribute(a) -> dict:
     import oar
     from oar import ops
     from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores
-    from oar.models import load_by_name
-    from oar.tasks import get_task
+    from oar.app.models import load_by_name
+    from oar.app.tasks import get_task
 
     if a.num_generations < 1:
         raise ValueError(f"--num-generations must be >= 1, got {a.num_generations}")

@@ -314,9 +314,9 @@ def _unsafe_for_sympy(s: str) -> bool:
 def _math_verify_equal(pred: str, gold: str, timeout_s: int | None) -> bool | None:
     """math-verify's verdict, or None when it could not parse a side / failed. Raises ModuleNotFoundError naming
     the ``train`` extra when math-verify is not installed (never a silently weaker check)."""
-    from oar._extras import require
+    from oar.app._extras import require
 
-    require("train", "answer checking (oar.tasks.verify_answer)", ["math_verify"])
+    require("train", "answer checking (oar.app.tasks.verify_answer)", ["math_verify"])
     from math_verify import parse, verify
     in_main = threading.current_thread() is threading.main_thread()
     t = timeout_s if (in_main and timeout_s) else None

@@ -30,7 +30,7 @@ import random
 import zlib
 from collections.abc import Sequence
 
-from oar.tasks.base import Problem, Task, check_split, register_task
+from oar.app.tasks.base import Problem, Task, check_split, register_task
 
 __all__ = [
     "ArithmeticTask",
@@ -54,7 +54,7 @@ DEFAULT_LEVEL = 2
 #: float32, CPU) with this task's default prompts (system prompt, one worked example per operation,
 #: "Put the final answer in \\boxed{}."): 32 test problems (seed 0) x 4 samples, temperature 0.8,
 #: top_k off, top_p 1, max_new_tokens 96, default reward (last-number fallback on). Measured with
-#: ``oar.tasks.evaluate.sample_accuracy``; 128 samples, so about +-4 points of standard error.
+#: ``oar.app.tasks.evaluate.sample_accuracy``; 128 samples, so about +-4 points of standard error.
 LEVEL_ACCURACY: dict[int, float] = {1: 0.297, 2: 0.383, 3: 0.047, 4: 0.594, 5: 0.055}
 
 #: Fraction of the 32 problems whose 4 samples got both rewards (a non-zero GRPO advantage), same runs.
@@ -179,7 +179,7 @@ class ArithmeticTask(Task):
     Args:
         level: a level number (1..5) or a sequence of them (each problem picks one uniformly).
         train_size / test_size: number of problems ``problems(split)`` returns when ``n`` is None.
-        **kwargs: :class:`oar.tasks.base.Task` options (prompts, reward settings). ``few_shot``
+        **kwargs: :class:`oar.app.tasks.base.Task` options (prompts, reward settings). ``few_shot``
             defaults to :func:`default_few_shot` of the levels; pass ``few_shot=()`` for zero-shot.
 
     Raises:

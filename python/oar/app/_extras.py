@@ -3,7 +3,7 @@
 ``pip install oar`` brings only what ``import oar`` needs (torch, numpy, pyyaml): the ops, the hook, the
 functional API and the trainer integrations, which use the trainer the user already has. The command line, the
 tasks, the model loaders and the plots need ``pip install "oar[train]"``. A module that needs an extra calls
-:func:`require` where it starts, so a missing package is reported as "oar.train needs oar[train] ..." rather
+:func:`require` where it starts, so a missing package is reported as "oar.app.train needs oar[train] ..." rather
 than as a bare ModuleNotFoundError deep inside transformers or trl. pyproject.toml lists the same packages
 (tests/python/test_packaging.py keeps the two in step).
 """
@@ -63,10 +63,10 @@ def require(extra: str, what: str, modules: Iterable[str] | None = None) -> None
 
     Args:
         extra: a key of :data:`EXTRAS`.
-        what: the feature asking (``"oar.train"``, ``"oar train"``), first words of the message.
+        what: the feature asking (``"oar.app.train"``, ``"oar train"``), first words of the message.
         modules: the import names ``what`` needs (default: the whole extra).
 
-    Example message: ``oar.models needs transformers, gguf, which are not installed: pip install "oar[train]"``.
+    Example message: ``oar.app.models needs transformers, gguf, which are not installed: pip install "oar[train]"``.
     """
     gone = missing(extra, modules)
     if gone:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from oar.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
+from oar.app.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
 
 __all__ = ["GSM8KTask", "load_gsm8k", "parse_gsm8k_answer", "solution_steps"]
 
@@ -111,7 +111,7 @@ class GSM8KTask(Task):
         data_dir: folder holding ``gsm8k/<split>.jsonl`` (default ``$OAR_DATA_DIR``).
         train_path, test_path: explicit files, overriding ``data_dir``.
         easiest, max_steps: as in :func:`load_gsm8k`, applied to every ``problems`` call.
-        **kwargs: :class:`oar.tasks.base.Task` options.
+        **kwargs: :class:`oar.app.tasks.base.Task` options.
     """
 
     name = "gsm8k"

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oar._extras import require
+from oar.app._extras import require
 
-require("train", "oar.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
+require("train", "oar.app.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
 
 PROBE_NAMES = ("last", "answer_mean", "answer_joint")
 TOP_K_PERCENT = (10, 20, 30)
@@ -208,7 +208,7 @@ def oracle_causal(model, tok, task, problem, prompt_ids, reasoning_ids, conclude
 def sample_correct_traces(model, tok, task, task_name: str, problems, G: int, max_new_tokens: int,
                           temperature: float, want: int, seed: int) -> list[Trace]:
     """Samples G completions per problem (batched), keeps correct ones until ``want`` traces."""
-    from oar.attribute import sample_group
+    from oar.app.attribute import sample_group
 
     traces: list[Trace] = []
     for pi, prob in enumerate(problems):
@@ -439,8 +439,8 @@ def run(args) -> list[dict]:
     """Implements ``oar eval-attribution`` (see ``oar eval-attribution --help``)."""
     import oar
     from oar.attribution import reasoning_length
-    from oar.models import load_by_name
-    from oar.tasks import get_task
+    from oar.app.models import load_by_name
+    from oar.app.tasks import get_task
 
     t0 = time.perf_counter()
     model, tok = load_by_name(args.model)

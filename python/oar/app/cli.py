@@ -8,8 +8,8 @@ import sys
 
 
 def _train(a) -> int:
-    from oar.config import load_config
-    from oar.train import RunFolderError, build_task, eval_settings, format_summary, heldout_problems, run_training
+    from oar.app.config import load_config
+    from oar.app.train import RunFolderError, build_task, eval_settings, format_summary, heldout_problems, run_training
 
     # Configuration errors are user errors: report them as such (exit 2, no traceback) before any work.
     try:
@@ -30,7 +30,7 @@ def _train(a) -> int:
 
 def _task_problems(task_cfg: dict, split: str):
     """Builds a config's task and reads one problem of ``split`` (fails fast on missing data files)."""
-    from oar.tasks import get_task
+    from oar.app.tasks import get_task
 
     task_cfg.pop("train_size", None)
     task = get_task(task_cfg.pop("name", "arithmetic"), **(task_cfg.pop("kwargs", None) or {}))
@@ -42,7 +42,7 @@ def _task_problems(task_cfg: dict, split: str):
 
 
 def _attribute(a) -> int:
-    from oar.attribute import run_attribute
+    from oar.app.attribute import run_attribute
 
     try:
         kwargs = {"test_path": a.data} if a.task == "gsm8k" and a.data else ({"path": a.data} if a.data else {})
@@ -57,7 +57,7 @@ def _eval_attribution(a) -> int:
     import math
     import os
 
-    from oar.eval_attribution import run
+    from oar.app.eval_attribution import run
 
     # Every usage error exits 2 with one line before the model is loaded (and before hours of work whose results
     # could not be written).
@@ -99,7 +99,7 @@ def _eval_attribution(a) -> int:
 def _compare(a) -> int:
     import os
 
-    from oar.compare import build_report, run_compare
+    from oar.app.compare import build_report, run_compare
 
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         a.parser.error(f"--out must be a folder, got the file {a.out!r}")
@@ -114,8 +114,8 @@ def _compare(a) -> int:
         print(open(os.path.join(a.out, "compare.md")).read() if report else f"no finished runs in {a.out}")
         return 0
     try:
-        from oar.config import load_config
-        from oar.train import build_task, eval_settings, heldout_problems
+        from oar.app.config import load_config
+        from oar.app.train import build_task, eval_settings, heldout_problems
 
         cfg = load_config(a.config, a.set)
         ev = eval_settings(cfg)
@@ -124,7 +124,7 @@ def _compare(a) -> int:
         heldout_problems(task, ev, train)
         if a.max_runs is not None and a.max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {a.max_runs}")
-        from oar.compare import check_grid
+        from oar.app.compare import check_grid
 
         check_grid(a.methods, a.seeds, a.set)
     except (ValueError, FileNotFoundError) as e:
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd != "info":  # every command but `info` trains, samples or plots: pip install "oar[train]"
-        from oar._extras import require
+        from oar.app._extras import require
 
         try:
             require("train", f"oar {args.cmd}")
