@@ -2,7 +2,7 @@
 
 :func:`token_advantages` = group advantages (method.md section 1) + the method of ``config.method`` (attribution
 and reshaping, sections 2-6, or a baseline of section 8), through the one pipeline every trainer adapter uses
-(:mod:`oar.pipeline`), so a method behaves identically everywhere.
+(:mod:`oar.pipeline`, cached per (tokenizer, config) by :mod:`oar.pipeline_cache`), so a method behaves identically everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from oar.batch import RolloutBatch, TokenAdvantages, group_ids_from
-from oar.pipeline import pipeline_for
+from oar.pipeline_cache import pipeline_for
 
 __all__ = ["token_advantages"]
 

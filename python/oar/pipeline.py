@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from typing import Sequence
 
 import torch
@@ -29,7 +28,7 @@ from oar.methods import Step, method_spec
 from oar.metrics import pipeline_metrics
 from oar.schema import OARConfig
 
-__all__ = ["Pipeline", "pipeline_for"]
+__all__ = ["Pipeline"]
 
 
 # ==== the pipeline ==========================================================================================
@@ -286,33 +285,3 @@ class Pipeline:
         for i in active:
             reasoning[i, torch.nonzero(b.cmask[i]).flatten()[: lens[i]]] = True
         return reasoning & b.eligible
-
-
-# ==== cached pipelines ======================================================================================
-
-# One pipeline per (tokenizer, config): its random generator (random baseline, OAR-G noise) then advances from
-# call to call as in a trainer, instead of replaying the same draws every step.
-_PIPELINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_NO_TOKENIZER: dict = {}
-
-
-def pipeline_for(config=None, tokenizer=None) -> Pipeline:
-    """The cached :class:`Pipeline` of (``tokenizer``, ``config``) (a new one when the tokenizer cannot be
-    weakly referenced). Raises ValueError as :class:`Pipeline`."""
-
-    if config is not None and not isinstance(config, OARConfig):
-        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig(method=..., ...))")
-    cfg = config if config is not None else OARConfig()
-    key = cfg.to_json()
-    if tokenizer is None:
-        per = _NO_TOKENIZER
-    else:
-        try:
-            per = _PIPELINES.setdefault(tokenizer, {})
-        except TypeError:
-            return Pipeline(cfg, tokenizer)
-    if key not in per:
-        per[key] = Pipeline(cfg, tokenizer)
-    return per[key]
-

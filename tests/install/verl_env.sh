@@ -79,8 +79,8 @@ import torch  # noqa: E402
 
 # The plugin is opt-in: `import verl` alone leaves verl untouched ...
 code = ("import sys, verl; from verl.trainer.ppo import core_algos, ray_trainer; "
-        "assert 'oar.integrations.verl_plugin' in sys.modules; "
-        "assert not sys.modules['oar.integrations.verl_plugin'].REGISTERED; "
+        "assert 'oar.integrations.verl.plugin' in sys.modules; "
+        "assert not sys.modules['oar.integrations.verl.plugin'].REGISTERED; "
         "assert not any(k.startswith('oar') for k in core_algos.ADV_ESTIMATOR_REGISTRY); "
         "assert not getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)")
 env = {k: v for k, v in os.environ.items() if k != "OAR_VERL_PLUGIN"}
@@ -91,12 +91,12 @@ os.environ["OAR_VERL_PLUGIN"] = "1"
 with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)  # the verl plugin reports a failed registration as a warning
     import oar
-    import verl  # noqa: F401  (imports the verl.plugins entry points: oar.integrations.verl_plugin)
+    import verl  # noqa: F401  (imports the verl.plugins entry points: oar.integrations.verl.plugin)
     from verl.trainer.ppo import core_algos
 
 assert oar.__file__.startswith(sys.prefix), f"oar imported from {oar.__file__}, not the test venv"
 assert oar.build_info()["torch_built_against"] == torch.__version__.split("+")[0]
-assert sys.modules["oar.integrations.verl_plugin"].REGISTERED, "the verl plugin registered nothing"
+assert sys.modules["oar.integrations.verl.plugin"].REGISTERED, "the verl plugin registered nothing"
 for name in ("oar_g", "oar_p", "oar_grpo"):
     fn = core_algos.get_adv_estimator_fn(name)
     assert fn.__name__ == f"compute_{name}_advantage", (name, fn)

@@ -21,6 +21,7 @@ ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer")
 import oar  # noqa: E402
 from oar import baselines, ops  # noqa: E402
 from oar.integrations import verl as oar_verl  # noqa: E402
+from oar.integrations.verl import estimators as verl_estimators  # noqa: E402
 from oar.app.models import tiny_random_llama  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
@@ -89,7 +90,7 @@ def _run(data, name, **cfg):
 def test_pyproject_declares_the_plugin_entry_point():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         eps = tomllib.load(f)["project"]["entry-points"]["verl.plugins"]
-    assert eps == {"oar": "oar.integrations.verl_plugin"}
+    assert eps == {"oar": "oar.integrations.verl.plugin"}
 
 
 @pytest.mark.parametrize("opt_in", [True, False])
@@ -110,7 +111,7 @@ def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path, opt_in):
             "'wrapped': bool(getattr(ray_trainer.compute_advantage, '__oar_wrapped__', False)), "
             "'init_workers': bool(getattr(ray_trainer.RayPPOTrainer.init_workers, '__oar_wrapped__', False)), "
             "'trainers': sorted(k for k in TRAINER_REGISTRY if k.startswith('oar')), "
-            "'plugin': 'oar.integrations.verl_plugin' in sys.modules}))")
+            "'plugin': 'oar.integrations.verl.plugin' in sys.modules}))")
     # The child imports the same oar as this process (installed package in CI, python/ + OAR_BUILD_DIR in a dev tree).
     oar_parent = os.path.dirname(os.path.dirname(os.path.abspath(oar.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), oar_parent, os.environ.get("PYTHONPATH", "")]),
@@ -124,15 +125,15 @@ def test_plugin_loads_through_the_verl_plugins_entry_point(tmp_path, opt_in):
     assert out["plugin"]
     if opt_in:
         assert out["wrapped"] and out["init_workers"]
-        assert out["names"] == sorted(oar_verl.ESTIMATORS)
+        assert out["names"] == sorted(oar_verl.ADV_ESTIMATORS)
         assert out["trainers"] == ["oar_colocate_async", "oar_separate_async", "oar_sync"]
     else:
         assert out == {"names": [], "wrapped": False, "init_workers": False, "trainers": [], "plugin": True}
 
 
 def test_registry_holds_every_method(registered):
-    assert set(registered) == set(oar_verl.ESTIMATORS)
-    methods = {m for m in oar_verl.ESTIMATORS.values() if m}
+    assert set(registered) == set(oar_verl.ADV_ESTIMATORS)
+    methods = {m for m in oar_verl.ADV_ESTIMATORS.values() if m}
     assert methods == set(oar.METHODS)
     for name in registered:
         assert core_algos.get_adv_estimator_fn(name).__name__ == f"compute_{name}_advantage"
@@ -224,7 +225,7 @@ def test_entropy_methods_read_the_entropies_kept_by_the_old_log_prob_wrapper(tin
     def fake_old_log_prob(self, batch):  # what RayPPOTrainer._compute_old_log_prob returns in verl 0.9.1
         return DataProto.from_dict(tensors={"old_log_probs": torch.zeros(mask.shape), "entropys": ent}), 0.0
 
-    wrapped = oar_verl._wrap_compute_old_log_prob(fake_old_log_prob)
+    wrapped = verl_estimators._wrap_compute_old_log_prob(fake_old_log_prob)
     wrapped(None, data)
     torch.testing.assert_close(data.batch["oar_entropy"], ent)
     assert getattr(ray_trainer.RayPPOTrainer._compute_old_log_prob, "__oar_wrapped__", False)
@@ -376,7 +377,7 @@ ESTIMATOR_BAD_INPUT = [
 @pytest.mark.parametrize("call, exc, match", ESTIMATOR_BAD_INPUT)
 def test_estimator_bad_input(configure_reset, call, exc, match):
     oar_verl.register()
-    est = oar_verl._REGISTERED["oar_grpo"]
+    est = core_algos.get_adv_estimator_fn("oar_grpo")
     tlr = torch.zeros(4, 3)
     tlr[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
     with pytest.raises(exc, match=match):

@@ -1,4 +1,4 @@
-"""OAR scores on verl's actor workers (oar.integrations.verl_workers) against the REAL verl 0.9.1.
+"""OAR scores on verl's actor workers (oar.integrations.verl.workers) against the REAL verl 0.9.1.
 
 The worker-group checks run verl's own ``ActorRolloutRefWorker`` (FSDP2 engine, 2 gloo ranks on Ray CPU workers,
 test scaffold ``_verl_cpu.py``) in a subprocess (``verl_worker.py``); the rest runs in this process. Skipped when
@@ -20,7 +20,8 @@ import oar  # noqa: E402
 from oar.integrations import verl as oar_verl  # noqa: E402
 
 oar_verl.register()
-from oar.integrations import verl_workers  # noqa: E402
+from oar.integrations.verl import context, dispatch  # noqa: E402
+from oar.integrations.verl import workers as verl_workers  # noqa: E402
 from oar.app.models import tiny_random_llama  # noqa: E402
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
@@ -87,7 +88,7 @@ def test_worker_scores_equal_the_single_process_pipeline(run, tiny, method):
     cfg = oar.OARConfig.from_json(r["config"])
     # the workers cap the config's activation budget by verl's own old-log-prob budget: micro-batches of
     # log_prob_micro_batch_size_per_gpu sequences of the request's width (_verl_cpu.actor_config)
-    req, _ = verl_workers.scores_request(_rows(run, tok), cfg, r["seq"], 2)
+    req, _ = dispatch.scores_request(_rows(run, tok), cfg, r["seq"], 2)
     width = req["oar_prompt_ids"].shape[1] + req["oar_responses"].shape[1]  # what the workers were sent
     from oar.attribution import as_probe_model
 
@@ -97,7 +98,7 @@ def test_worker_scores_equal_the_single_process_pipeline(run, tiny, method):
     assert r["memory_budget_mb"] == min(cfg.memory_budget_mb, derived)
     cfg = oar.OARConfig.from_json(json.dumps(dict(json.loads(r["config"]), memory_budget_mb=r["memory_budget_mb"])))
     rows = _rows(run, tok)
-    req, active = verl_workers.scores_request(rows, cfg, r["seq"], 2)
+    req, active = dispatch.scores_request(rows, cfg, r["seq"], 2)
     assert req.batch_size[0] == 4 and len(active) == 3
     ranks = r["ranks"]
     assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0
@@ -106,7 +107,7 @@ def test_worker_scores_equal_the_single_process_pipeline(run, tiny, method):
     got[:3] = r["scores"][active]
     for k in range(2):
         chunk = req[2 * k: 2 * k + 2]
-        batch = verl_workers._request_batch(chunk)
+        batch = dispatch.request_batch(chunk)
         alone = Pipeline(cfg, tok).scores(batch, model)
         exact = pipeline_scores_estimate(cfg, tok, batch, model)  # rule 1: float64 scores, float32 error estimate
         n = 2 if k == 0 else 1
@@ -211,16 +212,16 @@ def test_legacy_init_workers_wrapper_records_the_actor_group():
         seen["cls"] = self.role_worker_mapping[Role.ActorRollout].__ray_actor_class__
         self.actor_rollout_wg = "the group"
 
-    wrapped = oar_verl._wrap_init_workers(orig)
+    wrapped = verl_workers.wrap_init_workers(orig)
     for est, cls in (("grpo", ActorRolloutRefWorker), ("oar_p", verl_workers.OARActorRolloutRefWorker)):
         me = types.SimpleNamespace(config=OmegaConf.create({"algorithm": {"adv_estimator": est}}),
                                    role_worker_mapping={Role.ActorRollout: ray.remote(ActorRolloutRefWorker)})
-        oar_verl._STATE["workers"] = None
+        context.set_trainer_scorer(None)
         wrapped(me)
         assert seen["cls"] is cls
-        got = oar_verl._STATE["workers"]
+        got = context.trainer_scorer()
         assert (got is None) if est == "grpo" else (got.worker_group == "the group")
-    oar_verl._STATE["workers"] = None
+    context.set_trainer_scorer(None)
 
 
 def test_request_layout_and_padding(tiny):
@@ -232,9 +233,9 @@ def test_request_layout_and_padding(tiny):
     rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_p"))
     seq = torch.tensor([0.0, 1.0, 0.0, -1.0, 0.5, 0.0, 0.0, 2.0])
     for dp in (1, 2, 3, 4):
-        req, active = verl_workers.scores_request(rows, oar.OARConfig(method="oar_p"), seq, dp)
+        req, active = dispatch.scores_request(rows, oar.OARConfig(method="oar_p"), seq, dp)
         assert active == [1, 3, 4, 7] and req.batch_size[0] % dp == 0 and req.batch_size[0] >= 4
-        b = verl_workers._request_batch(req)
+        b = dispatch.request_batch(req)
         assert (b.sequence_advantages[4:] == 0).all()
         for k, i in enumerate(active):
             assert torch.equal(b.prompt_ids[k], rows["prompt_ids"][i])
@@ -318,9 +319,9 @@ def test_request_bad_input(tiny):
 
     rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
     with pytest.raises(ValueError, match="at least one row with a non-zero sequence advantage"):
-        verl_workers.scores_request(rows, oar.OARConfig(method="oar_g"), torch.zeros(8), 2)
+        dispatch.scores_request(rows, oar.OARConfig(method="oar_g"), torch.zeros(8), 2)
     with pytest.raises(ValueError, match="dp_size must be an int >= 1, got 0"):
-        verl_workers.scores_request(rows, oar.OARConfig(method="oar_g"), torch.ones(8), 0)
+        dispatch.scores_request(rows, oar.OARConfig(method="oar_g"), torch.ones(8), 0)
 
 
 def test_group_without_the_method_is_a_clear_error(tiny):
@@ -329,4 +330,4 @@ def test_group_without_the_method_is_a_clear_error(tiny):
 
     rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
     with pytest.raises(AttributeError, match="no oar_scores method: run the actor role on"):
-        verl_workers.group_scores(object(), rows, oar.OARConfig(method="oar_g"), torch.ones(8))
+        dispatch.group_scores(object(), rows, oar.OARConfig(method="oar_g"), torch.ones(8))

@@ -31,7 +31,8 @@ import oar  # noqa: E402
 from oar.integrations import verl as oar_verl  # noqa: E402
 
 oar_verl.register()
-from oar.integrations import verl_workers  # noqa: E402
+from oar.integrations.verl import context  # noqa: E402
+from oar.integrations.verl import workers as verl_workers  # noqa: E402
 from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
 
 N = 4  # rollouts per prompt
@@ -260,7 +261,7 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
                                              ranks=wg.count_forwards(), **scorer.last_info)
             # the legacy trainer: init_workers' wrapper records the actor worker group for the estimator
             oar_verl.configure(config("oar_g"))
-            oar_verl._STATE["workers"] = oar_verl.WorkerGroupScorer(wg)
+            context.set_trainer_scorer(oar_verl.WorkerGroupScorer(wg))
             captured = {}
             orig = oar_verl.WorkerGroupScorer.__call__
 
@@ -275,7 +276,7 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
                                                     norm_adv_by_std_in_grpo=True)
             finally:
                 oar_verl.WorkerGroupScorer.__call__ = orig
-                oar_verl._STATE["workers"] = None
+                context.set_trainer_scorer(None)
             out["legacy"] = dict(advantages=res.batch["advantages"].clone(), **captured)
             out["v1"] = v1_step(wg, rows, "oar_g")
             out["v1_ranks"] = wg.count_forwards()

@@ -55,17 +55,3 @@ def config_from_env(method: str | None = None):
         obj = dict(obj, method=method)
     return OARConfig.from_json(json.dumps(obj))
 
-
-def token_budget_mb(probe_model, tokens: int, width: int) -> int:
-    """The memory (MiB, >= 1) a trainer budgets for ``tokens`` tokens of one inference forward over contexts of
-    ``width`` tokens: ``tokens x (probe_model.activation_bytes_per_token(width) + 4 x vocab_size)`` (activations
-    plus float32 logits). Adapters cap OAR's chunk budget with it (``Pipeline.memory_budget_cap_mb``): the trainer
-    sized its own log-prob micro-batches to fit next to what the device already holds (parameters, optimizer
-    state, a colocated vLLM), so OAR's chunks fit there too.
-
-    Args:
-        probe_model: the policy as an ``oar.attribution.ProbeModel``.
-        tokens: the trainer's token budget per forward (> 0). width: the longest context (> 0).
-    """
-    per_token = int(probe_model.activation_bytes_per_token(int(width))) + 4 * int(probe_model.vocab_size)
-    return max(1, int(tokens) * per_token // 2**20)

@@ -10,7 +10,7 @@ them elementwise.
 
 Requirements, checked with a clear error: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be
 mixed into the returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in
-:data:`SUPPORTED_ESTIMATORS`; method ``dr_grpo`` with estimator ``dr_grpo``.
+:data:`SUPPORTED_ADVANTAGE_ESTIMATORS`; method ``dr_grpo`` with estimator ``dr_grpo``.
 
 The experience maker lives in the ``PPOTrainer`` Ray actor, not in the driver. :func:`launch` (``python -m
 oar.integrations.openrlhf <train_ppo_ray arguments>``) therefore runs OpenRLHF's ``train_ppo_ray`` with
@@ -27,6 +27,7 @@ causal LM or an :class:`oar.attribution.ProbeModel`; it also replaces the actor 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -34,14 +35,21 @@ from typing import Any
 
 import torch
 
+from oar import pipeline_cache
 from oar.integrations._common import CONFIG_ENV, config_from_env
-from oar.pipeline import Pipeline, RolloutBatch, method_spec
+from oar.integrations._worker_scoring import score_chunk, split_rows, trainer_budget_mb
+from oar.batch import RolloutBatch
+from oar.methods import method_spec
+from oar.pipeline import Pipeline
 from oar.schema import OARConfig
 
 SUPPORTED_OPENRLHF = ("0.11.2",)
-#: OpenRLHF estimators whose advantages are one value per response (what OAR reshapes).
-SUPPORTED_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
-_STATE: dict[str, Any] = {"config": None, "model": None, "original": None, "pipelines": {}}
+#: OpenRLHF advantage estimators (``--algo.advantage.estimator``) whose advantages are one value per response (what
+#: OAR reshapes).
+SUPPORTED_ADVANTAGE_ESTIMATORS = ("group_norm", "dr_grpo", "rloo")
+_STATE: dict[str, Any] = {"config": None, "model": None, "original": None}
+#: Cache scope (:func:`oar.pipeline_cache.pipeline_for`) of this process's pipelines, emptied by :func:`install`.
+PIPELINE_SCOPE = "oar.integrations.openrlhf"
 
 
 def _experience_maker_cls():
@@ -88,7 +96,8 @@ def install(config=None, *, model=None) -> None:
     current = cls.compute_advantages_and_returns
     original = getattr(current, "__oar_original__", current)
     _check_signature(original)
-    _STATE.update(config=config, model=model, original=original, pipelines={})
+    _STATE.update(config=config, model=model, original=original)
+    pipeline_cache.clear(PIPELINE_SCOPE)
     _attach_actor_method()
     if not getattr(current, "__oar_original__", None):
         def compute_advantages_and_returns(self, experiences):
@@ -117,12 +126,7 @@ def _pipeline(config, tokenizer) -> Pipeline:
     """This process's pipeline of (``config``, ``tokenizer``), cached for the process's lifetime so that random draws
     advance from step to step. The tokenizer is keyed by what identifies it, not by object: a policy actor receives
     it unpickled with every request."""
-    ident = None if tokenizer is None else (getattr(tokenizer, "name_or_path", None), len(tokenizer),
-                                            type(tokenizer).__name__)
-    key = (config.to_json(), ident)
-    if key not in _STATE["pipelines"]:
-        _STATE["pipelines"][key] = Pipeline(config, tokenizer)
-    return _STATE["pipelines"][key]
+    return pipeline_cache.pipeline_for(config, tokenizer, scope=PIPELINE_SCOPE, by_name=True)
 
 
 def _compute(self, experiences):
@@ -141,9 +145,9 @@ def _compute(self, experiences):
         raise ValueError("OAR needs the KL term as a loss (--algo.kl.use_loss) or a zero KL coefficient: otherwise "
                          f"per-token KL (coefficient {kl_value}) is mixed into the returns that become advantages")
     estimator = args.algo.advantage.estimator
-    if estimator not in SUPPORTED_ESTIMATORS:
+    if estimator not in SUPPORTED_ADVANTAGE_ESTIMATORS:
         raise ValueError(f"OAR reshapes one advantage per response: --algo.advantage.estimator must be one of "
-                         f"{SUPPORTED_ESTIMATORS}, got {estimator!r}")
+                         f"{SUPPORTED_ADVANTAGE_ESTIMATORS}, got {estimator!r}")
     if cfg.advantages.estimator == "dr_grpo" and estimator != "dr_grpo":
         raise ValueError(f"oar estimator 'dr_grpo' (method {method!r}) needs --algo.advantage.estimator dr_grpo, got "
                          f"{estimator!r}")
@@ -226,8 +230,8 @@ def _sub_batch(batch: RolloutBatch, lo: int, hi: int) -> RolloutBatch:
 def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of ``batch`` computed on OpenRLHF's policy actor group: contiguous row chunks, one per data-parallel
     actor (ring-attention / tensor-parallel duplicates get the same chunk, as in OpenRLHF's own dispatch), each
-    chunk one call of :func:`actor_scores` on its actor. Returns ((B, C) float32 scores, (B, C) bool reasoning
-    mask) on the CPU.
+    chunk one call of :func:`actor_scores` on its actor (:func:`oar.integrations._worker_scoring.split_rows`).
+    Returns ((B, C) float32 scores, (B, C) bool reasoning mask) on the CPU.
 
     Raises:
         ValueError: fewer rows than data-parallel actors.
@@ -240,12 +244,15 @@ def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[tor
     B = batch.batch_size
     if B < actors:
         raise ValueError(f"oar: {B} responses cannot be split over {actors} data-parallel policy actors")
-    bounds = [round(k * B / actors) for k in range(actors + 1)]
+    adv = batch.sequence_advantages if batch.sequence_advantages is not None else torch.zeros(B)
+    split = split_rows(adv, actors, only_scored=False)
+    bounds = split.bounds
     requests = [dict(config=cfg.to_json(), tokenizer=tokenizer, batch=_sub_batch(batch, bounds[k], bounds[k + 1]))
                 for k in range(actors)]
     refs = maker.actor_model_group.async_run_method_batch(method_name=ACTOR_METHOD, request=requests)
     results = [r for per_actor in ray.get(refs)[::dup] for r in per_actor]
-    return torch.cat([r["scores"] for r in results]), torch.cat([r["reasoning_mask"] for r in results])
+    return (split.place(torch.cat([r["scores"] for r in results]), B, torch.float32),
+            split.place(torch.cat([r["reasoning_mask"] for r in results]), B, torch.bool))
 
 
 def actor_scores(self, request: dict) -> dict:
@@ -265,46 +272,44 @@ def actor_scores(self, request: dict) -> dict:
     Returns:
         ``{"scores": (b, C) float32, "reasoning_mask": (b, C) bool}`` on the CPU (rows with advantage 0 unscored).
     """
-
-    cfg = OARConfig.from_json(request["config"])
-    pipe = _pipeline(cfg, request["tokenizer"])
     actor = self.actor
     inner = getattr(actor, "model", actor)
     policy = getattr(inner, "module", inner)  # DeepSpeedEngine -> the Hugging Face model
-    pipe.memory_budget_cap_mb = _token_budget_cap(getattr(getattr(self, "strategy", None), "args", None), policy,
-                                                  request["batch"])
-    was_training = actor.training
-    actor.eval()
-    try:
-        with torch.enable_grad():
-            res = pipe.scores(request["batch"], policy)
-    finally:
-        if was_training:
-            actor.train()
-    return {"scores": res.scores.detach().float().cpu(), "reasoning_mask": res.reasoning_mask.detach().bool().cpu()}
+
+    @contextlib.contextmanager
+    def eval_mode():
+        was_training = actor.training
+        actor.eval()
+        try:
+            yield
+        finally:
+            if was_training:
+                actor.train()
+
+    cap = _token_budget_cap(getattr(getattr(self, "strategy", None), "args", None), policy, request["batch"])
+    res = score_chunk(request["config"], request["tokenizer"], request["batch"], policy, budget_cap_mb=cap,
+                      eval_mode=eval_mode, scope=PIPELINE_SCOPE, by_name=True)
+    return {"scores": res.scores, "reasoning_mask": res.reasoning_mask}
 
 
 def _token_budget_cap(args, policy, batch: RolloutBatch) -> int | None:
-    """Cap (MiB) of OAR's chunk budget from OpenRLHF's own forward budget (:func:`oar.integrations._common.
-    token_budget_mb`): ``--rollout.max_tokens_per_gpu`` tokens with ``--train.dynamic_batch_enable``, else
+    """Cap (MiB) of OAR's chunk budget from OpenRLHF's own forward budget (:func:`oar.integrations._worker_scoring.
+    trainer_budget_mb`): ``--rollout.max_tokens_per_gpu`` tokens with ``--train.dynamic_batch_enable``, else
     ``--rollout.micro_batch_size`` sequences of the chunk's longest context. None without those arguments (or a
     chunk with no rows)."""
     from oar.attribution import as_probe_model
-    from oar.integrations._common import token_budget_mb
 
     rollout = getattr(args, "rollout", None)
     if rollout is None or batch.batch_size == 0:
         return None
     P = max((len(p) for p in batch.prompt_ids), default=0) if batch.prompt_ids is not None else 0
     width = P + int(batch.completion_ids.shape[1])
-    if bool(getattr(getattr(args, "train", None), "dynamic_batch_enable", False)) and \
-            getattr(rollout, "max_tokens_per_gpu", None):
-        tokens = int(rollout.max_tokens_per_gpu)
-    elif getattr(rollout, "micro_batch_size", None):
-        tokens = int(rollout.micro_batch_size) * width
-    else:
+    if not getattr(rollout, "max_tokens_per_gpu", None) and not getattr(rollout, "micro_batch_size", None):
         return None
-    return token_budget_mb(as_probe_model(policy), tokens, max(1, width))
+    return trainer_budget_mb(as_probe_model(policy), max(1, width),
+                             dynamic=bool(getattr(getattr(args, "train", None), "dynamic_batch_enable", False)),
+                             max_tokens=getattr(rollout, "max_tokens_per_gpu", None),
+                             micro_batch_size=getattr(rollout, "micro_batch_size", None))
 
 
 def _attach_actor_method() -> bool:

@@ -33,7 +33,8 @@ import warnings
 
 import torch
 
-from oar.pipeline import Pipeline, RolloutBatch
+from oar.batch import RolloutBatch
+from oar.pipeline import Pipeline
 from oar.schema import OARConfig
 
 #: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
@@ -76,7 +77,7 @@ def check_trl_features(trainer_cls) -> None:
 def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
     """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for the methods
     that read reference answers, that a dataset with known columns has the answer column."""
-    from oar.pipeline import method_spec
+    from oar.methods import method_spec
 
     if oar_config is not None and not isinstance(oar_config, OARConfig):
         raise ValueError(f"oar_config must be an oar.OARConfig or None, got {type(oar_config).__name__} "

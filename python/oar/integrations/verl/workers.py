@@ -2,155 +2,44 @@
 
 Tested against verl 0.9.1 (``verl/workers/engine_workers.py``, ``verl/trainer/ppo/v1/trainer_base.py``,
 ``verl/trainer/ppo/ray_trainer.py``). Importing this module imports verl; :func:`oar.integrations.verl.register`
-imports it (opt-in, see docs/trainers/verl.md), nothing else does.
+imports it (opt-in, see docs/trainers/verl.md), nothing else in oar does.
 
 * :class:`OARWorkerMixin` adds one worker method, ``oar_scores``, registered with verl's own dispatch
   (``make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")``, like ``compute_log_prob``): the driver's
-  ``TensorDict`` of rows is split into one chunk per data-parallel rank, each rank scores its chunk with the
-  policy as verl's FSDP / FSDP2 engine holds it (inside the engine's ``eval_mode``: parameters reloaded if
-  offloaded, the root resharded after), and the chunks come back concatenated. The forward gate keeps the number of
-  policy forwards equal on every rank of the data-parallel group (FSDP gathers parameters in every forward).
-  :class:`OARActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker`` with the mixin.
+  ``TensorDict`` of rows (:func:`oar.integrations.verl.dispatch.scores_request`) is split into one chunk per
+  data-parallel rank, each rank scores its chunk with the policy as verl's FSDP / FSDP2 engine holds it (inside
+  the engine's ``eval_mode``: parameters reloaded if offloaded, the root resharded after;
+  :func:`oar.integrations._worker_scoring.score_chunk`), and the chunks come back concatenated. The forward gate
+  keeps the number of policy forwards equal on every rank of the data-parallel group (FSDP gathers parameters in
+  every forward). :class:`OARActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker`` with the mixin.
 * :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on
   :class:`OARActorRolloutRefWorker` and, in ``_compute_advantage``, hands the OAR estimator the rollouts (read from
-  the transfer queue) and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group. One
-  trainer is registered per verl trainer mode: ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
-* :func:`use_oar_workers` swaps verl's worker class in a trainer's ``role_worker_mapping`` (the legacy
-  ``RayPPOTrainer.init_workers`` wrapper of :func:`oar.integrations.verl.register` calls it).
+  the transfer queue) and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group
+  (:func:`oar.integrations.verl.context.advantage_call`). One trainer is registered per verl trainer mode:
+  ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
+* :func:`wrap_init_workers` makes the legacy ``RayPPOTrainer.init_workers`` run the actor role on
+  :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`) and record its worker-group scorer.
 
 Refused with a clear error until supported: Ulysses sequence parallelism > 1 and the Megatron engine.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar.pipeline import Pipeline, RolloutBatch
-from oar.schema import OARConfig
+from oar.integrations._worker_scoring import score_chunk, trainer_budget_mb
+from oar.integrations.verl import context
+from oar.integrations.verl.dispatch import WorkerGroupScorer, request_batch
+from oar.integrations.verl.estimators import ADV_ESTIMATORS, estimator_config
 
 #: The actor roles whose worker computes the scores (verl's ``Role`` values as strings).
 ACTOR_ROLES = ("actor", "actor_rollout", "actor_rollout_ref")
-#: Keys of the request ``TensorDict`` (one row per rollout) and of the reply.
-REQUEST_KEYS = ("oar_prompt_ids", "oar_prompt_lengths", "oar_responses", "oar_completion_mask", "oar_eligible_mask",
-                "oar_sequence_advantages")
-_PIPELINES: dict[str, Pipeline] = {}
-
-
-def _dp_size(worker_group) -> int:
-    """Data-parallel size of the worker group's ``actor`` mesh, as verl's own dispatch computes it."""
-    info = worker_group._dispatch_info
-    if "actor" not in info:
-        info["actor"] = worker_group._query_dispatch_info("actor")
-    return max(info["actor"]) + 1
-
-
-def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_size: int) -> tuple[TensorDict, list[int]]:
-    """The ``oar_scores`` request: the rows with a non-zero sequence advantage, padded to a multiple of ``dp_size``.
-
-    Args:
-        rows: :func:`oar.integrations.verl.rollout_rows` of the batch (B rows, responses (B, R)).
-        config: ``oar.OARConfig`` (sent as JSON: the workers score with the driver's method and settings).
-        sequence_advantages: (B,) real.
-        dp_size: data-parallel size of the actor mesh (>= 1).
-
-    Raises:
-        ValueError: no row with a non-zero advantage; ``dp_size`` not an int >= 1.
-
-    Returns:
-        ``(request, active)``: a ``TensorDict`` of n = ceil(len(active) / dp_size) * dp_size rows (the padding rows
-        repeat the first active row with advantage 0, so they are not scored) with :data:`REQUEST_KEYS`, the
-        answers (``oar_answers``, str) when the method needs them and the config (``oar_config``); ``active``, the
-        batch rows of the first len(active) request rows. Contiguous chunks go to the ranks (verl's dispatch).
-    """
-    from verl.utils import tensordict_utils as tu
-
-    adv = sequence_advantages.detach().float().cpu().reshape(-1)
-    active = [i for i in range(adv.numel()) if float(adv[i]) != 0.0]
-    if not active:
-        raise ValueError("scores_request needs at least one row with a non-zero sequence advantage (group_scores "
-                         "sends nothing otherwise)")
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    n = -(-len(active) // dp_size) * dp_size
-    pick = active + [active[0]] * (n - len(active))
-    lengths = torch.tensor([int(rows["prompt_ids"][i].numel()) for i in pick], dtype=torch.int64)
-    P = max(1, int(lengths.max()))
-    prompts = torch.zeros((n, P), dtype=torch.int64)
-    for k, i in enumerate(pick):
-        prompts[k, : lengths[k]] = rows["prompt_ids"][i].to(torch.int64)
-    seq = adv[pick].clone()
-    seq[len(active):] = 0.0
-    idx = torch.tensor(pick, dtype=torch.int64)
-    td = TensorDict({"oar_prompt_ids": prompts, "oar_prompt_lengths": lengths,
-                     "oar_responses": rows["responses"][idx].to(torch.int64),
-                     "oar_completion_mask": rows["completion_mask"][idx].bool(),
-                     "oar_eligible_mask": rows["eligible_mask"][idx].bool(), "oar_sequence_advantages": seq},
-                    batch_size=[n])
-    if rows["answers"] is not None:
-        td["oar_answers"] = NonTensorStack(*[rows["answers"][i] for i in pick])
-    tu.assign_non_tensor(td, oar_config=config.to_json())
-    return td, active
-
-
-def group_scores(worker_group, rows: dict, config, sequence_advantages: torch.Tensor,
-                 info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of ``rows`` computed by ``worker_group.oar_scores`` (see :class:`oar.integrations.verl.WorkerGroupScorer`).
-    ``info`` (optional dict) receives ``memory_budget_mb``: the budget the workers ran with (the config's, capped
-    by the trainer's own, :func:`trainer_memory_budget_mb`), None when nothing was sent.
-
-    Returns:
-        ``(scores (B, R) float32, reasoning_mask (B, R) bool)`` on the CPU; rows with advantage 0 are 0 / False.
-
-    Raises:
-        AttributeError: the worker group has no ``oar_scores`` (workers without :class:`OARWorkerMixin`).
-        RuntimeError: a reply of another shape than the request's.
-    """
-    B, R = rows["responses"].shape
-    scores = torch.zeros((B, R), dtype=torch.float32)
-    reasoning = torch.zeros((B, R), dtype=torch.bool)
-    if not hasattr(worker_group, "oar_scores"):
-        raise AttributeError("the actor worker group has no oar_scores method: run the actor role on "
-                             "oar.integrations.verl_workers.OARActorRolloutRefWorker (the OAR trainers do) or mix "
-                             "OARWorkerMixin into your worker class")
-    if not any(float(a) != 0.0 for a in sequence_advantages.reshape(-1)):
-        return scores, reasoning
-    td, active = scores_request(rows, config, sequence_advantages, _dp_size(worker_group))
-    out = worker_group.oar_scores(td)
-    if info is not None:
-        from verl.utils import tensordict_utils as tu
-
-        budget = tu.get(out, "oar_memory_budget_mb", default=None)
-        info["memory_budget_mb"] = max(budget) if isinstance(budget, (list, tuple)) else budget
-    got, mask = out["oar_scores"], out["oar_reasoning_mask"]
-    if tuple(got.shape) != (td.batch_size[0], R) or tuple(mask.shape) != tuple(got.shape):
-        raise RuntimeError(f"oar_scores replied {tuple(got.shape)} scores for a ({td.batch_size[0]}, {R}) request")
-    idx = torch.tensor(active, dtype=torch.int64)
-    scores[idx] = got[: len(active)].float().cpu()
-    reasoning[idx] = mask[: len(active)].bool().cpu()
-    return scores, reasoning
-
-
-def _request_batch(data: TensorDict) -> RolloutBatch:
-    """The :class:`RolloutBatch` of one rank's chunk of a :func:`scores_request`."""
-    lengths = data["oar_prompt_lengths"].tolist()
-    prompts = [row[:n] for row, n in zip(data["oar_prompt_ids"], lengths)]
-    answers = data["oar_answers"].tolist() if "oar_answers" in data.keys() else None
-    return RolloutBatch(data["oar_responses"].cpu(), data["oar_completion_mask"].bool().cpu(), prompt_ids=prompts,
-                        eligible_mask=data["oar_eligible_mask"].bool().cpu(), answers=answers,
-                        sequence_advantages=data["oar_sequence_advantages"].float().cpu())
-
-
-def _pipeline(config_json: str, tokenizer) -> Pipeline:
-    """This worker's pipeline of a config (cached: OAR-G's noise draws advance from step to step; every rank
-    draws the same sequence, so ranks given the same rows agree)."""
-    if config_json not in _PIPELINES:
-        _PIPELINES[config_json] = Pipeline(OARConfig.from_json(config_json), tokenizer)
-    return _PIPELINES[config_json]
 
 
 def worker_scores(worker, data: TensorDict) -> TensorDict:
@@ -158,7 +47,8 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
 
     Args:
         worker: verl ``ActorRolloutRefWorker`` with an actor (``worker.actor.engine``: FSDP / FSDP2 engine).
-        data: this rank's chunk of a :func:`scores_request` (n rows, responses (n, R)).
+        data: this rank's chunk of a :func:`oar.integrations.verl.dispatch.scores_request` (n rows, responses
+            (n, R)).
 
     Returns:
         ``TensorDict`` of n rows: ``oar_scores`` (n, R) float32 and ``oar_reasoning_mask`` (n, R) bool, on the CPU.
@@ -184,22 +74,20 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
                                   f"(actor ulysses_sequence_parallel_size={sp}); set it to 1")
     from oar.attribution import as_probe_model
 
-    pipe = _pipeline(tu.get(data, "oar_config"), actor.model_config.tokenizer)
-    batch = _request_batch(data)
+    batch = request_batch(data)
     width = int(data["oar_prompt_ids"].shape[1] + data["oar_responses"].shape[1])
-    pipe.memory_budget_cap_mb = trainer_memory_budget_mb(engine, as_probe_model(engine.module), width)
-    with engine.eval_mode(), torch.enable_grad():
-        res = pipe.scores(batch, engine.module)
-    n = batch.batch_size
-    out = TensorDict({"oar_scores": res.scores.detach().float().cpu(),
-                      "oar_reasoning_mask": res.reasoning_mask.detach().bool().cpu()}, batch_size=[n])
-    tu.assign_non_tensor(out, oar_memory_budget_mb=int(pipe.memory_budget_mb))
+    res = score_chunk(tu.get(data, "oar_config"), actor.model_config.tokenizer, batch, engine.module,
+                      budget_cap_mb=trainer_memory_budget_mb(engine, as_probe_model(engine.module), width),
+                      eval_mode=engine.eval_mode)
+    out = TensorDict({"oar_scores": res.scores, "oar_reasoning_mask": res.reasoning_mask},
+                     batch_size=[batch.batch_size])
+    tu.assign_non_tensor(out, oar_memory_budget_mb=res.memory_budget_mb)
     return out
 
 
 def trainer_memory_budget_mb(engine, probe_model, width: int) -> int | None:
     """The activation memory (MiB, >= 1) verl lets one rank's old-log-prob pass use
-    (:func:`oar.integrations._common.token_budget_mb` of its token budget): ``infer_max_token_len_per_gpu``
+    (:func:`oar.integrations._worker_scoring.trainer_budget_mb` of its token budget): ``infer_max_token_len_per_gpu``
     tokens with dynamic batch size, else ``infer_micro_batch_size_per_gpu`` sequences of ``width`` tokens. The
     workers cap the config's ``memory_budget_mb`` with it.
 
@@ -212,18 +100,12 @@ def trainer_memory_budget_mb(engine, probe_model, width: int) -> int | None:
     Returns:
         The budget in MiB, or None when the engine states no token budget.
     """
-    from oar.integrations._common import token_budget_mb
-
     ec = getattr(engine, "engine_config", None)
     if ec is None:
         return None
-    if getattr(ec, "use_dynamic_bsz", False) and getattr(ec, "infer_max_token_len_per_gpu", None):
-        tokens = int(ec.infer_max_token_len_per_gpu)
-    elif getattr(ec, "infer_micro_batch_size_per_gpu", None):
-        tokens = int(ec.infer_micro_batch_size_per_gpu) * int(width)
-    else:
-        return None
-    return token_budget_mb(probe_model, tokens, width)
+    return trainer_budget_mb(probe_model, width, dynamic=bool(getattr(ec, "use_dynamic_bsz", False)),
+                             max_tokens=getattr(ec, "infer_max_token_len_per_gpu", None),
+                             micro_batch_size=getattr(ec, "infer_micro_batch_size_per_gpu", None))
 
 
 class OARWorkerMixin:
@@ -270,6 +152,29 @@ def use_oar_workers(role_worker_mapping: dict) -> bool:
     return ok
 
 
+def wrap_init_workers(orig):
+    """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: the actor role runs on
+    :class:`OARActorRolloutRefWorker`, and the estimator gets a :class:`oar.integrations.verl.WorkerGroupScorer` of
+    the trainer's actor worker group (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent:
+    returns ``orig`` when it is already wrapped."""
+    if getattr(orig, "__oar_wrapped__", False):
+        return orig
+
+    @functools.wraps(orig)
+    def init_workers(self, *args, **kwargs):
+        name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
+        if name not in ADV_ESTIMATORS:
+            return orig(self, *args, **kwargs)
+        has_method = use_oar_workers(self.role_worker_mapping)
+        out = orig(self, *args, **kwargs)
+        if has_method:
+            context.set_trainer_scorer(WorkerGroupScorer(self.actor_rollout_wg))
+        return out
+
+    init_workers.__oar_wrapped__ = True
+    return init_workers
+
+
 def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
     """verl's padded ``DataProto`` layout (prompts left-padded, responses right-padded, attention mask) of the
     v1 trainer's rollouts, read from the transfer queue's per-row (nested) ``prompts`` / ``responses`` /
@@ -312,8 +217,8 @@ class OARTrainerMixin:
     """verl v1 trainer extension (``trainer.v1.trainer_mode=oar_sync``, ...): OAR scores on the actor workers.
 
     * ``_init_resource_pool_mgr``: the actor role runs on :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`).
-    * ``_compute_advantage``: for an OAR estimator (``algorithm.adv_estimator`` in
-      :data:`oar.integrations.verl.ESTIMATORS`), reads the rollouts of the batch from the transfer queue (prompts,
+    * ``_compute_advantage``: for an OAR advantage estimator (``algorithm.adv_estimator`` in
+      :data:`oar.integrations.verl.ADV_ESTIMATORS`), reads the rollouts of the batch from the transfer queue (prompts,
       responses, response mask and, for ``oar_p`` / ``oar_g``, the answers under ``reward_model``) and runs verl's
       own ``_compute_advantage`` with them and a :class:`oar.integrations.verl.WorkerGroupScorer` of the actor
       worker group visible to the estimator. The old log-probs were computed before (the behaviour policy); the
@@ -328,17 +233,15 @@ class OARTrainerMixin:
         use_oar_workers(self.role_worker_mapping)
 
     def _compute_advantage(self, batch, metrics: dict):
-        from oar.integrations import verl as oar_verl
-
         name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
-        if name not in oar_verl.ESTIMATORS:
+        if name not in ADV_ESTIMATORS:
             return super()._compute_advantage(batch, metrics)
         import transfer_queue as tq
 
-        from oar.pipeline import method_spec
+        from oar.methods import method_spec
 
         select = ["prompts", "responses", "response_mask"]
-        spec = method_spec(oar_verl.estimator_config(name).method)
+        spec = method_spec(estimator_config(name).method)
         if spec.needs_answers:
             select.append(self.oar_answer_key[0])
         if spec.credit == "add" and spec.needs_model:  # entropy / entropy_shaping: verl's own entropies
@@ -350,13 +253,9 @@ class OARTrainerMixin:
                              f"(the reference answers are read from the dataset field {self.oar_answer_key[0]!r}"
                              f"[{self.oar_answer_key[1]!r}]): {e}") from e
         rollouts = _v1_rollouts(fields, self.oar_answer_key)
-        scorer = oar_verl.WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
-        tokens = (oar_verl._EXTRA.set(rollouts), oar_verl._WORKERS.set(scorer))
-        try:
+        scorer = WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
+        with context.advantage_call(rollouts=rollouts, scorer=scorer):
             return super()._compute_advantage(batch, metrics)
-        finally:
-            oar_verl._WORKERS.reset(tokens[1])
-            oar_verl._EXTRA.reset(tokens[0])
 
 
 def register_trainers() -> list[str]:

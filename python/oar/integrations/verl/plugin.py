@@ -1,4 +1,4 @@
-"""Entry point of the ``verl.plugins`` group (pyproject: ``oar = "oar.integrations.verl_plugin"``), opt-in.
+"""Entry point of the ``verl.plugins`` group (pyproject: ``oar = "oar.integrations.verl.plugin"``), opt-in.
 
 verl imports every ``verl.plugins`` entry point at the end of ``import verl`` (verl/__init__.py, unless
 ``VERL_USE_EXTERNAL_PLUGINS=none``). Installing oar must not change every verl run of that environment, so this

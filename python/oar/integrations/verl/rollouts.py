@@ -1,0 +1,101 @@
+"""verl's padded rollout layout (docs/trainers/verl.md): the rollouts of a ``DataProto`` as the OAR pipeline reads
+them, and per-token scores attached to one. Imports nothing of verl (it reads the ``DataProto`` it is given).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oar.methods import method_spec
+
+
+def response_masks(b, R: int, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(completion_mask, eligible_mask)``, both (B, R) bool CPU, of a verl batch ``b`` (``TensorDict`` with
+    ``attention_mask`` (B, P + R), or None): every response token (the attention mask's response part, tool
+    outputs of multi-turn rollouts included: they are part of the context) and the tokens that carry the loss
+    (``response_mask`` (B, R) 0/1, which excludes tool outputs)."""
+    eligible = response_mask.detach().bool().cpu()
+    attn = b["attention_mask"] if b is not None and "attention_mask" in b.keys() else None
+    completion = attn[:, -R:].detach().bool().cpu() | eligible if attn is not None else eligible
+    return completion, eligible
+
+
+def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> None:
+    """Attaches per-token importance scores to a verl ``DataProto`` (``batch["oar_scores"]``, ``["oar_reasoning_mask"]``).
+
+    Args:
+        data: ``verl.DataProto`` with ``batch["responses"]`` (B, R).
+        scores: (B, R) real, >= 0 on the reasoning mask (raw importance; normalized by the reshaping).
+        reasoning_mask: (B, R) bool, the scored reasoning tokens.
+
+    Raises:
+        ValueError: shapes that are not the responses' (B, R), tensors on the meta device, complex or bool
+            scores, a reasoning_mask that is not bool or 0/1, scores that are NaN/Inf or < 0 on the reasoning mask.
+        KeyError: ``data`` without ``batch["responses"]``.
+    """
+    batch = getattr(data, "batch", None)
+    if batch is None or "responses" not in batch.keys():
+        raise KeyError(f"data must be a verl DataProto with batch['responses'] (B, R), got {type(data).__name__}"
+                       + ("" if batch is None else f" with batch keys {sorted(batch.keys())}"))
+    shape = tuple(batch["responses"].shape)
+    for name, t in (("scores", scores), ("reasoning_mask", reasoning_mask)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (B, R) = {shape} like batch['responses'], got {got}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} must hold data, got a tensor on the meta device")
+    if scores.dtype.is_complex or scores.dtype == torch.bool:
+        raise ValueError(f"scores must be real importance values, got dtype {scores.dtype}")
+    if reasoning_mask.dtype != torch.bool and not bool(((reasoning_mask == 0) | (reasoning_mask == 1)).all()):
+        raise ValueError("reasoning_mask must be bool or 0/1, got other values")
+    rm = reasoning_mask.detach().bool()
+    s = scores.detach().float()
+    bad = rm & ~(torch.isfinite(s) & (s >= 0))
+    if bool(bad.any()):
+        i, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"scores must be finite and >= 0 on reasoning_mask, got scores[{i}, {j}] = {float(s[i, j])}")
+    data.batch["oar_scores"] = s
+    data.batch["oar_reasoning_mask"] = rm
+
+
+def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "ground_truth")) -> dict:
+    """The rollouts of a verl ``DataProto`` in verl's padded layout, as the pipeline reads them.
+
+    Args:
+        data: ``verl.DataProto`` with ``batch["prompts"]`` (B, P) left-padded, ``["responses"]`` (B, R)
+            right-padded, ``["attention_mask"]`` (B, P + R), ``["response_mask"]`` (B, R) and, for methods that need
+            reference answers, ``non_tensor_batch[answer_key[0]][i][answer_key[1]]``.
+        config: ``oar.OARConfig`` (its method decides whether answers are needed).
+
+    Returns:
+        ``{"prompt_ids": B 1-D int64 tensors (unpadded), "responses": (B, R) int64, "completion_mask": (B, R) bool,
+        "eligible_mask": (B, R) bool, "answers": B str or None}``, all on the CPU.
+
+    Raises:
+        KeyError: a missing batch key, or answers missing for ``oar_p`` / ``oar_g`` (naming the rows).
+        ValueError: no ``non_tensor_batch[answer_key[0]]`` for a method that needs answers.
+    """
+    b = data.batch
+    for key in ("prompts", "responses", "attention_mask", "response_mask"):
+        if key not in b.keys():
+            raise KeyError(f"data.batch must hold {key!r} (verl's padded rollout layout), got keys {sorted(b.keys())}")
+    responses = b["responses"].detach().cpu()
+    R = responses.shape[1]
+    completion, eligible = response_masks(b, R, b["response_mask"])
+    P = b["prompts"].shape[1]
+    pmask = b["attention_mask"][:, :P].bool().cpu()
+    prompt_ids = [row[m] for row, m in zip(b["prompts"].detach().cpu(), pmask)]
+    answers = None
+    if method_spec(config.method).needs_answers:
+        k0, k1 = answer_key
+        if k0 not in data.non_tensor_batch:
+            raise ValueError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
+                             f"[i][{k1!r}] (answer_key=... to change)")
+        raw = [x.get(k1) if isinstance(x, dict) else x for x in data.non_tensor_batch[k0]]
+        missing = [i for i, x in enumerate(raw) if x is None]
+        if missing:
+            raise KeyError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
+                           f"[i][{k1!r}]; rows {missing[:5]} have none (answer_key=... to change)")
+        answers = [str(x) for x in raw]
+    return dict(prompt_ids=prompt_ids, responses=responses, completion_mask=completion, eligible_mask=eligible,
+                answers=answers)
