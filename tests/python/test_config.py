@@ -144,3 +144,20 @@ ADAPTER_BAD_INPUT = [
 def test_adapter_config_checked_before_importing_the_trainer(fn, args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("key, names", [("method", "METHODS"), ("probe", "PROBES"), ("estimator", "ESTIMATORS"),
+                                        ("screen", "SCREENS")])
+def test_schema_names_are_the_parsers(key, names):
+    """oar.schema's name tuples are exactly what the C++ parser accepts: each one parses, and the parser's error
+    for an unknown value lists the same set."""
+    from oar import schema
+
+    want = getattr(schema, names)
+    for name in want:
+        obj = {key: name, "method": "dr_grpo"} if key == "estimator" and name == "dr_grpo" else {key: name}
+        assert json.loads(oar.OARConfig(**obj).to_json())[key] == name
+    with pytest.raises(ValueError) as err:
+        oar.OARConfig(**{key: "not_a_name"})
+    listed = set(re.findall(r'"(\w+)"', str(err.value))) - {"not_a_name"}
+    assert listed == set(want), (listed, want)

@@ -157,9 +157,9 @@ def _hook(tok, method="oar_p"):
 # (arguments of compute that replace the valid ones: prompt_ids / completion_ids / completion_mask of _hook_batch,
 # advantages [1, -1], answers ["5", "5"]; a callable builds them from the valid (prompt_ids, completion_ids),
 # exception, message regex)
-HOOK_BAD_INPUT = [
+CONTRACT_BAD_INPUT = [
     pytest.param(dict(sequence_advantages=[1.0, -1.0]), ValueError,
-                 r"sequence_advantages must be a \(B,\) tensor, got list", id="advantages_list"),
+                 r"sequence_advantages must be a \(B,\) torch.Tensor, got list", id="advantages_list"),
     pytest.param(dict(completion_ids=None), ValueError, r"completion_ids must be a \(B, C\) tensor, got NoneType",
                  id="completion_ids_none"),
     pytest.param(lambda P, ids: dict(completion_ids=ids.float()), ValueError,
@@ -186,8 +186,8 @@ HOOK_BAD_INPUT = [
 
 
 @pytest.mark.parametrize("method", ["oar_p", "oar_g"])
-@pytest.mark.parametrize("over, exc, match", HOOK_BAD_INPUT)
-def test_hook_bad_input(tiny_1layer, method, over, exc, match):
+@pytest.mark.parametrize("over, exc, match", CONTRACT_BAD_INPUT)
+def test_contract_bad_input(tiny_1layer, method, over, exc, match):
     model, tok = tiny_1layer
     P, ids, mask = _hook_batch(tok)
     h = _hook(tok, method)
@@ -199,7 +199,7 @@ def test_hook_bad_input(tiny_1layer, method, over, exc, match):
 
 
 @pytest.mark.parametrize("method", ["oar_p", "oar_g", "entropy", "random"])
-def test_hook_degenerate_batches_are_well_formed(tiny_1layer, method):
+def test_contract_degenerate_batches_are_well_formed(tiny_1layer, method):
     model, tok = tiny_1layer
     P, ids, mask = _hook_batch(tok)
     h = _hook(tok, method)

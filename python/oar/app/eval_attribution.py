@@ -29,13 +29,13 @@ import json
 import math
 import numbers
 import os
-import random as _random
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from oar.app._extras import require
+from oar.app.stats import bootstrap_mean
 
 require("train", "oar.app.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
 
@@ -155,26 +155,14 @@ def reshaped_weights_l1(a: list[float], b: list[float], cfg) -> float:
     return float((w[0] - w[1]).abs().mean())
 
 
-def bootstrap_ci(values: list[float], reps: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (resampling traces).
-
-    Returns ``(nan, nan)`` for no values (no trace to resample: summarize() reports recall NaN with 0 traces).
-    Raises ValueError for reps not an int >= 1, level outside (0, 1) or non-finite values."""
-    if isinstance(reps, bool) or not isinstance(reps, numbers.Integral) or reps < 1:
-        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
-    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
-        raise ValueError(f"level must be a real number in (0, 1), got {level!r}")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if bad:
-        raise ValueError(f"values must be finite, got {values[bad[0]]} at index {bad[0]}")
+def bootstrap_ci(values: list[float]) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of the mean over traces (:func:`oar.app.stats.bootstrap_mean`), or
+    ``(nan, nan)`` for no values (summarize() reports recall NaN with 0 traces). Raises ValueError for non-finite
+    values."""
     if not values:
         return (float("nan"), float("nan"))
-    rng = _random.Random(seed)
-    n = len(values)
-    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
-    lo = means[int((1 - level) / 2 * reps)]
-    hi = means[min(reps - 1, int((1 + level) / 2 * reps))]
-    return lo, hi
+    iv = bootstrap_mean(values, seed=0)
+    return iv.lo, iv.hi
 
 
 def _greedy_answers(model, tok, contexts: torch.Tensor, max_new: int) -> list[str]:
