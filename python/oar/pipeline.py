@@ -788,6 +788,7 @@ class Pipeline:
         """Entropy shaping and KTAE (method.md section 8): A_t = A + bonus_t, no reshaping. Returns (run, token
         advantages, scores, scored-token mask)."""
         from oar import baselines
+        from oar.attribution import policy_entropies
 
         name = self.method.name
         if name == "entropy_shaping":
@@ -802,8 +803,7 @@ class Pipeline:
                 with self._model_pass(run) as pm:
                     vocab = int(pm.vocab_size)
                     prompts = _check_token_ids(b.cids, b.cmask, b.prompt_ids, run.active, vocab)
-                    H = baselines.policy_entropies(pm, prompts, b.cids, rows,
-                                                   memory_budget_mb=self.memory_budget_mb)
+                    H = policy_entropies(pm, prompts, b.cids, rows, memory_budget_mb=self.memory_budget_mb)
                 run.stats["forward_passes"] = (run.gate.real_calls[1] if run.gate is not None
                                                else int(bool(run.active)))
             sc = torch.where(b.eligible, H, torch.zeros(()))
