@@ -12,8 +12,8 @@
 The other baselines go through the OAR reshaping and live elsewhere: ``grpo`` / ``dr_grpo`` are
 :func:`oar.ops.group_advantages` estimators, ``random`` and ``entropy`` importance are attribution engines
 (:mod:`oar.attribution`), and so are the policy entropies entropy shaping takes
-(:func:`oar.attribution.policy_entropies`). Every function here returns float32, computes in float64 where counts or
-probabilities are involved, and never returns NaN: bad input raises ``ValueError`` naming the argument.
+(:func:`oar.attribution.policy_entropies`). Every function here returns float32, computes in float64 where counts
+or probabilities are involved, and never returns NaN: bad input raises ``ValueError`` naming the argument.
 
 KTAE was re-derived from the paper and from reading the authors' released code (github.com/xiaolizh1/KTAE,
 ``compute_key_tokens.py``); nothing was copied. Choices that code makes and that we follow, marked
