@@ -5,15 +5,15 @@
   a 2x2 table (appears in correct / wrong rollouts) scored by a Fisher exact p-value and the information
   gain, signed by a Cohen's-h-like direction, squashed to (-scale, scale) and ADDED to A_i (not
   sum-preserving).
-- :func:`policy_entropies`: the full-vocabulary entropy H_t of the policy at every completion token.
 - :func:`irpo_rewards`, :func:`irpo_advantages` (Song et al., arXiv 2601.00677, as specified in method.md
   section 10): Bradley-Terry rewards of pointwise judge scores of a chosen and a rejected group.
 - :func:`fisher_exact_pvalue`, :func:`information_gain`: the KTAE statistics, exposed for tests and users.
 
 The other baselines go through the OAR reshaping and live elsewhere: ``grpo`` / ``dr_grpo`` are
 :func:`oar.ops.group_advantages` estimators, ``random`` and ``entropy`` importance are attribution engines
-(:mod:`oar.attribution`). Every function here returns float32, computes in float64 where counts or
-probabilities are involved, and never returns NaN: bad input raises ``ValueError`` naming the argument.
+(:mod:`oar.attribution`), and so are the policy entropies entropy shaping takes
+(:func:`oar.attribution.policy_entropies`). Every function here returns float32, computes in float64 where counts
+or probabilities are involved, and never returns NaN: bad input raises ``ValueError`` naming the argument.
 
 KTAE was re-derived from the paper and from reading the authors' released code (github.com/xiaolizh1/KTAE,
 ``compute_key_tokens.py``); nothing was copied. Choices that code makes and that we follow, marked
@@ -47,7 +47,6 @@ from oar.groups import resolve_groups
 
 __all__ = [
     "entropy_shaping_advantages",
-    "policy_entropies",
     "fisher_exact_pvalue",
     "information_gain",
     "ktae_token_scores",
@@ -115,85 +114,6 @@ def entropy_shaping_advantages(advantages: torch.Tensor, entropy: torch.Tensor, 
     bonus = torch.minimum(alpha * e, (a.abs() / kappa)[:, None])
     out = (a[:, None] + bonus) * m
     return _args.fits_float32("advantages", out)
-
-
-def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
-                     memory_budget_mb: int = 1024) -> torch.Tensor:
-    """Full-vocabulary entropy H_t (nats, temperature 1) of the policy at every completion token: the
-    entropy of the next-token distribution at the position that predicts completion token t.
-
-    One left-padded forward per chunk of rows (prompt + completion up to the row's last masked token), with
-    the LM head run only on the completion window; chunks keep the float32 (rows x window x vocab) logits
-    under ``memory_budget_mb``. No grad.
-
-    Args:
-        model: Hugging Face causal LM or an :class:`oar.attribution.ProbeModel`.
-        prompt_ids: B unpadded prompts (lists or 1-D integer tensors), non-empty.
-        completion_ids: (B, C) integer, right-padded completions.
-        completion_mask: (B, C) bool or 0/1; tokens after a row's last masked token are not run.
-        memory_budget_mb: int >= 1.
-
-    Returns:
-        (B, C) float32 on CPU, 0 where ``completion_mask`` is false.
-
-    Raises:
-        TypeError: ``model`` is neither a Hugging Face causal LM nor a ProbeModel (names the missing members).
-        ValueError: shapes/dtypes, an empty prompt (the first completion token has no predicting position),
-            memory_budget_mb < 1, NaN / +inf logits (-inf logits are zero-probability tokens: 0 log 0 = 0).
-    """
-    from oar.attribution import as_probe_model
-    from oar.attribution.engines import entropy_from_logits
-
-    cids = _args.tensor_arg("completion_ids", completion_ids, "(B, T)")
-    if cids.dtype.is_floating_point or cids.dtype.is_complex or cids.dtype == torch.bool:
-        raise ValueError(f"completion_ids must be an integer tensor of token ids, got dtype {cids.dtype}")
-    B, C = cids.shape
-    cmask = _args.mask_arg("completion_mask", completion_mask, "(B, T)", (B, C)).cpu()
-    cids = cids.detach().cpu().long()
-    if len(prompt_ids) != B:
-        raise ValueError(f"prompt_ids must have B = {B} entries, got {len(prompt_ids)}")
-    budget = _args.int_arg("memory_budget_mb", memory_budget_mb)
-    if budget < 1:
-        raise ValueError(f"memory_budget_mb must be >= 1, got {budget}")
-    out = torch.zeros((B, C), dtype=torch.float32)
-    rows = [i for i in range(B) if bool(cmask[i].any())]
-    if not rows:
-        return out
-    prompts = []
-    for i in range(B):
-        p = prompt_ids[i]
-        p = p.detach().cpu().long().flatten() if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.long)
-        prompts.append(p)
-    lengths = {i: int(torch.nonzero(cmask[i]).max()) + 1 for i in rows}
-    for i in rows:
-        if prompts[i].numel() == 0:
-            raise ValueError(f"prompt_ids[{i}] is empty: the first completion token has no predicting position")
-    pm = as_probe_model(model)
-    vocab = int(pm.vocab_size)
-    dev = torch.device(pm.device)
-    keep = max(lengths.values()) + 1
-    per_row = 4 * keep * vocab * 3  # logits + log-softmax + product, float32
-    chunk = max(1, (budget << 20) // max(per_row, 1))
-    with torch.no_grad():
-        for s in range(0, len(rows), chunk):
-            part = rows[s: s + chunk]
-            seqs = [torch.cat([prompts[i], cids[i, : lengths[i]]]) for i in part]
-            width = max(int(x.numel()) for x in seqs)
-            ids = torch.zeros((len(part), width), dtype=torch.long)
-            attn = torch.zeros((len(part), width), dtype=torch.long)
-            for k, x in enumerate(seqs):
-                ids[k, width - x.numel():] = x
-                attn[k, width - x.numel():] = 1
-            pos = (attn.cumsum(-1) - 1).clamp_min(0)
-            k_keep = min(keep, width)
-            logits = pm.tail_logits(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
-                                    keep=k_keep)
-            ent = entropy_from_logits(logits, "policy_entropies: the model's logits").cpu()  # (n, k_keep)
-            for k, i in enumerate(part):
-                L = lengths[i]
-                # window index of the position predicting completion token j: k_keep - L - 1 + j
-                out[i, :L] = ent[k, k_keep - L - 1: k_keep - 1]
-    return torch.where(cmask, out, torch.zeros((), dtype=torch.float32))
 
 
 # ==== KTAE ================================================================================================

@@ -9,6 +9,7 @@ import torch
 import oar
 from oar import baselines, ops, reference
 from oar.app.models import tiny_random_llama
+from oar.attribution import policy_entropies
 from _completions import completion_batch
 from _tolerance import assert_close_to_rounded, assert_within, mass_bound
 
@@ -88,7 +89,7 @@ def test_entropy_shaping_equals_baseline(tiny):
     prompts = _batch(tok)[0]
     seq = ops.group_advantages(rewards, group_size=3)
     # the pipeline runs the policy on the rows with A != 0 only: the same forwards, the same entropies
-    H = baselines.policy_entropies(model, prompts, ids, mask.bool() & (seq != 0)[:, None])
+    H = policy_entropies(model, prompts, ids, mask.bool() & (seq != 0)[:, None])
     exp = baselines.entropy_shaping_advantages(seq, H, mask, alpha=0.3, kappa=3.0)
     torch.testing.assert_close(out.advantages, exp, rtol=0, atol=0)
     assert out.metrics["oar/forward_passes"] >= 1

@@ -376,6 +376,43 @@ def test_entropy_and_random_baselines(tiny):
     assert ((rnd.scores[rnd.mask] >= 0) & (rnd.scores[rnd.mask] < 1)).all()
 
 
+def test_uniform_plans_cut_at_budget_over_item_cost(tiny):
+    """The windowed and entropy plans (one cost per item) cut every floor(budget / cost) items, the first item of a
+    chunk taken even when it alone is over the budget."""
+    from oar.attribution import planner
+
+    sizes = lambda plan: [c.end - c.begin for c in plan]  # noqa: E731
+    assert sizes(planner.plan_entropy(100, 10, 7, 3 * 12 * 100 * 10)) == [3, 3, 1]
+    assert sizes(planner.plan_entropy(100, 10, 2, 1)) == [1, 1]
+    model, tok = tiny
+    pm = HFProbeModel(model)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(*_rollouts(tok))
+    assert sizes(planner.plan_window(pm, batch, 5, 4, 1 << 40, shared=False)) == [5]
+    assert sizes(planner.plan_window(pm, batch, 9, 4, 1, shared=True)) == [1] * 9
+
+
+def test_entropy_scores_chunked_one_row_per_forward(tiny, monkeypatch):
+    """The entropy engine's chunks change only the batching: one row per forward (a budget of 1 byte at the planner)
+    gives every row's entropies within the float32 error model of the float64 model's, like one chunk does."""
+    from oar.attribution import entropy, planner
+
+    model, tok = tiny
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(*_rollouts(tok))
+    whole = entropy_scores(HFProbeModel(model), batch)
+    plan = planner.plan_entropy
+    monkeypatch.setattr(entropy.planner, "plan_entropy", lambda v, keep, n, budget: plan(v, keep, n, 1))
+    each = entropy_scores(HFProbeModel(model), batch)
+    n = int((batch.reasoning_len > 0).sum())
+    assert (whole.stats["chunks"], each.stats["chunks"]) == (1, n) and each.stats["forward_passes"] == n
+    assert torch.equal(whole.mask, each.mask)
+    T = batch.input_ids.shape[1]
+    for r in range(batch.batch_size):
+        s, L, a = int(batch.reasoning_start[r]), int(batch.reasoning_len[r]), T - int(batch.context_len[r])
+        exact = entropy_error_bound(model, batch.input_ids[r: r + 1, a: s + L], s - a - 1, s - a - 1 + L)
+        for res in (whole, each):
+            assert_within_error_model(res.scores[r, :L], exact, what=f"entropy row {r}")
+
+
 @pytest.mark.parametrize("mode", ["serial", "batched"])
 def test_reference_naive_oar_p_matches_engine(tiny, mode):
     """oar.reference.oar_p_naive (full logits, unpadded) is the benchmarks' naive provider: it must agree."""

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import oar
 from oar import baselines, ops
 from oar.app.models import tiny_random_llama
+from oar.attribution import policy_entropies
 from _error_model import Bounded, entropy_error_bound
 from _tolerance import assert_close_to_rounded, assert_within, assert_within_error_model, gamma, ulp
 
@@ -295,7 +296,7 @@ def test_policy_entropies_match_unpadded_forward():
     C = 6
     ids = torch.tensor([[20, 21, 22, 23, 0, 0], [30, 31, 32, 33, 34, 35], [40, 41, 0, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
-    got = baselines.policy_entropies(model, prompts, ids, mask, memory_budget_mb=1)
+    got = policy_entropies(model, prompts, ids, mask, memory_budget_mb=1)
     # rule 1: the unpadded per-row forward on the float64 model (the truth) with its float32 error model; the padded
     # batched forward under test within it
     value, bound, bound_ref = (torch.zeros(3, C, dtype=torch.float64) for _ in range(3))
@@ -311,9 +312,9 @@ def test_policy_entropies_match_unpadded_forward():
 def test_policy_entropies_bad_input():
     model, tok = tiny_random_llama(hidden_size=16, num_layers=1, num_heads=2, tokenizer="minimal", seed=1)
     with pytest.raises(ValueError, match="prompt_ids\\[0\\] is empty"):
-        baselines.policy_entropies(model, [[]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
+        policy_entropies(model, [[]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="prompt_ids must have"):
-        baselines.policy_entropies(model, [[1], [2]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
+        policy_entropies(model, [[1], [2]], torch.tensor([[3, 4]]), torch.ones(1, 2, dtype=torch.bool))
 
 
 # ---- IRPO ---------------------------------------------------------------------------------------------------

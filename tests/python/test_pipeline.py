@@ -11,7 +11,8 @@ import torch
 import oar
 from oar import baselines, ops
 from oar.attribution import HFProbeModel
-from oar.attribution import engines
+from oar.attribution import oar_p
+from oar.attribution.entropy import entropy_from_logits
 from oar.app.models import tiny_random_llama
 from oar.batch import RolloutBatch
 from oar.methods import METHOD_TABLE, method_spec
@@ -145,14 +146,14 @@ def test_oar_p_masks_only_eligible_tokens(tiny, monkeypatch):
     prompts, ids, mask, eligible = _tool_batch(tok)
     pipe = Pipeline(_cfg(method="oar_p"), tok)
     seen = []
-    orig = engines._variants
+    orig = oar_p._variants
 
     def spy(batch, rows, positions=None):
         out = orig(batch, rows, positions)
         seen.append((out[0].tolist(), out[2].tolist()))
         return out
 
-    monkeypatch.setattr(engines, "_variants", spy)
+    monkeypatch.setattr(oar_p, "_variants", spy)
     adv = torch.tensor([1.0, -0.5, 0.7, 0.0])
     res = pipe.compute(RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, answers=["5"] * 4,
                                     sequence_advantages=adv), model)
@@ -229,15 +230,15 @@ def test_scores_entry_and_precomputed_scores_reshape_once(tiny):
 def test_entropy_from_logits_allows_minus_inf():
     x = torch.tensor([[0.0, float("-inf"), math.log(2.0)], [1.0, 1.0, 1.0]])
     want = torch.tensor([-(1 / 3 * math.log(1 / 3) + 2 / 3 * math.log(2 / 3)), math.log(3.0)], dtype=torch.float64)
-    out = engines.entropy_from_logits(x)
+    out = entropy_from_logits(x)
     assert torch.isfinite(out).all()
     exact = error_bound(entropy, x)  # rule 1: the float32 error model of the entropy of these logits
     assert float((exact.value - want).abs().max()) <= 2.0**-24  # x holds log 2 rounded to float32 (moves H by < u)
     assert_within_error_model(out, exact, what="entropy")
     with pytest.raises(ValueError, match=r"logits must not hold NaN or \+inf, got nan at \[0, 1\]"):
-        engines.entropy_from_logits(torch.tensor([[0.0, float("nan")]]))
+        entropy_from_logits(torch.tensor([[0.0, float("nan")]]))
     with pytest.raises(ValueError, match=r"logits at \[0\] are all -inf"):
-        engines.entropy_from_logits(torch.full((1, 3), float("-inf")))
+        entropy_from_logits(torch.full((1, 3), float("-inf")))
 
 
 class _BannedVocab(_PlainProbe):

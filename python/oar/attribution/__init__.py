@@ -1,17 +1,12 @@
 """Attribution of reasoning tokens against the final-answer distribution (method.md sections 2-4, 8)."""
 
 from oar.attribution.context import DEFAULT_MARKERS, ProbeBatch, ProbeContextBuilder, reasoning_length
-from oar.attribution.engines import (
-    PROBES,
-    Attribution,
-    CleanPass,
-    clean_probe_logits,
-    entropy_scores,
-    oar_g_scores,
-    oar_p_scores,
-    oar_p_window_scores,
-    random_scores,
-)
+from oar.attribution.base import PROBES, Attribution, CleanPass, clean_probe_logits
+from oar.attribution.entropy import entropy_scores, policy_entropies
+from oar.attribution.oar_g import oar_g_scores
+from oar.attribution.oar_p import oar_p_scores
+from oar.attribution.random import random_scores
+from oar.attribution.window import oar_p_window_scores
 from oar.attribution.screened import oar_p_screened_scores
 from oar.attribution.model import (
     EmbeddingNoiseModel,
@@ -27,8 +22,7 @@ from oar.attribution.model import (
 
 __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution", "CleanPass",
-    "clean_probe_logits", "entropy_scores", "oar_g_scores", "oar_p_scores", "oar_p_window_scores", "random_scores",
-    "HFProbeModel",
-    "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities", "as_probe_model",
-    "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
+    "clean_probe_logits", "entropy_scores", "policy_entropies", "oar_g_scores", "oar_p_scores", "oar_p_window_scores",
+    "random_scores", "HFProbeModel", "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities",
+    "as_probe_model", "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
 ]

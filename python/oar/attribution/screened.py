@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 
 from oar.attribution.context import ProbeBatch
-from oar.attribution.engines import Attribution, oar_p_scores
+from oar.attribution.base import Attribution
+from oar.attribution.oar_p import oar_p_scores
 
 
 def _fraction(name: str, value) -> float:
@@ -131,7 +132,7 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
 
     Args:
         model, batch, rows: as :func:`oar.attribution.oar_p_scores`.
-        screen: the screen's :class:`~oar.attribution.engines.Attribution` of the same batch and rows (e.g.
+        screen: the screen's :class:`~oar.attribution.base.Attribution` of the same batch and rows (e.g.
             :func:`oar.attribution.oar_p_window_scores` or :func:`oar.attribution.oar_g_scores`), scores >= 0; its
             ``clean_pass``, when it has one, replaces the exact pass's clean forward.
         fraction, sample_fraction: see :func:`screen_selection`.

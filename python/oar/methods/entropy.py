@@ -20,7 +20,7 @@ class EntropyScorer:
         return step.b.entropy
 
     def score(self, step: Step, pm, pbatch, positions):
-        return entropy_scores(pm, pbatch, rows=step.active)
+        return entropy_scores(pm, pbatch, rows=step.active, memory_budget_mb=step.memory_budget_mb)
 
 
 SPEC = MethodSpec("entropy", "reshape", needs_model=True, needs_tokenizer=True, scorer=EntropyScorer)

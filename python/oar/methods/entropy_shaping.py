@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from oar import baselines
+from oar.attribution import policy_entropies
 from oar.batch import check_token_ids
 from oar.methods.base import MethodSpec, Step
 
@@ -28,8 +29,8 @@ class EntropyShapingBonus:
             on[step.active] = True
             with step.model_pass() as pm:
                 prompts = check_token_ids(b.cids, b.cmask, b.prompt_ids, step.active, int(pm.vocab_size))
-                H = baselines.policy_entropies(pm, prompts, b.cids, b.cmask & on[:, None],
-                                               memory_budget_mb=step.memory_budget_mb)
+                H = policy_entropies(pm, prompts, b.cids, b.cmask & on[:, None],
+                                     memory_budget_mb=step.memory_budget_mb)
             step.stats["forward_passes"] = step.gate.real_calls[1] if step.gate is not None else int(bool(step.active))
         sc = torch.where(b.eligible, H, torch.zeros(()))
         es = self.config.entropy_shaping

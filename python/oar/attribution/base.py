@@ -1,0 +1,212 @@
+"""What the attribution engines share: the result types, the argument checks, the clean pass and the probe
+divergence of a chunk (method.md sections 2-4).
+
+Every engine (:mod:`~oar.attribution.oar_p`, :mod:`~oar.attribution.window`, :mod:`~oar.attribution.oar_g`,
+:mod:`~oar.attribution.entropy`, :mod:`~oar.attribution.random`) takes a
+:class:`~oar.attribution.model.ProbeModel`, a :class:`~oar.attribution.context.ProbeBatch` and the rows to score,
+and returns an :class:`Attribution`: scores (B, L_max) float32 aligned with each row's reasoning tokens (column
+j = reasoning token j, i.e. completion column j), a mask of valid entries and timing/size stats. Rows not asked
+for get all-False masks. Nothing here writes parameter ``.grad``. Each engine checks the model once
+(:func:`~oar.attribution.model.probe_capabilities`: a ``TypeError`` naming the missing members of a model that is
+no ProbeModel) and takes its optional capabilities from that check. Which path ran is logged on the ``"oar"``
+logger (info: one summary per call; debug: the decision and its reason; ``oar.set_log_level``). Chunks are sized
+by :mod:`oar.attribution.planner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from oar import _args, ops
+from oar.attribution import planner
+from oar.attribution.context import ProbeBatch
+from oar.attribution.model import ProbeModel, gather_probe_logits
+
+PROBES = ops.PROBES
+
+
+
+@dataclass
+class Attribution:
+    """Per-token importance of a batch of rollouts.
+
+    Attributes:
+        scores: (B, L_max) float32, >= 0, finite; column j is reasoning token j of the row.
+        mask: (B, L_max) bool, True on the first L_i columns of scored rows.
+        stats: counters and seconds (``forward_passes``, ``variants``, ``chunks``, ``seconds``).
+    """
+
+    scores: torch.Tensor
+    mask: torch.Tensor
+    stats: dict = field(default_factory=dict)
+    #: The clean pass of :func:`~oar.attribution.window.oar_p_window_scores` (``keep_clean_pass=True``): handed to
+    #: the exact pass of screened OAR-P, which then needs no clean forward of its own; None otherwise.
+    clean_pass: "CleanPass | None" = None
+
+
+@dataclass
+class CleanPass:
+    """One clean forward over ``rows`` of a batch: probe logits (n, K_max, V) and the key/value cache (per layer
+    (keys, values), each (n, kv_heads, T, head_dim)); row ``rows[i]`` is index i."""
+
+    rows: tuple[int, ...]
+    logits: torch.Tensor
+    kv: list
+
+
+def _check_probe(probe: str) -> str:
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
+    return probe
+
+
+def _int_value(name: str, v) -> int:
+    """``v`` as an int, integer 0-d tensors included (:func:`oar._args.int_arg`)."""
+    return _args.int_arg(name, v, tensors=True)
+
+
+def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
+    if rows is None:
+        return list(range(batch.batch_size))
+    if isinstance(rows, (str, bytes)) or (isinstance(rows, torch.Tensor) and rows.dim() != 1):
+        raise ValueError(f"rows must be a sequence of row indices, got {rows!r}")
+    out = sorted(set(_int_value("rows[i]", r) for r in rows))
+    for r in out:
+        if not 0 <= r < batch.batch_size:
+            raise ValueError(f"rows must index the batch (0 <= row < {batch.batch_size}), got {r}")
+    return out
+
+
+def _positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[int]] | None:
+    """``positions`` checked: a mapping {requested row: reasoning indices in [0, L_row)} of ints."""
+    if positions is None:
+        return None
+    if not isinstance(positions, Mapping):
+        raise ValueError(f"positions must be a mapping {{row: reasoning indices}} or None, got {type(positions).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, js in positions.items():
+        r = _int_value("positions key", key)
+        if r not in rows:
+            raise ValueError(f"positions has row {r}, which is not among the rows scored ({rows[:8]}"
+                             f"{'...' if len(rows) > 8 else ''})")
+        if (isinstance(js, (str, bytes, Mapping)) or not hasattr(js, "__iter__")
+                or (isinstance(js, torch.Tensor) and js.dim() != 1)):
+            raise ValueError(f"positions[{r}] must be a sequence of reasoning indices, got {type(js).__name__} {js!r}")
+        L = int(batch.reasoning_len[r])
+        idx = [_int_value(f"positions[{r}][i]", j) for j in js]
+        if any(not 0 <= j < L for j in idx):
+            raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {idx[:8]}")
+        out[r] = idx
+    return out
+
+
+def _check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
+    """Token ids the model will embed must be valid rows of its embedding table (else an opaque IndexError,
+    or a device-side assert on CUDA). ``model`` is checked: ``vocab_size`` is an int >= 1."""
+    vocab = int(model.vocab_size)
+    if not 0 <= batch.pad_id < vocab:
+        raise ValueError(f"pad_id must be a token id in [0, vocab_size={vocab}), got {batch.pad_id}")
+    ids = batch.input_ids[batch.attention_mask.bool()]
+    if ids.numel() == 0:
+        return
+    lo, top = int(ids.min()), int(ids.max())
+    if lo < 0 or top >= vocab:
+        bad = lo if lo < 0 else top
+        r, c = (torch.nonzero((batch.input_ids == bad) & batch.attention_mask.bool())[0]).tolist()
+        raise ValueError(f"batch.input_ids must be token ids in [0, vocab_size={vocab}) of the model, got {bad} at "
+                         f"row {r}, column {c} (prompt, reasoning or answer token)")
+
+
+def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
+    L = int(batch.reasoning_len.max()) if batch.batch_size else 0
+    mask = torch.zeros((batch.batch_size, L), dtype=torch.bool)
+    for r in rows:
+        mask[r, : int(batch.reasoning_len[r])] = True
+    return Attribution(torch.zeros((batch.batch_size, L), dtype=torch.float32), mask)
+
+
+def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """Probe logits (n, K_max, V) (the model's dtype, on its device) of the unperturbed contexts of ``rows`` (all
+    rows by default), one forward without grad."""
+    idx = torch.tensor(list(rows) if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
+    dev = torch.device(model.device)
+    with torch.no_grad():
+        window = model.tail_logits(input_ids=batch.input_ids[idx].to(dev), attention_mask=batch.attention_mask[idx].to(dev),
+                                   position_ids=batch.position_ids[idx].to(dev), keep=batch.keep)
+        return gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+
+
+def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logits: torch.Tensor | None):
+    """Clean probe logits for ``rows``: (logits, row -> index into logits, forward passes spent)."""
+    if clean_logits is None:
+        return clean_probe_logits(model, batch, rows), {r: i for i, r in enumerate(rows)}, 1
+    want = (batch.batch_size, batch.answer_ids.shape[1])
+    if not isinstance(clean_logits, torch.Tensor) or clean_logits.dim() != 3 or tuple(clean_logits.shape[:2]) != want:
+        got = tuple(clean_logits.shape) if isinstance(clean_logits, torch.Tensor) else type(clean_logits).__name__
+        raise ValueError(f"clean_logits must be (B, K_max, V) with (B, K_max) = {want}, got {got}")
+    return clean_logits, {r: r for r in rows}, 0
+
+
+def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_index: torch.Tensor,
+                probe: str) -> torch.Tensor:
+    dev = pert.device
+    lengths = batch.answer_len[row_index].to(dev)
+    answer_ids = batch.answer_ids[row_index].to(dev) if probe == "answer_joint" else None
+    return ops.probe_divergence(clean.to(pert.dtype), pert, probe=probe, answer_ids=answer_ids, lengths=lengths)
+
+
+def _variants(batch: ProbeBatch, rows: Sequence[int], positions=None):
+    """Flattened variant list, rollout-major: rows, masked columns, reasoning indices j (int64 tensors)."""
+    var_row, var_col, var_j = [], [], []
+    for r in rows:
+        L = int(batch.reasoning_len[r])
+        s = int(batch.reasoning_start[r])
+        js = range(L) if positions is None else sorted(set(int(j) for j in positions.get(r, ())))
+        var_row += [r] * len(js)
+        var_col += [s + j for j in js]
+        var_j += list(js)
+    as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_t(var_row), as_t(var_col), as_t(var_j)
+
+
+def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor) -> None:
+    """Checks a chunk's divergences and writes them into ``res.scores``."""
+    if not bool(torch.isfinite(d).all()):
+        # probe_divergence returns +inf when the masked model gives zero probability (a -inf logit) to a token
+        # the clean model predicts; such a score cannot be normalized.
+        k = int(torch.nonzero(~torch.isfinite(d))[0])
+        raise ValueError(
+            f"oar_p_scores: masking reasoning token {int(j_index[k])} of row {int(row_index[k])} gives a non-finite "
+            f"divergence ({float(d[k])}): the masked probe distribution puts zero probability (-inf logits) where "
+            "the clean one has mass"
+        )
+    if probe == "answer_joint":
+        d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
+    res.scores[row_index, j_index] = d.float().cpu()
+
+
+def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int):
+    """Clean pass over ``rows`` (chunked under ``budget`` bytes, no grad): probe logits (n, K_max, V), the
+    key/value cache (per layer (keys, values), each (n, kv_heads, T, head_dim)), forward passes, tokens run."""
+    T = batch.input_ids.shape[1]
+    K = batch.answer_ids.shape[1]
+    dev = torch.device(model.device)
+    idx_rows = torch.tensor(list(rows), dtype=torch.long)
+    plan = planner.plan_clean(model, batch, len(rows), budget)
+    clean_parts, kv_parts, passes, tokens = [], [], 0, 0
+    for ch in plan:
+        sel = idx_rows[ch.begin:ch.end]
+        window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
+                                                 attention_mask=batch.attention_mask[sel].to(dev),
+                                                 position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+        clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
+        kv_parts.append(kv)
+        passes += 1
+        tokens += int(sel.numel()) * T
+    clean_all = torch.cat(clean_parts)
+    kv_all = [(torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
+              for l in range(len(kv_parts[0]))]
+    return clean_all, kv_all, passes, tokens

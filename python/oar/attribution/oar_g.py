@@ -1,0 +1,227 @@
+"""OAR-G (method.md section 4): gradient x input of the probe divergence under Gaussian embedding noise on reasoning
+positions, ``torch.autograd.grad`` w.r.t. the input embeddings only. Rows are chunked by
+:func:`oar.attribution.planner.plan_masked` (forward + backward cost).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from oar import ops
+from oar.attribution import planner
+from oar.attribution.base import (
+    Attribution,
+    _check_ids,
+    _check_probe,
+    _clean,
+    _divergence,
+    _empty,
+    _int_value,
+    _positions,
+    _rows,
+)
+from oar.attribution.context import ProbeBatch
+from oar.attribution.model import ProbeModel, gather_probe_logits, probe_capabilities
+
+_log = logging.getLogger("oar")
+
+
+def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):
+    """Key/value cache (per layer (keys, values), each (n, kv_heads, p, head_dim)) of window columns [0, p) of
+    ``chunk_rows`` (window = batch columns [off, off + width)), computed once per distinct prompt: rollouts of
+    one group share their prompt, so its forward runs once and its cache is copied to each row.
+
+    Row r's context starts at window column a_r = width - context_len[r]; columns [a_r, p) hold the first
+    p - a_r tokens of its prompt (p never exceeds a row's reasoning start), and position ids restart at 0 at
+    a row's first token, so those tokens' keys/values equal the first p - a_r of the distinct prompt's,
+    wherever the padding put them. Columns before a_r are padding (masked by the attention mask; filled with
+    any cached entry). Returns (cache, number of distinct prompts)."""
+    starts = [int(batch.reasoning_start[r]) for r in chunk_rows]
+    firsts = [int(batch.input_ids.shape[1]) - int(batch.context_len[r]) for r in chunk_rows]  # batch columns
+    keys = [tuple(batch.input_ids[r, a:s].tolist()) for r, a, s in zip(chunk_rows, firsts, starts)]
+    distinct = list(dict.fromkeys(keys))
+    slot = {k: i for i, k in enumerate(distinct)}
+    Pm = max(1, max(len(k) for k in distinct))
+    n = len(distinct)
+    ids = torch.full((n, Pm), int(batch.pad_id), dtype=torch.long)
+    attn = torch.zeros((n, Pm), dtype=torch.long)
+    pos = torch.zeros((n, Pm), dtype=torch.long)
+    for i, k in enumerate(distinct):
+        if k:
+            ids[i, Pm - len(k):] = torch.tensor(k, dtype=torch.long)
+            attn[i, Pm - len(k):] = 1
+            pos[i, Pm - len(k):] = torch.arange(len(k))
+    attn[:, -1] = 1  # an empty prompt (p = 0 never reaches here) keeps one attended column
+    _, kv_u = model.tail_logits_and_cache(input_ids=ids.to(dev), attention_mask=attn.to(dev),
+                                          position_ids=pos.to(dev), keep=1)
+    # Source (prompt, column) of every (row, window column c < p).
+    U = torch.empty((len(chunk_rows), p), dtype=torch.long)
+    C = torch.zeros((len(chunk_rows), p), dtype=torch.long)
+    for i, (k, a) in enumerate(zip(keys, firsts)):
+        U[i] = slot[k]
+        a_w = a - off  # window column of the row's first token
+        cols = torch.arange(p) - a_w
+        C[i] = torch.where(cols >= 0, Pm - len(k) + cols, torch.zeros_like(cols))
+    U, C = U.to(dev), C.to(dev)
+    cache = [(k.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous(),
+              v.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous()) for k, v in kv_u]
+    return cache, n
+
+
+def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
+                 sigma: float = 1e-3, noise_draws: int = 1, generator: torch.Generator | None = None,
+                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096,
+                 positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
+    """OAR-G importance (method.md section 4): I_t = |sum_h g[t,h] E[t,h]| with g = dJ/dE,
+    J = KL(p_clean || p(E + delta)) (``answer_joint``: J = phi_clean - phi(E + delta)),
+    delta ~ N(0, sigma^2) on reasoning positions only, averaged over ``noise_draws`` draws.
+
+    Gradients are taken with ``torch.autograd.grad`` w.r.t. the embeddings only, so no parameter
+    ``.grad`` is written (safe inside a trainer's gradient accumulation). Rows are processed in chunks
+    whose estimated forward+backward memory stays under ``memory_budget_mb``. For models whose prefix cache may
+    be differentiated (``PrefixCacheModel.supports_prefix_grad``) and no ``clean_logits`` given, the columns
+    before a chunk's first reasoning token run once without grad and their key/value cache is shared by the
+    clean pass and the noisy passes, which then run and differentiate only the suffix (same scores within fp32
+    rounding). For models that take the embeddings inside the forward
+    (:class:`~oar.attribution.model.EmbeddingNoiseModel`, e.g. HFProbeModel) ``embed`` is never called: every call
+    is a forward on ids, as FSDP and ZeRO-3 require (same numbers).
+
+    Args:
+        sigma: noise std (absolute, > 0). noise_draws: K >= 1.
+        generator: torch.Generator for the noise (CPU); results are deterministic for a fixed seed.
+        positions: optional {row: reasoning indices}: noise falls on those tokens only and only they are scored
+            (the others keep score 0), e.g. to leave tool outputs unperturbed. Checked as in
+            :func:`~oar.attribution.oar_p.oar_p_scores`.
+        Other args as in :func:`~oar.attribution.oar_p.oar_p_scores`.
+    Raises:
+        TypeError: ``model`` is not a ProbeModel (the message names every missing member).
+        ValueError: unknown probe, sigma not finite and > 0, noise_draws not an int >= 1, rows out of range,
+            memory_budget_mb not an int >= 1, token ids outside the model's vocabulary.
+        FloatingPointError: non-finite scores (NaN/Inf logits or gradients).
+    """
+    caps = probe_capabilities(model)
+    probe = _check_probe(probe)
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 < sigma < float("inf")):
+        raise ValueError(f"sigma must be > 0 and finite, got {sigma!r}")
+    noise_draws = _int_value("noise_draws", noise_draws)
+    if noise_draws < 1:
+        raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
+    rows = _rows(batch, rows)
+    budget = planner.budget_bytes(memory_budget_mb)
+    positions = _positions(batch, rows, positions)
+    _check_ids(model, batch)
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    if not rows:
+        res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
+        return res
+    dev = torch.device(model.device)
+    # Prefix path: the prompt before the first noised column is the same in the clean and every noisy pass
+    # and needs no gradient, so it runs once per chunk without grad (its key/value cache is shared) and
+    # only the suffix is run twice and differentiated. Same scores as the plain path within fp32 rounding.
+    use_prefix = clean_logits is None and caps.prefix_grad
+    if use_prefix:
+        clean_all, clean_row, passes = None, {}, 0
+    else:
+        clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
+    T = batch.input_ids.shape[1]
+    K = batch.answer_ids.shape[1]
+    widths = [int(batch.context_len[r]) for r in rows]
+    plan = planner.plan_masked(model, batch, widths, [1] * len(rows), budget, backward=True)
+    if _log.isEnabledFor(logging.DEBUG):
+        why = ("clean_logits given" if clean_logits is not None else "prefix cache with grad" if use_prefix
+               else "no differentiable prefix cache")
+        _log.debug("oar_g_scores: %s path (%s), %d rows in %d chunks, budget %d MiB, %d noise draws",
+                   "prompt-once" if use_prefix else "plain", why, len(rows), len(plan), budget >> 20, noise_draws)
+    backward = 0
+    for ch in plan:
+        chunk_rows = rows[ch.begin:ch.end]
+        idx = torch.tensor(chunk_rows, dtype=torch.long)
+        off = T - ch.max_context_len
+        ids = batch.input_ids[idx, off:].to(dev)
+        attn = batch.attention_mask[idx, off:].to(dev)
+        pos = batch.position_ids[idx, off:].to(dev)
+        width = ids.shape[1]
+        noise_mask = torch.zeros(ids.shape, dtype=torch.bool)
+        for i, r in enumerate(chunk_rows):
+            s = int(batch.reasoning_start[r]) - off
+            if positions is None:
+                noise_mask[i, s: s + int(batch.reasoning_len[r])] = True
+            else:
+                noise_mask[i, [s + j for j in positions[r]]] = True
+        noise_mask = noise_mask.to(dev).unsqueeze(-1)
+        E = None  # models with embedding noise hand the embeddings over inside each forward (no embed call)
+        if not caps.embedding_noise:
+            with torch.no_grad():
+                E = model.embed(ids).detach()
+        # p: columns [0, p) of the window run once without grad (0: the plain path for this chunk).
+        p = 0
+        if use_prefix:
+            p = max(0, min(min(int(batch.reasoning_start[r]) - off for r in chunk_rows), width - batch.keep))
+        kv = None
+        if use_prefix and p > 0:
+            with torch.no_grad():
+                kv, _ = _shared_prompt_cache(model, batch, chunk_rows, off, width, p, dev)
+                window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
+                                                  position_ids=pos[:, p:], keep=batch.keep)
+            passes += 2
+            clean = gather_probe_logits(window, batch.probe_start[idx], K)
+        elif use_prefix:
+            with torch.no_grad():
+                window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos, keep=batch.keep)
+            passes += 1
+            clean = gather_probe_logits(window, batch.probe_start[idx], K)
+        else:
+            clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
+        acc = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
+        for _ in range(noise_draws):
+            # Noise is drawn over the whole window either way, so every path uses the same numbers.
+            noise = torch.randn((len(chunk_rows), width, model.hidden_size), generator=generator, dtype=torch.float32)
+            if E is None:
+                def perturb(e, noise=noise):  # e: the embeddings of columns [p, width), inside the forward
+                    return e + (noise.to(dev, e.dtype) * sigma)[:, p:] * noise_mask[:, p:]
+
+                with model.noised_embeddings(perturb) as rec:
+                    if kv is not None:
+                        window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
+                                                          position_ids=pos[:, p:], keep=batch.keep)
+                    else:
+                        window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                                   keep=batch.keep)
+                Ek, Ep = rec.noised, rec.clean
+            else:
+                Ep = E[:, p:]
+                Ek = (Ep + (noise.to(dev, E.dtype) * sigma)[:, p:] * noise_mask[:, p:]).requires_grad_(True)
+                if kv is not None:
+                    window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn,
+                                                      position_ids=pos[:, p:], keep=batch.keep)
+                else:
+                    window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos,
+                                               keep=batch.keep)
+            pert = gather_probe_logits(window, batch.probe_start[idx], K)
+            J = _divergence(clean, pert, batch, idx, probe).sum()
+            (g,) = torch.autograd.grad(J, Ek)
+            passes += 1
+            backward += 1
+            acc[:, p:] += ops.grad_x_input(g.detach(), Ep.contiguous())
+        acc /= noise_draws
+        acc = acc.cpu()
+        for i, r in enumerate(chunk_rows):
+            s = int(batch.reasoning_start[r]) - off
+            L = int(batch.reasoning_len[r])
+            res.scores[r, :L] = acc[i, s: s + L]
+            if positions is not None:
+                keep = torch.zeros(L, dtype=torch.bool)
+                keep[positions[r]] = True
+                res.scores[r, :L] = torch.where(keep, res.scores[r, :L], torch.zeros(()))
+    if not torch.isfinite(res.scores).all():
+        raise FloatingPointError("oar_g_scores: non-finite importance scores (check the model's logits for NaN/Inf)")
+    res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), seconds=time.perf_counter() - t0)
+    _log.info("oar_g_scores: %s path, %d rows in %d chunks, %d forwards, %d backwards, %.3f s",
+              "prompt-once" if use_prefix else "plain", len(rows), len(plan), passes, backward, res.stats["seconds"])
+    return res

@@ -1,0 +1,151 @@
+"""Windowed OAR-P (the screen of screened OAR-P; docs/design.md, "Screened OAR-P"): masking a token re-runs only the
+next W reasoning tokens and the probe tail on the row's clean key/value cache. Chunks come from
+:func:`oar.attribution.planner.plan_window`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from oar.attribution import planner
+from oar.attribution.base import (
+    Attribution,
+    CleanPass,
+    _check_ids,
+    _check_probe,
+    _clean_with_cache,
+    _divergence,
+    _empty,
+    _int_value,
+    _positions,
+    _rows,
+    _store,
+    _variants,
+)
+from oar.attribution.context import ProbeBatch
+from oar.attribution.model import ProbeModel, gather_probe_logits, probe_capabilities
+
+_log = logging.getLogger("oar")
+
+
+def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
+                        rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
+                        memory_budget_mb: int = 1024, keep_clean_pass: bool = False) -> Attribution:
+    """Windowed OAR-P (the screen of screened OAR-P; docs/design.md "Screened OAR-P"): I_t as in
+    :func:`~oar.attribution.oar_p.oar_p_scores` (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
+    the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
+    on keep their clean keys/values. It measures the effect of token t that reaches the answer directly or
+    through its next ``window`` tokens, at a cost of (1 + window + tail) tokens per masked token instead of the
+    whole suffix. ``window >= L - 1`` re-runs every later token: exact OAR-P (equal within fp32 rounding; tested).
+
+    One clean pass yields the clean probe logits and the key/value cache; each chunk of masked variants runs its
+    re-run columns on its row's clean cache: a re-run token attends to the clean columns before it that are not
+    re-run, and causally to the re-run tokens. Models with shared-prefix attention
+    (:meth:`HFProbeModel.tail_logits_shared_prefix`, CPU) read each row's cache in place with these masks; others
+    get the cache copied per variant and one 4-D mask (``tail_logits_cached``).
+
+    Args:
+        model: a ProbeModel with the prefix-cache capability (:class:`~oar.attribution.model.PrefixCacheModel`)
+            whose ``tail_logits_cached`` takes a 4-D attention mask (N, 1, S, T + S) of 0 / dtype-min floats
+            (``HFProbeModel``: transformers passes a 4-D mask through as it is).
+        window: int >= 0, the later reasoning tokens re-run with each masked token.
+        probe, rows, positions, memory_budget_mb: as :func:`~oar.attribution.oar_p.oar_p_scores`.
+        keep_clean_pass: attach the clean pass (:class:`CleanPass`: probe logits and key/value cache of the rows
+            scored) to the result, for the exact pass of screened OAR-P (memory: the cache of those rows).
+    Returns:
+        Attribution (B, L_max) float32 >= 0, stats ``forward_passes``, ``variants``, ``chunks``, ``tokens`` (tokens
+        run through the model), ``engine`` (``"window"``), ``seconds``; ``clean_pass`` when asked.
+    Raises:
+        TypeError: ``model`` is not a ProbeModel.
+        ValueError: window not an int >= 0, a model without the prefix-cache capability, and as
+            :func:`~oar.attribution.oar_p.oar_p_scores`.
+    """
+    caps = probe_capabilities(model)
+    probe = _check_probe(probe)
+    window = _int_value("window", window)
+    if window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window}")
+    rows = _rows(batch, rows)
+    budget = planner.budget_bytes(memory_budget_mb)
+    positions = _positions(batch, rows, positions)
+    if not caps.prefix_cache:
+        raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
+                         f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
+                         "it: use oar_p_scores")
+    _check_ids(model, batch)
+    t0 = time.perf_counter()
+    res = _empty(batch, rows)
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    if not rows:
+        res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine="window", seconds=0.0)
+        return res
+    dev = torch.device(model.device)
+    T = int(batch.input_ids.shape[1])
+    K = batch.answer_ids.shape[1]
+    keep = int(batch.keep)
+    with torch.no_grad():
+        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+        dtype = kv_all[0][0].dtype
+        var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+        slot = {r: i for i, r in enumerate(rows)}
+        # Re-run columns of each variant: [t, t + 1 + window) and the tail [min(end of reasoning, T - keep), T).
+        runs = []
+        for r, t in zip(var_row_t.tolist(), var_col_t.tolist()):
+            tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
+            runs.append(sorted(set(range(t, min(t + 1 + window, T))) | set(range(tail, T))))
+        shared = caps.shared_prefix
+        plan = planner.plan_window(model, batch, len(runs), max(len(c) for c in runs), budget, shared=shared)
+        chunks = 0
+        for ch in plan:
+            sl = slice(ch.begin, ch.end)
+            row_index, cols_t, js = var_row_t[sl], var_col_t[sl], var_j_t[sl]
+            part = runs[sl]
+            N, S = len(part), max(len(c) for c in part)
+            colq = torch.full((N, S), -1, dtype=torch.long)  # original column of each suffix slot, -1 = padding
+            for n, c in enumerate(part):
+                colq[n, S - len(c):] = torch.tensor(c, dtype=torch.long)
+            valid = colq >= 0
+            ids = batch.input_ids[row_index.view(-1, 1), colq.clamp_min(0)]
+            ids[~valid] = batch.pad_id
+            ids[torch.arange(N), (colq == cols_t.view(-1, 1)).long().argmax(1)] = batch.pad_id  # the masked token
+            pos = torch.where(valid, batch.position_ids[row_index.view(-1, 1), colq.clamp_min(0)], torch.zeros(()))
+            rerun = torch.zeros((N, T), dtype=torch.bool)
+            rerun[torch.arange(N).view(-1, 1).expand_as(colq)[valid], colq[valid]] = True
+            first = (T - batch.context_len[row_index]).view(-1, 1, 1)
+            k_cols = torch.arange(T).view(1, 1, T)
+            see_prefix = (k_cols < colq.unsqueeze(-1)) & (k_cols >= first) & ~rerun.unsqueeze(1)
+            see_self = ((colq.unsqueeze(1) <= colq.unsqueeze(-1)) & valid.unsqueeze(1)) | torch.eye(S, dtype=torch.bool)
+            dslots = torch.tensor([slot[int(r)] for r in row_index], dtype=torch.long, device=dev)
+            low = torch.finfo(dtype).min
+            if shared:  # each row's clean cache read in place (variants are row-major: one group per row)
+                ids_u, counts = torch.unique_consecutive(dslots.cpu(), return_counts=True)
+                ends = counts.cumsum(0).tolist()
+                groups = [(int(x), e - int(c), e, 0) for x, c, e in zip(ids_u, counts, ends)]
+                prefix_bias = torch.zeros(see_prefix.shape, dtype=dtype).masked_fill_(~see_prefix, low)
+                self_bias = torch.zeros(see_self.shape, dtype=dtype).masked_fill_(~see_self, low).unsqueeze(1)
+                win = model.tail_logits_shared_prefix(kv_all, groups, T, input_ids=ids.to(dev),
+                                                      position_ids=pos.to(dev), keep=keep,
+                                                      prefix_bias=prefix_bias.to(dev), self_bias=self_bias.to(dev))
+            else:  # the row's clean cache copied per variant, one 4-D mask over prefix + suffix
+                allowed = torch.cat([see_prefix, see_self], dim=-1).unsqueeze(1)
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, low)
+                prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
+                win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                               position_ids=pos.to(dev), keep=keep)
+            passes += 1
+            chunks += 1
+            tokens += int(valid.sum())
+            pert = gather_probe_logits(win, batch.probe_start[row_index], K)
+            clean = clean_all[dslots.to(clean_all.device)]
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
+    res.stats.update(forward_passes=passes, variants=int(var_row_t.numel()), chunks=chunks, tokens=tokens,
+                     engine="window", seconds=time.perf_counter() - t0)
+    if keep_clean_pass:
+        res.clean_pass = CleanPass(tuple(rows), clean_all, kv_all)
+    _log.info("oar_p_window_scores: window %d, %d rows, %d variants in %d chunks, %.3f s", window, len(rows),
+              res.stats["variants"], chunks, res.stats["seconds"])
+    return res
