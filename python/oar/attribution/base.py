@@ -23,7 +23,7 @@ import torch
 from oar import _args, ops
 from oar.attribution import planner
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits
+from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
 
 PROBES = ops.PROBES
 
@@ -66,6 +66,17 @@ def _check_probe(probe: str) -> str:
 def _int_value(name: str, v) -> int:
     """``v`` as an int, integer 0-d tensors included (:func:`oar._args.int_arg`)."""
     return _args.int_arg(name, v, tensors=True)
+
+
+def _engine_args(model: ProbeModel, batch: ProbeBatch, probe: str, rows, positions, memory_budget_mb):
+    """The checks every probe engine starts with, in one order: the model's capabilities (TypeError naming missing
+    members), the probe name, the rows, the memory budget, the positions. Returns (capabilities, probe, rows,
+    budget bytes, positions)."""
+    caps: ProbeCapabilities = probe_capabilities(model)
+    probe = _check_probe(probe)
+    rows = _rows(batch, rows)
+    budget = planner.budget_bytes(memory_budget_mb)
+    return caps, probe, rows, budget, _positions(batch, rows, positions)
 
 
 def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:

@@ -16,16 +16,14 @@ from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
     _check_ids,
-    _check_probe,
     _clean,
     _divergence,
     _empty,
+    _engine_args,
     _int_value,
-    _positions,
-    _rows,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits, probe_capabilities
+from oar.attribution.model import ProbeModel, gather_probe_logits
 
 _log = logging.getLogger("oar")
 
@@ -103,16 +101,12 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             memory_budget_mb not an int >= 1, token ids outside the model's vocabulary.
         FloatingPointError: non-finite scores (NaN/Inf logits or gradients).
     """
-    caps = probe_capabilities(model)
-    probe = _check_probe(probe)
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 < sigma < float("inf")):
         raise ValueError(f"sigma must be > 0 and finite, got {sigma!r}")
     noise_draws = _int_value("noise_draws", noise_draws)
     if noise_draws < 1:
         raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
-    rows = _rows(batch, rows)
-    budget = planner.budget_bytes(memory_budget_mb)
-    positions = _positions(batch, rows, positions)
+    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)

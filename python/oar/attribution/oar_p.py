@@ -19,19 +19,17 @@ from oar.attribution.base import (
     Attribution,
     CleanPass,
     _check_ids,
-    _check_probe,
     _clean,
     _clean_with_cache,
     _divergence,
     _empty,
+    _engine_args,
     _int_value,
-    _positions,
-    _rows,
     _store,
     _variants,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
+from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits
 
 _log = logging.getLogger("oar")
 
@@ -112,10 +110,6 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             masked variant whose divergence is infinite (zero probability where the clean distribution has
             mass).
     """
-    caps = probe_capabilities(model)
-    probe = _check_probe(probe)
-    rows = _rows(batch, rows)
-    budget = planner.budget_bytes(memory_budget_mb)
     max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
     if max_variants < 0:
         raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
@@ -124,7 +118,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     max_prefix_waste = _args.float_arg("max_prefix_waste", max_prefix_waste)
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
-    positions = _positions(batch, rows, positions)
+    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     if engine == "prefix" and not caps.prefix_cache:
         raise ValueError("engine='prefix' needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          "PrefixCacheModel: supports_prefix_cache = True, kv_bytes_per_token, tail_logits_and_cache, "

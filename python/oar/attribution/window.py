@@ -16,18 +16,16 @@ from oar.attribution.base import (
     Attribution,
     CleanPass,
     _check_ids,
-    _check_probe,
     _clean_with_cache,
     _divergence,
     _empty,
+    _engine_args,
     _int_value,
-    _positions,
-    _rows,
     _store,
     _variants,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits, probe_capabilities
+from oar.attribution.model import ProbeModel, gather_probe_logits
 
 _log = logging.getLogger("oar")
 
@@ -64,14 +62,10 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         ValueError: window not an int >= 0, a model without the prefix-cache capability, and as
             :func:`~oar.attribution.oar_p.oar_p_scores`.
     """
-    caps = probe_capabilities(model)
-    probe = _check_probe(probe)
     window = _int_value("window", window)
     if window < 0:
         raise ValueError(f"window must be an int >= 0, got {window}")
-    rows = _rows(batch, rows)
-    budget = planner.budget_bytes(memory_budget_mb)
-    positions = _positions(batch, rows, positions)
+    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     if not caps.prefix_cache:
         raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
