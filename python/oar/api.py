@@ -41,7 +41,7 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
         preset: trainer convention of the group statistics ("trl", "verl", "openrlhf"); default: the config's.
 
     Returns:
-        :class:`oar.pipeline.TokenAdvantages` with ``advantages`` (B, C) float32 (0 off ``eligible_mask``),
+        :class:`oar.batch.TokenAdvantages` with ``advantages`` (B, C) float32 (0 off ``eligible_mask``),
         ``weights``, ``scores``, ``reasoning_mask``, ``metrics`` and ``sequence_advantages`` (B,) float32.
         For the reshaping methods (grpo, dr_grpo, random, entropy, oar_p, oar_g) each row keeps its mass:
         advantages[b].sum() == sequence_advantages[b] * eligible_mask[b].sum().

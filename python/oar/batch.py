@@ -187,7 +187,7 @@ def validate(batch: RolloutBatch) -> Batch:
     """``batch`` checked and copied to the CPU. Raises ValueError naming the field, the expected and the actual
     shape/dtype/value and the caller's row."""
     if not isinstance(batch, RolloutBatch):
-        raise ValueError(f"batch must be an oar.pipeline.RolloutBatch, got {type(batch).__name__}")
+        raise ValueError(f"batch must be an oar.RolloutBatch, got {type(batch).__name__}")
     cids = batch.completion_ids
     if not isinstance(cids, torch.Tensor) or cids.dim() != 2:
         raise ValueError(f"completion_ids must be a (B, C) tensor, got {tuple(cids.shape) if isinstance(cids, torch.Tensor) else type(cids).__name__}")
