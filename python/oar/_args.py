@@ -60,6 +60,17 @@ def int_arg(name: str, value, *, tensors: bool = False) -> int:
     return v
 
 
+def token_ids_arg(name: str, value) -> tuple[int, ...]:
+    """A sequence of int token ids (a list/tuple of ints, or a 1-D integer tensor) as a tuple; ValueError naming
+    ``name`` for a str, a tensor of another kind, a non-iterable or a non-int element (named ``name[i]``)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not (
+            value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
+        value = value.tolist()
+    if isinstance(value, (str, bytes, torch.Tensor)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of int token ids, got {type(value).__name__} {value!r}")
+    return tuple(int_arg(f"{name}[i]", x) for x in value)
+
+
 # ---- tensors (the library's one set of tensor checks; messages name the argument and the caller's dims) ----
 
 
@@ -78,6 +89,15 @@ def tensor_arg(name: str, value, dims: str, shape: tuple | None = None) -> torch
         raise ValueError(f"{name} must be {_ndim(dims)}-D {dims}, got shape {tuple(value.shape)}")
     if value.device.type == "meta":
         raise ValueError(f"{name} must hold data, got a tensor on the meta device")
+    return value
+
+
+def ids_arg(name: str, value, dims: str, shape: tuple | None = None) -> torch.Tensor:
+    """:func:`tensor_arg` of token ids: an integer dtype (ValueError naming the dtype for floating, complex and
+    bool). The range against a vocabulary is the caller's check (it knows the vocabulary)."""
+    value = tensor_arg(name, value, dims, shape)
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor of token ids, got dtype {value.dtype}")
     return value
 
 
@@ -108,12 +128,13 @@ def finite_arg(name: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def fits_float32(name: str, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (float64) as float32; ValueError naming ``name`` when a value overflows float32."""
-    f = out.float()
+def fits_float32(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (finite, e.g. a float64 input or result) as float32; ValueError naming ``name`` and the first
+    element beyond float32's range otherwise."""
+    f = value.float()
     bad = ~torch.isfinite(f)
     if bool(bad.any()):
         idx = [int(i) for i in torch.nonzero(bad)[0]]
-        raise ValueError(f"{name} too large: the result at {idx} = {float(out[tuple(idx)]):.6g} overflows float32 "
-                         "(|x| <= 3.4e38); rescale the input")
+        raise ValueError(f"{name} must fit in float32 (|x| <= 3.4e38), got {name}{idx} = "
+                         f"{float(value[tuple(idx)]):.6g}; rescale the input")
     return f

@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-from oar.batch import RolloutBatch, TokenAdvantages, group_ids_from
+from oar.batch import RolloutBatch, TokenAdvantages
+from oar.groups import group_ids_from
 from oar.pipeline_cache import pipeline_for
 
 __all__ = ["token_advantages"]

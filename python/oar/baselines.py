@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 
 from oar import _args, ops
-from oar.groups import resolve_groups
+from oar.groups import checked_groups
 
 __all__ = [
     "entropy_shaping_advantages",
@@ -272,10 +272,8 @@ def _ktae_group(ids: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, *,
 
 def _group_rows(n: int, offsets=None, group_ids=None, group_size=None) -> list[torch.Tensor]:
     """The row indices of each group (as in :func:`oar.ops.group_advantages`: group ids in any row order)."""
-    groups = resolve_groups(torch.zeros(n), offsets, group_ids, group_size)
+    groups = checked_groups(n, offsets, group_ids, group_size)
     off = groups.offsets.cpu().tolist()
-    if not off or off[0] != 0 or off[-1] != n or any(x > y for x, y in zip(off, off[1:])):
-        raise ValueError(f"offsets must be non-decreasing CSR row starts from 0 to N = {n}, got {off}")
     order = torch.arange(n) if groups.order is None else groups.order.cpu()
     return [order[s:e] for s, e in zip(off, off[1:])]
 
@@ -308,9 +306,7 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         ValueError: shapes/dtypes, non-finite rewards, bad weights, scale beyond float32, malformed groups,
             ignore_ids that are not a sequence of ints.
     """
-    ids = _args.tensor_arg("token_ids", token_ids, "(B, T)")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"token_ids must be an integer tensor of token ids, got dtype {ids.dtype}")
+    ids = _args.ids_arg("token_ids", token_ids, "(B, T)")
     B, T = ids.shape
     m = _args.mask_arg("mask", mask, "(B, T)", (B, T)).cpu()
     r = _args.real_arg("rewards", rewards, "(B,)").detach().cpu().double()
@@ -332,12 +328,7 @@ def ktae_token_scores(token_ids: torch.Tensor, mask: torch.Tensor, rewards: torc
         raise ValueError(f"scale must be > 0 and fit in float32 (<= 3.4e38), got {scale}")
     if not math.isfinite(threshold):
         raise ValueError(f"threshold must be finite, got {threshold}")
-    if isinstance(ignore_ids, torch.Tensor) and ignore_ids.dim() == 1 and not (
-            ignore_ids.dtype.is_floating_point or ignore_ids.dtype.is_complex or ignore_ids.dtype == torch.bool):
-        ignore_ids = ignore_ids.tolist()
-    if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
-        raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
-    ignore = torch.tensor([_args.int_arg("ignore_ids[i]", x) for x in ignore_ids], dtype=torch.long)
+    ignore = torch.tensor(_args.token_ids_arg("ignore_ids", ignore_ids), dtype=torch.long)
     rows = _group_rows(B, offsets, group_ids, group_size)
     idc = ids.detach().cpu().long()
     correct = r > threshold

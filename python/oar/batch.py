@@ -6,7 +6,6 @@ advantages (method.md section 1).
 - :func:`validate`: a :class:`RolloutBatch` checked and on the CPU (:class:`Batch`); messages name the field and the
   caller's row.
 - :func:`sequence_advantages`: group advantages with the config's estimator and conventions.
-- :func:`group_ids_from`: one group id per row from CSR offsets, ids or a group size.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from typing import Sequence
 import torch
 
 from oar import _args, ops
-from oar.groups import resolve_groups
+from oar.groups import group_ids_from
 from oar.schema import OARConfig
 
 __all__ = ["RolloutBatch", "TokenAdvantages", "TokenScores", "Batch", "validate", "sequence_advantages",
-           "batch_sequence_advantages", "group_ids_from", "check_token_ids"]
+           "batch_sequence_advantages", "check_token_ids", "check_scores"]
 
 
 @dataclass
@@ -104,29 +103,6 @@ class TokenScores:
     stats: dict = field(default_factory=dict)
 
 
-def group_ids_from(n: int, *, offsets=None, group_ids=None, group_size=None) -> list | None:
-    """One group id per row from exactly one of ``offsets`` (CSR (G + 1,)), ``group_ids`` (N ids, any row order)
-    or ``group_size`` (equal consecutive groups), validated as :func:`oar.ops.group_advantages` does; None when none
-    is given.
-
-    Raises:
-        ValueError: naming the argument (as :func:`oar.groups.resolve_groups`), offsets that do not run
-            non-decreasing from 0 to N.
-    """
-    if offsets is None and group_ids is None and group_size is None:
-        return None
-    g = resolve_groups(torch.zeros(n), offsets, group_ids, group_size)
-    if group_ids is not None:
-        return group_ids.detach().cpu().tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
-    off = g.offsets.cpu().tolist()
-    if not off or off[0] != 0 or off[-1] != n or any(b < a for a, b in zip(off, off[1:])):
-        raise ValueError(f"offsets must be non-decreasing CSR row starts from 0 to N = {n}, got {off}")
-    ids = [0] * n
-    for k, (a, b) in enumerate(zip(off, off[1:])):
-        ids[a:b] = [k] * (b - a)
-    return ids
-
-
 def check_token_ids(cids: torch.Tensor, cmask: torch.Tensor, prompt_ids: Sequence, rows: list[int],
                      vocab: int) -> list[torch.Tensor]:
     """Completion tokens under the mask and the prompts of ``rows`` must be ids in [0, vocab) (vocab 0: only >= 0
@@ -183,18 +159,27 @@ class Batch:
     out_device: torch.device
 
 
+def check_scores(scores, reasoning_mask, dims: str, shape: tuple, eligible: torch.Tensor | None = None):
+    """Importance scores computed elsewhere (the trainer's workers, a scorer): ``scores`` real and ``reasoning_mask``
+    bool or 0/1, both of ``shape``, the scores finite and >= 0 on the reasoning mask (and ``eligible``, when given).
+    Returns (scores float32 CPU, reasoning mask bool CPU). Raises ValueError naming the argument and the first bad
+    element."""
+    s = _args.real_arg("scores", scores, dims, shape).detach().float().cpu()
+    rm = _args.mask_arg("reasoning_mask", reasoning_mask, dims, shape).cpu()
+    on = rm if eligible is None else rm & eligible
+    bad = on & ~(torch.isfinite(s) & (s >= 0))
+    if bool(bad.any()):
+        r, c = torch.nonzero(bad)[0].tolist()
+        raise ValueError(f"scores must be finite and >= 0 on reasoning_mask, got scores[{r}, {c}] = {float(s[r, c])}")
+    return s, rm
+
+
 def validate(batch: RolloutBatch) -> Batch:
     """``batch`` checked and copied to the CPU. Raises ValueError naming the field, the expected and the actual
     shape/dtype/value and the caller's row."""
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be an oar.RolloutBatch, got {type(batch).__name__}")
-    cids = batch.completion_ids
-    if not isinstance(cids, torch.Tensor) or cids.dim() != 2:
-        raise ValueError(f"completion_ids must be a (B, C) tensor, got {tuple(cids.shape) if isinstance(cids, torch.Tensor) else type(cids).__name__}")
-    if cids.dtype.is_floating_point or cids.dtype.is_complex or cids.dtype == torch.bool:
-        raise ValueError(f"completion_ids must be an integer tensor of token ids, got dtype {cids.dtype}")
-    if cids.device.type == "meta":
-        raise ValueError("completion_ids must hold data, got a tensor on the meta device")
+    cids = _args.ids_arg("completion_ids", batch.completion_ids, "(B, C)")
     B, C = (int(x) for x in cids.shape)
     cmask = _args.mask_arg("completion_mask", batch.completion_mask, "(B, C)", (B, C)).cpu()
     eligible = cmask if batch.eligible_mask is None else _args.mask_arg("eligible_mask", batch.eligible_mask, "(B, C)", (B, C)).cpu()
@@ -218,13 +203,7 @@ def validate(batch: RolloutBatch) -> Batch:
     if (batch.scores is None) != (batch.reasoning_mask is None):
         raise ValueError("scores and reasoning_mask must be given together (both (B, C)) or not at all")
     if batch.scores is not None:
-        scores = _args.real_arg("scores", batch.scores, "(B, C)", (B, C)).detach().float().cpu()
-        reasoning = _args.mask_arg("reasoning_mask", batch.reasoning_mask, "(B, C)", (B, C)).cpu()
-        bad = reasoning & eligible & ~(torch.isfinite(scores) & (scores >= 0))
-        if bool(bad.any()):
-            r, c = torch.nonzero(bad)[0].tolist()
-            raise ValueError(f"scores must be finite and >= 0 on reasoning_mask, got scores[{r}, {c}] = "
-                             f"{float(scores[r, c])}")
+        scores, reasoning = check_scores(batch.scores, batch.reasoning_mask, "(B, C)", (B, C), eligible)
     dev = (batch.sequence_advantages.device if isinstance(batch.sequence_advantages, torch.Tensor)
            else rewards.device if rewards is not None else cids.device)
     return Batch(B, C, cids.detach().cpu(), cmask, eligible, batch.prompt_ids, rewards, groups,
@@ -246,15 +225,7 @@ def batch_sequence_advantages(b: Batch, batch: RolloutBatch, config, preset: str
     :func:`sequence_advantages` of its rewards and groups. Raises ValueError naming the field."""
     if batch.sequence_advantages is not None:
         raw = _args.real_arg("sequence_advantages", batch.sequence_advantages, "(B,)", (b.B,)).detach().cpu()
-        if not bool(torch.isfinite(raw).all()):
-            rows = torch.nonzero(~torch.isfinite(raw)).flatten().tolist()
-            raise ValueError(f"sequence_advantages must be finite; got NaN/Inf at rows {rows[:8]}")
-        adv = raw.float()
-        if not bool(torch.isfinite(adv).all()):  # finite float64 beyond float32 range
-            rows = torch.nonzero(~torch.isfinite(adv)).flatten().tolist()
-            raise ValueError(f"sequence_advantages must fit in float32 (|A| <= 3.4e38); got larger values at rows "
-                             f"{rows[:8]}")
-        return adv
+        return _args.fits_float32("sequence_advantages", _args.finite_arg("sequence_advantages", raw))
     if b.rewards is None or b.group_ids is None:
         raise ValueError("the batch needs sequence_advantages, or rewards and group_ids to compute them")
     return sequence_advantages(b.rewards.cpu(), config, group_ids=b.group_ids, preset=preset)

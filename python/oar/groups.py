@@ -23,7 +23,7 @@ import torch
 
 from oar import _lib
 
-__all__ = ["ADVANTAGE_PRESETS", "Groups", "resolve_groups"]
+__all__ = ["ADVANTAGE_PRESETS", "Groups", "resolve_groups", "checked_groups", "group_ids_from"]
 
 
 #: Trainer presets for :func:`oar.ops.group_advantages`, mirroring ``oar::core::preset_options``
@@ -188,7 +188,7 @@ def resolve_groups(rewards: torch.Tensor, offsets=None, group_ids=None, group_si
         if group_ids.shape[0] != n:
             raise ValueError(f"group_ids must have one id per reward, N = {n}, got {group_ids.shape[0]}")
         if group_ids.device.type == "meta":
-            raise ValueError(f"group_ids must hold data (the groups depend on the id values), got a meta tensor")
+            raise ValueError("group_ids must hold data (the groups depend on the id values), got a meta tensor")
         return _groups_from_id_tensor(group_ids.detach(), rewards.device)
     ids = list(group_ids)
     if len(ids) != n:
@@ -196,3 +196,34 @@ def resolve_groups(rewards: torch.Tensor, offsets=None, group_ids=None, group_si
     off, order = _groups_from_id_list(ids, n)
     return Groups(torch.tensor(off, dtype=torch.int64, device=rewards.device),
                   None if order is None else torch.tensor(order, dtype=torch.int64, device=rewards.device))
+
+
+def checked_groups(n: int, offsets=None, group_ids=None, group_size=None) -> Groups:
+    """:func:`resolve_groups` of ``n`` rows, with the CSR offsets checked here (the op checks them only when it
+    runs): non-decreasing from 0 to ``n``. Raises ValueError naming the argument."""
+    g = resolve_groups(torch.zeros(n), offsets, group_ids, group_size)
+    off = g.offsets.cpu().tolist()
+    if not off or off[0] != 0 or off[-1] != n or any(b < a for a, b in zip(off, off[1:])):
+        raise ValueError(f"offsets must be non-decreasing CSR row starts from 0 to N = {n}, got {off}")
+    return g
+
+
+def group_ids_from(n: int, *, offsets=None, group_ids=None, group_size=None) -> list | None:
+    """One group id per row from exactly one of ``offsets`` (CSR (G + 1,)), ``group_ids`` (N ids, any row order)
+    or ``group_size`` (equal consecutive groups), validated as :func:`oar.ops.group_advantages` does; None when none
+    is given.
+
+    Raises:
+        ValueError: naming the argument (as :func:`oar.groups.resolve_groups`), offsets that do not run
+            non-decreasing from 0 to N.
+    """
+    if offsets is None and group_ids is None and group_size is None:
+        return None
+    g = checked_groups(n, offsets, group_ids, group_size)
+    if group_ids is not None:
+        return group_ids.detach().cpu().tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    off = g.offsets.cpu().tolist()
+    ids = [0] * n
+    for k, (a, b) in enumerate(zip(off, off[1:])):
+        ids[a:b] = [k] * (b - a)
+    return ids

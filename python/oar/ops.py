@@ -20,7 +20,7 @@ import torch
 from oar import _args, _lib
 from oar.cuda_checks import check_cuda_errors, cuda_checks, set_cuda_checks
 from oar.groups import ADVANTAGE_PRESETS, resolve_groups
-from oar.schema import ESTIMATORS, PROBES
+from oar.schema import ESTIMATORS, PROBES, TIERS  # noqa: F401  (the names the docstrings refer to)
 
 _lib.load_ops_library()
 
@@ -50,7 +50,6 @@ def _same_device(ref_name: str, ref: torch.Tensor, **others) -> None:
 # These ops have no autograd: advantages and weights are constants of the policy-gradient loss. The C++
 # side registers a fallthrough on the Autograd key, so outputs never require grad (src/torch/cpu_advantages.cpp).
 
-TIERS = ("both", "boost", "suppress")
 
 
 def group_advantages(

@@ -26,7 +26,7 @@ from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_
 from oar.distributed import ForwardGate, distributed_world
 from oar.methods import Step, method_spec
 from oar.metrics import pipeline_metrics
-from oar.schema import OARConfig
+from oar.schema import config_arg
 
 __all__ = ["Pipeline"]
 
@@ -53,9 +53,7 @@ class Pipeline:
 
     def __init__(self, config=None, tokenizer=None, *, markers: Sequence[str] | None = None, pad_id: int | None = None,
                  sync_forwards: bool | None = None, ignore_ids: Sequence[int] | None = None):
-        if config is not None and not isinstance(config, OARConfig):
-            raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__}")
-        self.config = config if config is not None else OARConfig()
+        self.config = config_arg(config)
         self.method = method_spec(self.config.method)
         #: the method's scorer (built once: its state, e.g. screened OAR-P's time budget, lives with it)
         self.scorer = self.method.scorer(self.config) if self.method.scorer is not None else None
@@ -68,7 +66,7 @@ class Pipeline:
         self._pad_id = self.builder.pad_id if self.builder is not None else int(pad_id or 0)
         if ignore_ids is None:
             ignore_ids = self.builder.stop_ids if self.builder is not None else ()
-        self.ignore_ids = tuple(_args.int_arg("ignore_ids[i]", x) for x in ignore_ids)
+        self.ignore_ids = _args.token_ids_arg("ignore_ids", ignore_ids)
         self._generator = torch.Generator().manual_seed(int(self.config.seed))
         self.calls = 0
         #: wall time (s) between the end of the previous call and the start of the last one: the trainer's GRPO step

@@ -19,7 +19,7 @@ import weakref
 from typing import Any
 
 from oar.pipeline import Pipeline
-from oar.schema import OARConfig
+from oar.schema import config_arg
 
 #: Scope of the pipelines without a tokenizer (default scope) and of the named scopes: {scope: {key: Pipeline}}.
 _NAMED: dict[Any, dict] = {}
@@ -53,10 +53,7 @@ def pipeline_for(config=None, tokenizer=None, *, scope=None, by_name: bool = Fal
         ValueError: ``config`` not an ``oar.OARConfig`` / None, an unhashable keyword value, or an object
             ``scope`` that cannot be weakly referenced; otherwise as :class:`Pipeline`.
     """
-    if config is not None and not isinstance(config, OARConfig):
-        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig(method=..., ...))")
-    cfg = config if config is not None else OARConfig()
+    cfg = config_arg(config)
     extra = tuple(sorted(pipeline_kwargs.items()))
     try:
         hash(extra)

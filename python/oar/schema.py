@@ -11,11 +11,17 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
 - :data:`METHODS`, :data:`PROBES`, :data:`ESTIMATORS` and :data:`SCREENS`: the values of ``method``, ``probe``,
   ``estimator`` and ``screen`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
 - :func:`with_method`: a config with another method (the one rule between keys: ``dr_grpo``'s estimator).
+- :func:`config_arg`: the one check of a ``config`` argument; :func:`config_from_mapping` and :func:`yaml_load`:
+  the one way a YAML / JSON ``oar`` section becomes an ``OARConfig`` (run configs and ``$OAR_CONFIG`` alike).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+
+import yaml
 
 from oar._lib import load_extension
 
@@ -34,8 +40,11 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "batch", "rloo")
 #: ``screen``: the screen of screened OAR-P (``window``: windowed OAR-P; ``oar_g``: OAR-G).
 SCREENS: tuple[str, ...] = ("window", "oar_g")
 
+#: ``tiers``: which tiers of the bi-level reshaping are applied (method.md section 6).
+TIERS: tuple[str, ...] = ("both", "boost", "suppress")
+
 __all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
-           "with_method"]
+           "TIERS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
 
 
 def with_method(config, method: str):
@@ -52,3 +61,51 @@ def with_method(config, method: str):
     if method == "dr_grpo":
         obj["estimator"] = "dr_grpo"
     return OARConfig(**obj)
+
+
+def config_arg(config, name: str = "config"):
+    """``config`` itself when it is an ``OARConfig``, the defaults for None; ValueError naming ``name`` otherwise."""
+    if config is None:
+        return OARConfig()
+    if not isinstance(config, OARConfig):
+        raise ValueError(f"{name} must be an oar.OARConfig or None, got {type(config).__name__} "
+                         "(build one with oar.OARConfig(method=..., ...))")
+    return config
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, plus YAML 1.2 floats without a dot: PyYAML (YAML 1.1) reads ``1e-3`` as the
+    string "1e-3", so ``sigma: 1e-3`` would be refused as "not a number"."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def yaml_load(text: str, what: str):
+    """``text`` parsed as YAML (PyYAML's safe loader; ``1e-3`` is a float, as in YAML 1.2). Raises ValueError
+    ``"{what} is not valid YAML: ..."``."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{what} is not valid YAML: {str(e).replace(chr(10), ' ')}") from None
+
+
+def config_from_mapping(section: dict):
+    """``OARConfig`` of an ``oar`` section read from YAML or JSON (flat keys, docs/config.md). JSON has no
+    NaN/Infinity and no dates or bytes: such values get a ValueError naming the key here instead of a JSON syntax
+    error in the C++ parser, which raises ValueError naming any other bad key or value."""
+    if not isinstance(section, dict):
+        raise ValueError(f"the oar section must be a mapping of keys, got {type(section).__name__}")
+    for key, value in section.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"oar.{key} must be finite, got {value}")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError(f"oar.{key} must be a number, string, bool or list, got {type(value).__name__} "
+                             f"{value!r}") from None
+    return OARConfig.from_json(json.dumps(section))

@@ -207,3 +207,23 @@ def test_token_advantages_ktae_skip_nan_and_bool_rewards(tiny, with_tokenizer):
     b = oar.token_advantages(torch.tensor([True, False, True, False]), config=_cfg(method="ktae"), **kw)
     f = oar.token_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), config=_cfg(method="ktae"), **kw)
     torch.testing.assert_close(b.advantages, f.advantages)
+
+
+@pytest.mark.parametrize("method, keys", [("oar_g", {}), ("oar_p", {"screen_fraction": 0.5, "screen": "oar_g"})])
+def test_oar_g_runs_under_no_grad_and_refuses_inference_mode(tiny, method, keys):
+    """Trainers make experiences under torch.no_grad() (OpenRLHF) or inference_mode: OAR-G (and the OAR-G screen)
+    enables grad for its own input-gradient pass, with the same numbers and no parameter .grad written; under
+    inference_mode, where no autograd is possible, the error says what to do."""
+    model, tok = tiny
+    prompts, ids, mask, rewards = _batch(tok)
+    cfg = _cfg(method=method, **keys)
+    batch = oar.RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 6, rewards=rewards,
+                             group_ids=[i // 3 for i in range(6)])
+    want = oar.Pipeline(cfg, tok).compute(batch, model)  # a fresh pipeline: the same seed, the same noise
+    with torch.no_grad():
+        got = oar.Pipeline(cfg, tok).compute(batch, model)
+    assert torch.equal(got.advantages, want.advantages) and got.reasoning_mask.any()
+    assert all(p.grad is None for p in model.parameters())
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"outside inference_mode \(torch\.no_grad\(\) "
+                                                                   r"is fine"):
+        oar.Pipeline(cfg, tok).compute(batch, model)

@@ -12,7 +12,7 @@ import pytest
 import oar
 from oar.app.config import load_config, parse_overrides
 from oar.integrations import openrlhf
-from oar.integrations._common import config_from_env
+from oar.integrations._config_env import config_from_env
 
 # (callable, positional arguments, exception, message regex)
 BAD_INPUT = [
@@ -95,7 +95,7 @@ def test_cli_train_bad_set_is_a_usage_error(tmp_path, capsys, item, match):
     assert not (tmp_path / "run").exists()  # nothing written for a rejected config
 
 
-# ---- $OAR_CONFIG (oar.integrations._common.config_from_env) ------------------------------------------------------
+# ---- $OAR_CONFIG (oar.integrations._config_env.config_from_env) ------------------------------------------------------
 
 def _env_config(monkeypatch, value):
     monkeypatch.setenv("OAR_CONFIG", value)
@@ -105,9 +105,9 @@ def _env_config(monkeypatch, value):
 # (file name, file bytes, exception, message regex). These used to raise yaml.ParserError / a bare JSONDecodeError /
 # UnicodeDecodeError without naming $OAR_CONFIG.
 ENV_BAD_INPUT = [
-    pytest.param("bad.yaml", b"oar: {method: [\n", ValueError, r"\$OAR_CONFIG file '.*bad\.yaml' is not readable YAML",
+    pytest.param("bad.yaml", b"oar: {method: [\n", ValueError, r"\$OAR_CONFIG file '.*bad\.yaml' is not valid YAML",
                  id="yaml"),
-    pytest.param("bad.json", b"{method: 1", ValueError, r"\$OAR_CONFIG file '.*bad\.json' is not readable JSON",
+    pytest.param("bad.json", b"{method: 1", ValueError, r"\$OAR_CONFIG file '.*bad\.json' is not valid JSON",
                  id="json"),
     pytest.param("bin.json", b"\xff\xfe garbage", ValueError, r"\$OAR_CONFIG file '.*bin\.json' is not readable JSON",
                  id="binary"),
@@ -161,3 +161,12 @@ def test_schema_names_are_the_parsers(key, names):
         oar.OARConfig(**{key: "not_a_name"})
     listed = set(re.findall(r'"(\w+)"', str(err.value))) - {"not_a_name"}
     assert listed == set(want), (listed, want)
+
+
+def test_oar_config_env_reads_yaml_as_run_configs_do(tmp_path, monkeypatch):
+    """$OAR_CONFIG and `oar train` read YAML with the same loader: ``sigma: 1e-3`` is a number in both (PyYAML's
+    YAML 1.1 alone reads it as the string "1e-3", which the schema refuses)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("oar:\n  method: oar_g\n  sigma: 1e-3\n")
+    assert _env_config(monkeypatch, str(path)).sigma == pytest.approx(1e-3)
+    assert load_config(str(path)).oar.sigma == pytest.approx(1e-3)

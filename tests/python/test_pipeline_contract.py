@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import oar
-from oar.batch import RolloutBatch, group_ids_from
+from oar.batch import RolloutBatch
+from oar.groups import group_ids_from
 from oar.pipeline import Pipeline
 from oar.metrics import ess_ratio, top_mass
 from oar.app.models import tiny_random_llama
@@ -160,7 +161,7 @@ def _hook(tok, method="oar_p"):
 CONTRACT_BAD_INPUT = [
     pytest.param(dict(sequence_advantages=[1.0, -1.0]), ValueError,
                  r"sequence_advantages must be a \(B,\) torch.Tensor, got list", id="advantages_list"),
-    pytest.param(dict(completion_ids=None), ValueError, r"completion_ids must be a \(B, C\) tensor, got NoneType",
+    pytest.param(dict(completion_ids=None), ValueError, r"completion_ids must be a \(B, C\) torch.Tensor, got NoneType",
                  id="completion_ids_none"),
     pytest.param(lambda P, ids: dict(completion_ids=ids.float()), ValueError,
                  r"completion_ids must be an integer tensor of token ids, got dtype torch\.float32",

@@ -1,6 +1,6 @@
 """Optional dependencies ("extras") and the error a module raises when its extra is not installed.
 
-``pip install oar`` brings only what ``import oar`` needs (torch, numpy, pyyaml): the ops, the hook, the
+``pip install oar`` brings only what ``import oar`` needs (torch, numpy, pyyaml): the ops, the pipeline, the
 functional API and the trainer integrations, which use the trainer the user already has. The command line, the
 tasks, the model loaders and the plots need ``pip install "oar[train]"``. A module that needs an extra calls
 :func:`require` where it starts, so a missing package is reported as "oar.app.train needs oar[train] ..." rather

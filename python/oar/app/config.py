@@ -16,48 +16,15 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from oar.schema import config_from_mapping, yaml_load
 
 SECTIONS = ("run", "model", "task", "grpo", "eval", "oar")
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, plus YAML 1.2 floats without a dot: PyYAML (YAML 1.1) reads ``1e-3`` as the
-    string "1e-3", so ``sigma: 1e-3`` or ``--set oar.sigma=1e-3`` would be refused as "not a number"."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml_load(text: str, what: str):
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{what} is not valid YAML: {e}") from None
-
-
-def _oar_json(section: dict) -> str:
-    """The ``oar`` section as JSON for the C++ schema. JSON has no NaN/Infinity and no dates or bytes: such
-    values get a ValueError naming the key here instead of a JSON syntax error there."""
-    for key, value in section.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"oar.{key} must be finite, got {value}")
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError):
-            raise ValueError(f"oar.{key} must be a number, string, bool or list, got {type(value).__name__} "
-                             f"{value!r}") from None
-    return json.dumps(section)
 
 
 def _check_run_fields(raw: dict) -> None:
@@ -141,7 +108,7 @@ def parse_overrides(items: list[str]) -> dict:
             d = d.setdefault(p, {})
             if not isinstance(d, dict):
                 raise ValueError(f"override {item!r} sets a key inside {p!r}, which another override set to a value")
-        d[parts[-1]] = _yaml_load(value, f"the value of override {item!r}")
+        d[parts[-1]] = yaml_load(value, f"the value of override {item!r}")
     return out
 
 
@@ -154,13 +121,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         ValueError: invalid YAML (file or override), not a mapping, unknown section, a bad ``run.seed`` /
             ``grpo.max_steps`` / ``model.dtype``, or an invalid ``oar`` value (message names the key).
     """
-    from oar import OARConfig
-
     path = resolve_config(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist (or is not a file)")
     with open(path) as f:
-        raw = _yaml_load(f.read(), f"config {path!r}") or {}
+        raw = yaml_load(f.read(), f"config {path!r}") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config {path!r} must be a mapping of sections {SECTIONS}, got {type(raw).__name__}")
     if overrides:
@@ -172,6 +137,6 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         if raw.get(s) is not None and not isinstance(raw[s], dict):
             raise ValueError(f"config section {s!r} must be a mapping, got {type(raw[s]).__name__}")
     _check_run_fields(raw)
-    oar_cfg = OARConfig.from_json(_oar_json(raw.get("oar") or {}))
+    oar_cfg = config_from_mapping(raw.get("oar") or {})
     return RunConfig(run=raw.get("run") or {}, model=raw.get("model") or {}, task=raw.get("task") or {},
                      grpo=raw.get("grpo") or {}, eval=raw.get("eval") or {}, oar=oar_cfg, source=path)

@@ -36,10 +36,10 @@ import torch
 
 from oar.app._extras import require
 from oar.app.stats import bootstrap_mean
+from oar.schema import PROBES
 
 require("train", "oar.app.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
 
-PROBE_NAMES = ("last", "answer_mean", "answer_joint")
 TOP_K_PERCENT = (10, 20, 30)
 
 
@@ -251,7 +251,7 @@ def score_trace(model, tok, trace: Trace, cfg, draws: int, seed: int,
         return {"seconds": float(att.stats.get("seconds", 0.0)), "tokens": int(att.stats.get("tokens", 0))}
 
     with pm.eval_mode():
-        for probe in PROBE_NAMES:
+        for probe in PROBES:
             res = oar_p_scores(pm, batch, probe=probe)
             out[f"oar_p/{probe}"] = res.scores[0, :L].tolist()
             trace.costs[f"oar_p/{probe}"] = cost(res)
@@ -426,7 +426,7 @@ def _plot(rows: list[dict], path: str) -> None:
 def run(args) -> list[dict]:
     """Implements ``oar eval-attribution`` (see ``oar eval-attribution --help``)."""
     import oar
-    from oar.attribution import reasoning_length
+    from oar.attribution import ProbeContextBuilder, reasoning_length
     from oar.app.models import load_by_name
     from oar.app.tasks import get_task
 
@@ -434,8 +434,8 @@ def run(args) -> list[dict]:
     model, tok = load_by_name(args.model)
     model.eval()
     cfg = oar.OARConfig()
-    conclude_ids = tok.encode(cfg.conclude, add_special_tokens=False)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    builder = ProbeContextBuilder(tok, cfg.conclude, cfg.answer_suffix)  # the pipeline's pad and stop ids
+    conclude_ids, pad_id = builder.conclude_ids, builder.pad_id
     traces: list[Trace] = []
     for task_name in args.tasks:
         kwargs = {}
@@ -449,7 +449,7 @@ def run(args) -> list[dict]:
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
         probs = {str(p.id): p for p in problems}
         for tr in found:
-            tr.reasoning_len = reasoning_length(tr.response_ids, tok, stop_ids=[pad_id, tok.eos_token_id])
+            tr.reasoning_len = reasoning_length(tr.response_ids, tok, stop_ids=builder.stop_ids)
             if tr.reasoning_len == 0:
                 continue
             ok, causal = oracle_causal(model, tok, task, probs[tr.problem_id], tr.prompt_ids,

@@ -1,7 +1,7 @@
 """Attribution of reasoning tokens against the final-answer distribution (method.md sections 2-4, 8)."""
 
 from oar.attribution.context import DEFAULT_MARKERS, ProbeBatch, ProbeContextBuilder, reasoning_length
-from oar.attribution.base import PROBES, Attribution, CleanPass, clean_probe_logits
+from oar.attribution.base import Attribution, CleanPass, clean_probe_logits
 from oar.attribution.entropy import entropy_scores, policy_entropies
 from oar.attribution.oar_g import oar_g_scores
 from oar.attribution.oar_p import oar_p_scores
@@ -21,7 +21,7 @@ from oar.attribution.model import (
 )
 
 __all__ = [
-    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "PROBES", "Attribution", "CleanPass",
+    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "Attribution", "CleanPass",
     "clean_probe_logits", "entropy_scores", "policy_entropies", "oar_g_scores", "oar_p_scores", "oar_p_window_scores",
     "random_scores", "HFProbeModel", "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities",
     "as_probe_model", "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",

@@ -21,11 +21,11 @@ from typing import Mapping, Sequence
 import torch
 
 from oar import _args, ops
+from oar.schema import PROBES
 from oar.attribution import planner
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
 
-PROBES = ops.PROBES
 
 
 

@@ -89,7 +89,7 @@ def reasoning_length(
 
 @dataclass
 class ProbeBatch:
-    """A batch of probe contexts, left-padded. Built by :func:`build_probe_batch`.
+    """A batch of probe contexts, left-padded. Built by :meth:`ProbeContextBuilder.build`.
 
     Attributes:
         input_ids: (B, T) int64, left-padded with ``pad_id``.

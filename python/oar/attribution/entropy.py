@@ -180,17 +180,13 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
         ValueError: shapes/dtypes, an empty prompt (the first completion token has no predicting position),
             memory_budget_mb < 1, NaN / +inf logits (-inf logits are zero-probability tokens: 0 log 0 = 0).
     """
-    cids = _args.tensor_arg("completion_ids", completion_ids, "(B, T)")
-    if cids.dtype.is_floating_point or cids.dtype.is_complex or cids.dtype == torch.bool:
-        raise ValueError(f"completion_ids must be an integer tensor of token ids, got dtype {cids.dtype}")
+    cids = _args.ids_arg("completion_ids", completion_ids, "(B, T)")
     B, C = cids.shape
     cmask = _args.mask_arg("completion_mask", completion_mask, "(B, T)", (B, C)).cpu()
     cids = cids.detach().cpu().long()
     if len(prompt_ids) != B:
         raise ValueError(f"prompt_ids must have B = {B} entries, got {len(prompt_ids)}")
-    budget = _args.int_arg("memory_budget_mb", memory_budget_mb)
-    if budget < 1:
-        raise ValueError(f"memory_budget_mb must be >= 1, got {budget}")
+    budget = planner.budget_bytes(memory_budget_mb)
     out = torch.zeros((B, C), dtype=torch.float32)
     rows = [i for i in range(B) if bool(cmask[i].any())]
     if not rows:
@@ -209,7 +205,7 @@ def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, 
     for i, L in zip(rows, lengths):
         x = torch.cat([prompts[i], cids[i, :L]])
         contexts.append((x, torch.ones_like(x), torch.arange(x.numel())))
-    ents, _ = _chunked_entropies(pm, contexts, lengths, planner.budget_bytes(budget),
+    ents, _ = _chunked_entropies(pm, contexts, lengths, budget,
                                  lambda i: "policy_entropies: the model's logits")
     for i, e in zip(rows, ents):
         out[i, : e.numel()] = e

@@ -108,6 +108,10 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     _check_ids(model, batch)
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("oar_g_scores differentiates the probe divergence w.r.t. the input embeddings, which "
+                           "torch.inference_mode() forbids: call it outside inference_mode (torch.no_grad() is fine: "
+                           "OAR-G enables grad for its own pass and writes no parameter .grad)")
     t0 = time.perf_counter()
     res = _empty(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
@@ -176,30 +180,9 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         for _ in range(noise_draws):
             # Noise is drawn over the whole window either way, so every path uses the same numbers.
             noise = torch.randn((len(chunk_rows), width, model.hidden_size), generator=generator, dtype=torch.float32)
-            if E is None:
-                def perturb(e, noise=noise):  # e: the embeddings of columns [p, width), inside the forward
-                    return e + (noise.to(dev, e.dtype) * sigma)[:, p:] * noise_mask[:, p:]
-
-                with model.noised_embeddings(perturb) as rec:
-                    if kv is not None:
-                        window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
-                                                          position_ids=pos[:, p:], keep=batch.keep)
-                    else:
-                        window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos,
-                                                   keep=batch.keep)
-                Ek, Ep = rec.noised, rec.clean
-            else:
-                Ep = E[:, p:]
-                Ek = (Ep + (noise.to(dev, E.dtype) * sigma)[:, p:] * noise_mask[:, p:]).requires_grad_(True)
-                if kv is not None:
-                    window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn,
-                                                      position_ids=pos[:, p:], keep=batch.keep)
-                else:
-                    window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos,
-                                               keep=batch.keep)
-            pert = gather_probe_logits(window, batch.probe_start[idx], K)
-            J = _divergence(clean, pert, batch, idx, probe).sum()
-            (g,) = torch.autograd.grad(J, Ek)
+            with torch.enable_grad():  # also under the caller's torch.no_grad() (trainers make experiences so)
+                g, Ep = _noisy_input_grad(model, clean, batch, idx, probe, noise, sigma, noise_mask, E, kv, ids, attn,
+                                          pos, p, K)
             passes += 1
             backward += 1
             acc[:, p:] += ops.grad_x_input(g.detach(), Ep.contiguous())
@@ -219,3 +202,35 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     _log.info("oar_g_scores: %s path, %d rows in %d chunks, %d forwards, %d backwards, %.3f s",
               "prompt-once" if use_prefix else "plain", len(rows), len(plan), passes, backward, res.stats["seconds"])
     return res
+
+
+def _noisy_input_grad(model, clean, batch, idx, probe, noise, sigma, noise_mask, E, kv, ids, attn, pos, p, K):
+    """One noise draw of OAR-G on one chunk (call under grad): the perturbed forward over columns [p, width) and
+    dJ/dE of the probe divergence J w.r.t. the (noised) input embeddings. Returns (g, clean embeddings), both
+    (n, width - p, H)."""
+    dev = ids.device
+    if E is None:
+        def perturb(e, noise=noise):  # e: the embeddings of columns [p, width), inside the forward
+            return e + (noise.to(dev, e.dtype) * sigma)[:, p:] * noise_mask[:, p:]
+
+        with model.noised_embeddings(perturb) as rec:
+            if kv is not None:
+                window = model.tail_logits_cached(kv, input_ids=ids[:, p:], attention_mask=attn,
+                                                  position_ids=pos[:, p:], keep=batch.keep)
+            else:
+                window = model.tail_logits(input_ids=ids, attention_mask=attn, position_ids=pos,
+                                           keep=batch.keep)
+        Ek, Ep = rec.noised, rec.clean
+    else:
+        Ep = E[:, p:]
+        Ek = (Ep + (noise.to(dev, E.dtype) * sigma)[:, p:] * noise_mask[:, p:]).requires_grad_(True)
+        if kv is not None:
+            window = model.tail_logits_cached(kv, inputs_embeds=Ek, attention_mask=attn,
+                                              position_ids=pos[:, p:], keep=batch.keep)
+        else:
+            window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos,
+                                       keep=batch.keep)
+    pert = gather_probe_logits(window, batch.probe_start[idx], K)
+    J = _divergence(clean, pert, batch, idx, probe).sum()
+    (g,) = torch.autograd.grad(J, Ek)
+    return g, Ep

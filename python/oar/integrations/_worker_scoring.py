@@ -163,7 +163,7 @@ def score_chunk(config: str | OARConfig, tokenizer, batch: RolloutBatch, model, 
     cfg = OARConfig.from_json(config) if isinstance(config, str) else config
     pipe = pipeline_for(cfg, tokenizer, scope=scope, by_name=by_name)
     pipe.memory_budget_cap_mb = budget_cap_mb
-    with (eval_mode() if eval_mode is not None else contextlib.nullcontext()), torch.enable_grad():
+    with eval_mode() if eval_mode is not None else contextlib.nullcontext():  # OAR-G enables grad for itself
         res = pipe.scores(batch, model)
     return ChunkScores(res.scores.detach().float().cpu(), res.reasoning_mask.detach().bool().cpu(),
                        int(pipe.memory_budget_mb))

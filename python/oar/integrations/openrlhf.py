@@ -36,12 +36,13 @@ from typing import Any
 import torch
 
 from oar import pipeline_cache
-from oar.integrations._common import CONFIG_ENV, config_from_env
+from oar.integrations._config_env import CONFIG_ENV, config_from_env
 from oar.integrations._worker_scoring import score_chunk, split_rows, trainer_budget_mb
 from oar.batch import RolloutBatch
 from oar.methods import method_spec
 from oar.pipeline import Pipeline
-from oar.schema import OARConfig
+from oar.groups import group_ids_from
+from oar.schema import config_arg
 
 SUPPORTED_OPENRLHF = ("0.11.2",)
 #: OpenRLHF advantage estimators (``--algo.advantage.estimator``) whose advantages are one value per response (what
@@ -72,9 +73,7 @@ def _check_signature(fn) -> None:
 
 def _check_config(config) -> None:
 
-    if config is not None and not isinstance(config, OARConfig):
-        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig(method=..., ...))")
+    config_arg(config)
 
 
 def install(config=None, *, model=None) -> None:
@@ -193,7 +192,7 @@ def _compute(self, experiences):
     pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     batch = RolloutBatch(padded("ids", pad), padded("completion", False), prompt_ids=[r["prompt"] for r in rows],
                          eligible_mask=padded("eligible", False), rewards=torch.tensor([r["reward"] for r in rows]),
-                         group_ids=[i // n for i in range(B)], answers=answers,
+                         group_ids=group_ids_from(B, group_size=n), answers=answers,
                          sequence_advantages=torch.tensor([r["adv"] for r in rows]))
     if remote:
         batch.scores, batch.reasoning_mask = _actor_group_scores(self, batch, cfg, tokenizer)
@@ -304,8 +303,6 @@ def _token_budget_cap(args, policy, batch: RolloutBatch) -> int | None:
         return None
     P = max((len(p) for p in batch.prompt_ids), default=0) if batch.prompt_ids is not None else 0
     width = P + int(batch.completion_ids.shape[1])
-    if not getattr(rollout, "max_tokens_per_gpu", None) and not getattr(rollout, "micro_batch_size", None):
-        return None
     return trainer_budget_mb(as_probe_model(policy), max(1, width),
                              dynamic=bool(getattr(getattr(args, "train", None), "dynamic_batch_enable", False)),
                              max_tokens=getattr(rollout, "max_tokens_per_gpu", None),

@@ -35,7 +35,8 @@ import torch
 
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
-from oar.schema import OARConfig
+from oar.groups import group_ids_from
+from oar.schema import OARConfig, config_arg
 
 #: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
 TESTED_TRL = ("1.13.0",)
@@ -79,9 +80,7 @@ def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
     that read reference answers, that a dataset with known columns has the answer column."""
     from oar.methods import method_spec
 
-    if oar_config is not None and not isinstance(oar_config, OARConfig):
-        raise ValueError(f"oar_config must be an oar.OARConfig or None, got {type(oar_config).__name__} "
-                         "(build one with oar.OARConfig(method=...))")
+    config_arg(oar_config, "oar_config")
     if not isinstance(answer_column, str) or not answer_column:
         raise ValueError(f"answer_column must be a non-empty str (a dataset column), got {answer_column!r}")
     spec = method_spec(oar_config.method if oar_config is not None else OARConfig().method)
@@ -204,7 +203,8 @@ class OARTrainerMixin:
             rewards = None
         return RolloutBatch(ids.cpu(), cmask.cpu().bool(), eligible_mask=elig.cpu().bool(),
                             rewards=None if rewards is None else rewards.cpu(),
-                            group_ids=[i // G for i in range(ids.shape[0])], sequence_advantages=adv.cpu())
+                            group_ids=group_ids_from(int(ids.shape[0]), group_size=G),
+                            sequence_advantages=adv.cpu())
 
     def _oar_policy(self):
         """The module attribution runs forwards of: one whose forward is a root forward of the trained policy.

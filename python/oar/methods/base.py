@@ -1,6 +1,6 @@
 """What a credit-assignment method is to the pipeline: a :class:`MethodSpec` row (what it needs, how its credit
 enters the advantages) and, for the methods that score tokens, a scorer built once per :class:`oar.pipeline.Pipeline`
-(so that its state, e.g. screened OAR-P's time budget, lives with the method). docs/architecture.md, "Methods".
+(so that its state, e.g. screened OAR-P's time budget, lives with the method). docs/architecture.md, "Adding a method".
 """
 
 from __future__ import annotations

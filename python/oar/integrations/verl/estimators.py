@@ -38,12 +38,11 @@ from typing import Any, Callable
 import torch
 
 from oar import pipeline_cache
-from oar.integrations._common import config_from_env
+from oar.integrations._config_env import config_from_env
 from oar.integrations.verl import context
 from oar.integrations.verl.rollouts import response_masks, rollout_rows
 from oar.batch import RolloutBatch
-from oar.schema import with_method
-from oar.schema import OARConfig
+from oar.schema import config_arg, with_method
 
 SUPPORTED_VERL = ("0.9.1",)
 
@@ -92,15 +91,11 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
     """
     from oar import _args
 
-    if config is not None and not isinstance(config, OARConfig):
-        raise ValueError(f"config must be an oar.OARConfig or None, got {type(config).__name__} "
-                         "(build one with oar.OARConfig(method=..., ...))")
+    config_arg(config)
     if scorer is not None and not callable(scorer):
         raise ValueError(f"scorer must be callable (data, config, seq_adv) -> (scores, reasoning_mask) or None, "
                          f"got {type(scorer).__name__}")
-    if isinstance(ignore_ids, (str, bytes, torch.Tensor)) or not hasattr(ignore_ids, "__iter__"):
-        raise ValueError(f"ignore_ids must be a sequence of int token ids, got {type(ignore_ids).__name__} {ignore_ids!r}")
-    ids = tuple(_args.int_arg("ignore_ids[i]", x) for x in ignore_ids)
+    ids = _args.token_ids_arg("ignore_ids", ignore_ids)
     _SETTINGS[0] = _Settings(config=config, scorer=scorer, ignore_ids=ids)
 
 

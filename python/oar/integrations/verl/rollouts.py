@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from oar.batch import check_scores
 from oar.methods import method_spec
 
 
@@ -37,25 +38,10 @@ def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> N
     if batch is None or "responses" not in batch.keys():
         raise KeyError(f"data must be a verl DataProto with batch['responses'] (B, R), got {type(data).__name__}"
                        + ("" if batch is None else f" with batch keys {sorted(batch.keys())}"))
-    shape = tuple(batch["responses"].shape)
-    for name, t in (("scores", scores), ("reasoning_mask", reasoning_mask)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be (B, R) = {shape} like batch['responses'], got {got}")
-        if t.device.type == "meta":
-            raise ValueError(f"{name} must hold data, got a tensor on the meta device")
-    if scores.dtype.is_complex or scores.dtype == torch.bool:
-        raise ValueError(f"scores must be real importance values, got dtype {scores.dtype}")
-    if reasoning_mask.dtype != torch.bool and not bool(((reasoning_mask == 0) | (reasoning_mask == 1)).all()):
-        raise ValueError("reasoning_mask must be bool or 0/1, got other values")
-    rm = reasoning_mask.detach().bool()
-    s = scores.detach().float()
-    bad = rm & ~(torch.isfinite(s) & (s >= 0))
-    if bool(bad.any()):
-        i, j = (int(x) for x in torch.nonzero(bad)[0])
-        raise ValueError(f"scores must be finite and >= 0 on reasoning_mask, got scores[{i}, {j}] = {float(s[i, j])}")
-    data.batch["oar_scores"] = s
-    data.batch["oar_reasoning_mask"] = rm
+    # (B, R): the shape of batch['responses']
+    s, rm = check_scores(scores, reasoning_mask, "(B, R)", tuple(batch["responses"].shape))
+    data.batch["oar_scores"] = s.to(scores.device)
+    data.batch["oar_reasoning_mask"] = rm.to(scores.device)
 
 
 def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "ground_truth")) -> dict:

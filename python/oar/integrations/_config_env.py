@@ -1,5 +1,5 @@
 """Reading the OAR config from the environment, for the trainer adapters that run in processes the user's code
-does not reach (verl's TaskRunner, OpenRLHF's Ray workers). The methods themselves live in :mod:`oar.pipeline`.
+does not reach (verl's TaskRunner, OpenRLHF's Ray workers). The schema and its readers live in :mod:`oar.schema`.
 
 Nothing here imports a trainer framework.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from oar.schema import OARConfig
+from oar.schema import config_from_mapping, with_method, yaml_load
 
 #: Environment variable read by the verl plugin and the OpenRLHF launcher when no config was passed in code:
 #: a JSON object (the ``oar`` schema of docs/config.md) or a path to a JSON/YAML file holding one.
@@ -36,22 +36,24 @@ def config_from_env(method: str | None = None):
         else:
             if not os.path.isfile(raw):
                 raise ValueError(f"${CONFIG_ENV} must be a JSON object or an existing file, got {raw!r}")
-            import yaml
-
             is_yaml = raw.endswith((".yaml", ".yml"))
+            what = f"${CONFIG_ENV} file {raw!r}"
             try:
                 with open(raw, encoding="utf-8") as f:
                     text = f.read()
-                obj = (yaml.safe_load(text) if is_yaml else json.loads(text)) or {}
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-                kind = "YAML" if is_yaml else "JSON"
-                msg = str(e).replace("\n", " ")
-                raise ValueError(f"${CONFIG_ENV} file {raw!r} is not readable {kind}: {msg}") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"{what} is not readable {'YAML' if is_yaml else 'JSON'}: {e}") from None
+            if is_yaml:
+                obj = yaml_load(text, what) or {}
+            else:
+                try:
+                    obj = json.loads(text) or {}
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{what} is not valid JSON: {e}") from None
             # a whole run config (configs/*.yaml, runs/*/config.json) holds the schema under "oar"
             obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
         if not isinstance(obj, dict):
             raise ValueError(f"${CONFIG_ENV} must hold a JSON object, got {type(obj).__name__}")
-    if method is not None:
-        obj = dict(obj, method=method)
-    return OARConfig.from_json(json.dumps(obj))
+    cfg = config_from_mapping(obj)
+    return with_method(cfg, method) if method is not None else cfg
 
