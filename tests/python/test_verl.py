@@ -190,7 +190,7 @@ def test_attached_scores_are_used(tiny):
     seq = _run(data, "oar_grpo")[:, 0]
     exp, _ = ops.reshape_advantages(seq, scores, mask, mask)
     torch.testing.assert_close(adv, exp, rtol=0, atol=0)  # one reshape: the op's own result
-    with pytest.raises(ValueError, match=r"scores must be \(B, R\)"):
+    with pytest.raises(ValueError, match=r"scores must be a \(B, R\) = \(\d+, \d+\) tensor, got"):
         oar_verl.attach_scores(data, scores[:, :3], mask)
 
 
