@@ -21,7 +21,8 @@ __all__ = ["token_advantages"]
 def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                      offsets=None, group_ids=None, group_size: int | None = None, model=None, tokenizer=None,
                      prompt_ids: Sequence | None = None, answers: Sequence[str] | None = None, config=None,
-                     eligible_mask: torch.Tensor | None = None, preset: str | None = None) -> TokenAdvantages:
+                     eligible_mask: torch.Tensor | None = None, preset: str | None = None,
+                     span_starts: torch.Tensor | None = None) -> TokenAdvantages:
     """Group advantages + the configured method in one call (method.md sections 1-6 and 8).
 
     Args:
@@ -40,6 +41,8 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
         eligible_mask: (B, C) tokens that carry the loss, a subset of ``completion_mask`` (default
             ``completion_mask``); nothing outside it is masked, perturbed or scored.
         preset: trainer convention of the group statistics ("trl", "verl", "openrlhf"); default: the config's.
+        span_starts: optional (B, C) bool, True on the tokens that begin a masking unit (your own spans, e.g.
+            reasoning steps; docs/method.md section 11), used instead of the config's ``mask_unit``.
 
     Returns:
         :class:`oar.batch.TokenAdvantages` with ``advantages`` (B, C) float32 (0 off ``eligible_mask``),
@@ -58,5 +61,5 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
     if groups is None:
         raise ValueError("pass exactly one of offsets, group_ids, group_size; got none")
     batch = RolloutBatch(completion_ids, completion_mask, prompt_ids=prompt_ids, eligible_mask=eligible_mask,
-                         rewards=rewards, group_ids=groups, answers=answers)
+                         rewards=rewards, group_ids=groups, answers=answers, span_starts=span_starts)
     return pipe.compute(batch, model, preset=preset)

@@ -44,6 +44,10 @@ class RolloutBatch:
             (methods ``entropy`` and ``entropy_shaping`` then run no forward).
         scores, reasoning_mask: optional (B, C) importance scores (>= 0 on the mask) and bool reasoning mask
             computed elsewhere (e.g. on the trainer's workers); the reshaping methods then run no scorer.
+        span_starts: optional (B, C) bool or 0/1, True on the completion tokens that begin a masking unit (the
+            caller's own span boundaries, docs/method.md section 11): used instead of the config's ``mask_unit``.
+            A span runs from a start to the token before the next start (or the end of the reasoning) and never
+            crosses a token outside ``eligible_mask``.
     """
 
     completion_ids: torch.Tensor
@@ -57,6 +61,7 @@ class RolloutBatch:
     entropy: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     reasoning_mask: torch.Tensor | None = None
+    span_starts: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -142,7 +147,8 @@ def check_token_ids(cids: torch.Tensor, cmask: torch.Tensor, prompt_ids: Sequenc
 class Batch:
     """A validated :class:`RolloutBatch` on the CPU (:func:`validate`): ``cids`` (B, C) int64, ``cmask`` /
     ``eligible`` (B, C) bool, ``rewards`` (B,) or None, ``group_ids`` B ids or None, ``entropy`` / ``scores`` (B, C)
-    float32 or None, ``reasoning`` (B, C) bool or None; ``out_device``: where the outputs go."""
+    float32 or None, ``reasoning`` (B, C) bool or None, ``span_starts`` (B, C) bool or None; ``out_device``: where the
+    outputs go."""
 
     B: int
     C: int
@@ -157,6 +163,7 @@ class Batch:
     scores: torch.Tensor | None
     reasoning: torch.Tensor | None
     out_device: torch.device
+    span_starts: torch.Tensor | None = None
 
 
 def check_scores(scores, reasoning_mask, dims: str, shape: tuple, eligible: torch.Tensor | None = None):
@@ -204,10 +211,13 @@ def validate(batch: RolloutBatch) -> Batch:
         raise ValueError("scores and reasoning_mask must be given together (both (B, C)) or not at all")
     if batch.scores is not None:
         scores, reasoning = check_scores(batch.scores, batch.reasoning_mask, "(B, C)", (B, C), eligible)
+    span_starts = (None if batch.span_starts is None
+                   else _args.mask_arg("span_starts", batch.span_starts, "(B, C)", (B, C)).cpu())
     dev = (batch.sequence_advantages.device if isinstance(batch.sequence_advantages, torch.Tensor)
            else rewards.device if rewards is not None else cids.device)
     return Batch(B, C, cids.detach().cpu(), cmask, eligible, batch.prompt_ids, rewards, groups,
-                  None if batch.answers is None else list(batch.answers), entropy, scores, reasoning, dev)
+                  None if batch.answers is None else list(batch.answers), entropy, scores, reasoning, dev,
+                  span_starts)
 
 
 def _nan_reward_error(rewards: torch.Tensor, groups: list, skip_hint: bool = True) -> ValueError:

@@ -21,6 +21,7 @@ import torch
 
 from oar import _args, ops
 from oar.attribution import DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
+from oar.attribution.spans import span_starts, span_sums, spans_of, token_texts
 from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_sequence_advantages,
                        check_token_ids, validate)
 from oar.distributed import ForwardGate, distributed_world
@@ -240,8 +241,12 @@ class Pipeline:
                        else [torch.zeros(0, dtype=torch.long)] * b.B)
             pbatch, cols = self._probe_batch(b, step.active, prompts, builder)
             positions = self._eligible_positions(b, step.active, cols, pbatch)
+            step.spans = self._spans(b, step.active, cols, pbatch, positions)
             att = self.scorer.score(step, pm, pbatch, positions)
         step.stats.update({k: v for k, v in att.stats.items() if k != "padding_forwards"})
+        if step.spans is not None and not getattr(self.scorer, "masks_spans", False):
+            for i, units in step.spans.items():  # the unit rule for token-level scorers (method.md section 11)
+                att.scores[i] = span_sums(att.scores[i], units)
         for i in step.active:
             L = int(pbatch.reasoning_len[i])
             sc[i, cols[i][:L]] = att.scores[i, :L]
@@ -276,6 +281,26 @@ class Pipeline:
             restricted |= not bool(ok.all())
             out[i] = torch.nonzero(ok).flatten().tolist()
         return out if restricted else None
+
+    def _spans(self, b: Batch, active: list[int], cols, pbatch, positions) -> dict | None:
+        """{row: [(j0, j1), ...]} masking units of the scored rows (docs/method.md section 11): from the batch's
+        ``span_starts`` when given, else from the decoded reasoning tokens by the config's ``mask_unit``; cut at
+        tokens that are not eligible. None for token units without ``span_starts``."""
+        unit = self.config.mask_unit
+        if unit == "token" and b.span_starts is None:
+            return None
+        out = {}
+        for i in active:
+            L = int(pbatch.reasoning_len[i])
+            if L == 0:
+                continue
+            c = cols[i][:L]
+            starts = (b.span_starts[i, c] if b.span_starts is not None
+                      else span_starts(token_texts(self.tokenizer, b.cids[i, c]), unit))
+            units = spans_of(starts, None if positions is None else positions[i])
+            if units:
+                out[i] = units
+        return out
 
     def _reasoning_mask(self, b: Batch, active: list[int]) -> torch.Tensor:
         lens = self.reasoning_lengths(b.cids, b.cmask, active)

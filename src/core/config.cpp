@@ -77,6 +77,7 @@ const std::set<std::string>& known_keys() {
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
       "screen_fraction", "screen_sample", "screen_budget", "screen", "screen_window",
+      "mask_unit",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -186,6 +187,9 @@ OARConfig parse_oar_config(const std::string& json_text) {
     fail("screen", "must be \"window\" or \"oar_g\", got " + json(cfg.screen).dump());
   cfg.screen_window = get_int(obj, "screen_window", cfg.screen_window);
   if (cfg.screen_window < 0) fail("screen_window", "must be >= 0, got " + std::to_string(cfg.screen_window));
+  cfg.mask_unit = get_string(obj, "mask_unit", cfg.mask_unit);
+  if (cfg.mask_unit != "token" && cfg.mask_unit != "word" && cfg.mask_unit != "line" && cfg.mask_unit != "sentence")
+    fail("mask_unit", "must be \"token\", \"word\", \"line\" or \"sentence\", got " + json(cfg.mask_unit).dump());
   cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
   if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
     fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +
@@ -237,6 +241,7 @@ std::string to_json(const OARConfig& cfg) {
   j["screen_budget"] = cfg.screen_budget;
   j["screen"] = cfg.screen;
   j["screen_window"] = cfg.screen_window;
+  j["mask_unit"] = cfg.mask_unit;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;
   j["ktae_alpha"] = cfg.ktae.alpha;

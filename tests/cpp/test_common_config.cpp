@@ -46,6 +46,7 @@ TEST(Config, DefaultsFollowMethodMd) {
   EXPECT_DOUBLE_EQ(c.screen_budget, 0.0);
   EXPECT_EQ(c.screen, "window");
   EXPECT_EQ(c.screen_window, 8);
+  EXPECT_EQ(c.mask_unit, "token");  // the paper's unit
 }
 
 TEST(Config, ParsesEveryFieldAndRoundTrips) {
@@ -97,6 +98,10 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"screen": "entropy"})"); },
                  "oar.screen must be \"window\" or \"oar_g\", got \"entropy\"");
   expect_invalid([] { parse_oar_config(R"({"screen_window": -1})"); }, "oar.screen_window must be >= 0, got -1");
+  expect_invalid([] { parse_oar_config(R"({"mask_unit": "step"})"); },
+                 "oar.mask_unit must be \"token\", \"word\", \"line\" or \"sentence\", got \"step\"");
+  EXPECT_EQ(parse_oar_config(R"({"mask_unit": "line"})").mask_unit, "line");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"mask_unit": "word"})"))).mask_unit, "word");
   expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
   expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");
   expect_invalid([] { parse_oar_config("{not json"); }, "not valid JSON");

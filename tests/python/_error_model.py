@@ -391,11 +391,13 @@ def _oar_p_divergence(clean: torch.Tensor, pert: torch.Tensor, probe: str) -> to
     return (clean.exp() * (clean - pert)).sum().clamp_min(0)
 
 
-def oar_p_error_bound(model, batch, probe: str = "answer_mean"):
+def oar_p_error_bound(model, batch, probe: str = "answer_mean", spans=None):
     """Exact OAR-P scores of a probe ``batch`` on the float64 copy of ``model`` and their float32 error bounds.
 
     One unpadded context per forward (clean, then each reasoning token masked with PAD), the probe statistic and
-    the divergence as in :mod:`oar.reference` (method.md section 3), all under :func:`error_bound`.
+    the divergence as in :mod:`oar.reference` (method.md section 3), all under :func:`error_bound`. ``spans``
+    ({row: [(j0, j1), ...]}, method.md section 11): each span masked whole instead, its score on each of its tokens
+    (others 0).
 
     Returns:
         :class:`Bounded`, (B, L_max) float64; positions past a row's reasoning length are 0 with bound 0.
@@ -410,13 +412,12 @@ def oar_p_error_bound(model, batch, probe: str = "answer_mean"):
         for r in range(B):
             ids, s, L, cols, a_ids = _row_context(batch, r, torch.device("cpu"))
             clean = _probe_stat(m64(input_ids=ids[None]).logits[0], cols, a_ids, probe)
-            row = []
-            for j in range(L):
+            row = [torch.zeros((), dtype=torch.float64)] * Lm
+            for j0, j1 in ([(j, j + 1) for j in range(L)] if spans is None else spans.get(r, [])):
                 masked = ids.clone()
-                masked[s + j] = batch.pad_id
+                masked[s + j0:s + j1] = batch.pad_id
                 pert = _probe_stat(m64(input_ids=masked[None]).logits[0], cols, a_ids, probe)
-                row.append(_oar_p_divergence(clean, pert, probe))
-            row += [torch.zeros((), dtype=torch.float64)] * (Lm - L)
+                row[j0:j1] = [_oar_p_divergence(clean, pert, probe)] * (j1 - j0)
             elements += row
             rows.append(torch.stack(row))
         return torch.stack(rows), elements
@@ -424,12 +425,13 @@ def oar_p_error_bound(model, batch, probe: str = "answer_mean"):
     return error_bound(run)
 
 
-def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mean"):
+def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mean", spans=None):
     """Windowed OAR-P scores of a probe ``batch`` on the float64 copy of ``model`` and their float32 error bounds,
     step by step as :func:`oar.reference.oar_p_window_naive` (one unpadded context, one masked token at a time, a
     Hugging Face cache and 2-D masks), under :func:`error_bound`. The clean cache is recomputed for each masked
     token instead of copied (a copy of a tensor inside an autograd graph is not supported): the same operations on
-    the same values, so the same scores and bounds.
+    the same values, so the same scores and bounds. ``spans`` ({row: [(j0, j1), ...]}): each span masked whole,
+    re-running its tokens and the ``window`` tokens after it; its score on each of its tokens (others 0).
 
     Returns:
         :class:`Bounded`, (B, L_max) float64; positions past a row's reasoning length are 0 with bound 0.
@@ -451,14 +453,14 @@ def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mea
             n = ids.numel()
             clean = _probe_stat(m64(input_ids=ids[None]).logits[0], cols, a_ids, probe)
             tail = min(s + L, n - batch.keep)
-            row = []
-            for j in range(L):
-                t = s + j
+            row = [torch.zeros((), dtype=torch.float64)] * Lm
+            for j0, j1 in ([(j, j + 1) for j in range(L)] if spans is None else spans.get(r, [])):
+                t = s + j0
                 cache = DynamicCache(config=m64.config)
                 m64(input_ids=ids[None, :tail], use_cache=True, **{ckw: cache})
-                win = list(range(t, min(t + 1 + window, tail)))
+                win = list(range(t, min(s + j1 + window, tail)))
                 masked = ids.clone()
-                masked[t] = batch.pad_id
+                masked[t:s + j1] = batch.pad_id
                 if win:
                     att = torch.ones(1, tail + len(win), dtype=torch.long)
                     att[0, t:tail] = 0
@@ -469,8 +471,7 @@ def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mea
                 logits = m64(input_ids=masked[None, tail:], attention_mask=att, use_cache=True,
                              position_ids=torch.arange(tail, n)[None], **{ckw: cache}).logits[0]
                 full = torch.cat([torch.zeros(tail, logits.shape[-1], dtype=logits.dtype), logits])
-                row.append(_oar_p_divergence(clean, _probe_stat(full, cols, a_ids, probe), probe))
-            row += [torch.zeros((), dtype=torch.float64)] * (Lm - L)
+                row[j0:j1] = [_oar_p_divergence(clean, _probe_stat(full, cols, a_ids, probe), probe)] * (j1 - j0)
             elements += row
             rows.append(torch.stack(row))
         return torch.stack(rows), elements

@@ -73,6 +73,11 @@ struct OARConfig {
   /// 0 = off; > 1: the masked share is also cut so that a step takes at most screen_budget x a GRPO step
   /// (wall time measured between pipeline calls; then results depend on timing).
   double screen_budget = 0.0;
+  /// The masking unit (docs/method.md section 11, our extension): "token" (the paper's), "word" (a run of
+  /// letters/digits or of punctuation, split at whitespace), "line" (up to and including a newline) or "sentence"
+  /// (a line, also split after . ! ? followed by whitespace). OAR-P masks a whole unit per variant; the token-level
+  /// scorers (OAR-G, entropy, random) sum their tokens' scores per unit; every token of a unit gets its unit's score.
+  std::string mask_unit = "token";
   EntropyShapingOptions entropy_shaping;     ///< method "entropy_shaping"
   KtaeOptions ktae;                          ///< method "ktae"
 };

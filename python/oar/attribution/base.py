@@ -25,6 +25,7 @@ from oar.schema import PROBES
 from oar.attribution import planner
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
+from oar.attribution.spans import check_spans
 
 
 
@@ -169,34 +170,64 @@ def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_
     return ops.probe_divergence(clean.to(pert.dtype), pert, probe=probe, answer_ids=answer_ids, lengths=lengths)
 
 
-def _variants(batch: ProbeBatch, rows: Sequence[int], positions=None):
-    """Flattened variant list, rollout-major: rows, masked columns, reasoning indices j (int64 tensors)."""
-    var_row, var_col, var_j = [], [], []
+def _units(batch: ProbeBatch, rows: Sequence[int], positions, spans) -> dict[int, list[tuple[int, int]]] | None:
+    """The masking units of the OAR-P engines: {row: [(j0, j1), ...]} from ``spans`` (checked here) or from the
+    checked ``positions`` (one token each); None when neither is given (every reasoning token its own unit).
+    Raises ValueError for both at once or spans that :func:`oar.attribution.spans.check_spans` refuses."""
+    if spans is None:
+        return None if positions is None else {r: [(j, j + 1) for j in sorted(set(js))] for r, js in positions.items()}
+    if positions is not None:
+        raise ValueError("pass positions (single tokens) or spans (token ranges), not both")
+    return check_spans(spans, {int(r): int(batch.reasoning_len[r]) for r in rows})
+
+
+def _variants(batch: ProbeBatch, rows: Sequence[int], units=None):
+    """Flattened variant list, rollout-major, one variant per unit (:func:`_units`; None = every reasoning token):
+    rows, first masked column, first reasoning index j, number of masked tokens (int64 tensors)."""
+    var_row, var_col, var_j, var_len = [], [], [], []
     for r in rows:
-        L = int(batch.reasoning_len[r])
         s = int(batch.reasoning_start[r])
-        js = range(L) if positions is None else sorted(set(int(j) for j in positions.get(r, ())))
-        var_row += [r] * len(js)
-        var_col += [s + j for j in js]
-        var_j += list(js)
+        spans = [(j, j + 1) for j in range(int(batch.reasoning_len[r]))] if units is None else units.get(r, ())
+        for j0, j1 in spans:
+            var_row.append(r)
+            var_col.append(s + j0)
+            var_j.append(j0)
+            var_len.append(j1 - j0)
     as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return as_t(var_row), as_t(var_col), as_t(var_j)
+    return as_t(var_row), as_t(var_col), as_t(var_j), as_t(var_len)
 
 
-def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor) -> None:
-    """Checks a chunk's divergences and writes them into ``res.scores``."""
+def _span_mask(cols: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """(N, S) bool: True where column ``cols`` (N, S) or (S,) lies in variant n's masked range [starts[n],
+    starts[n] + lens[n])."""
+    cols = cols if cols.dim() == 2 else cols.view(1, -1)
+    return (cols >= starts.view(-1, 1)) & (cols < (starts + lens).view(-1, 1))
+
+
+def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor,
+           lens: torch.Tensor | None = None) -> None:
+    """Checks a chunk's divergences and writes them into ``res.scores``: variant n's score on its masked tokens
+    [j_index[n], j_index[n] + lens[n]) (every token of a span gets the span's score; method.md section 11)."""
     if not bool(torch.isfinite(d).all()):
         # probe_divergence returns +inf when the masked model gives zero probability (a -inf logit) to a token
         # the clean model predicts; such a score cannot be normalized.
         k = int(torch.nonzero(~torch.isfinite(d))[0])
+        what = (f"reasoning token {int(j_index[k])}" if lens is None or int(lens[k]) == 1 else
+                f"reasoning tokens [{int(j_index[k])}, {int(j_index[k]) + int(lens[k])})")
         raise ValueError(
-            f"oar_p_scores: masking reasoning token {int(j_index[k])} of row {int(row_index[k])} gives a non-finite "
+            f"oar_p_scores: masking {what} of row {int(row_index[k])} gives a non-finite "
             f"divergence ({float(d[k])}): the masked probe distribution puts zero probability (-inf logits) where "
             "the clean one has mass"
         )
     if probe == "answer_joint":
         d = d.clamp_min(0.0)  # method.md section 2: I = max(0, phi_clean - phi_masked)
-    res.scores[row_index, j_index] = d.float().cpu()
+    d = d.float().cpu()
+    if lens is None or bool((lens == 1).all()):
+        res.scores[row_index, j_index] = d
+        return
+    reps = lens.cpu()
+    offs = torch.arange(int(reps.sum())) - torch.repeat_interleave(reps.cumsum(0) - reps, reps)
+    res.scores[row_index.repeat_interleave(reps), j_index.repeat_interleave(reps) + offs] = d.repeat_interleave(reps)
 
 
 def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int):

@@ -25,7 +25,9 @@ from oar.attribution.base import (
     _empty,
     _engine_args,
     _int_value,
+    _span_mask,
     _store,
+    _units,
     _variants,
 )
 from oar.attribution.context import ProbeBatch
@@ -50,7 +52,7 @@ class _OarPRun:
     max_variants: int  # 0 = no cap
     clean_logits: torch.Tensor | None  # (B, K_max, V) or None (the batched path only)
     max_prefix_waste: float  # in (0, 1] (the prefix path only)
-    positions: dict[int, list[int]] | None  # {row: reasoning indices} or None = every reasoning token
+    units: dict[int, list[tuple[int, int]]] | None  # {row: [(j0, j1)] masked together} or None = every token
     device: torch.device  # the model's
     clean_pass: CleanPass | None = None  # the prefix path's clean pass, already run (screened OAR-P)
 
@@ -59,7 +61,8 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
                  memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
                  clean_logits: torch.Tensor | None = None, engine: str = "auto",
                  max_prefix_waste: float = 0.1, positions: Mapping[int, Sequence[int]] | None = None,
-                 clean_pass: CleanPass | None = None) -> Attribution:
+                 clean_pass: CleanPass | None = None,
+                 spans: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> Attribution:
     """OAR-P importance (method.md section 3): I_t = KL(p_clean || p_masked_t), or the clamped drop of the
     answer log-likelihood for ``probe="answer_joint"``.
 
@@ -96,6 +99,11 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         clean_pass: the :class:`CleanPass` of this batch over (at least) the rows scored, from
             :func:`~oar.attribution.window.oar_p_window_scores` (``keep_clean_pass=True``): the prefix engine uses it instead of running its
             own clean forward (same numbers); ignored by the batched engine.
+        spans: optional {row: [(j0, j1), ...]} masking units (docs/method.md section 11): each variant replaces
+            reasoning tokens [j0, j1) by PAD at once and its divergence is the score of every one of them
+            (:mod:`oar.attribution.spans` computes word / line / sentence spans). Ranges sorted, disjoint,
+            non-empty, within the row's reasoning tokens; tokens outside every span score 0. Exclusive with
+            ``positions``; None = every reasoning token its own unit.
 
     Returns:
         Attribution with stats ``forward_passes`` (model calls), ``variants``, ``chunks``, ``engine``,
@@ -108,7 +116,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             >= 1, max_variants_per_chunk not an int >= 0, token ids outside the model's vocabulary,
             clean_logits of the wrong shape, ``engine="prefix"`` on a model without a croppable cache, a
             masked variant whose divergence is infinite (zero probability where the clean distribution has
-            mass).
+            mass); spans that are not sorted disjoint ranges of the row, or given with ``positions``.
     """
     max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
     if max_variants < 0:
@@ -119,6 +127,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    units = _units(batch, rows, positions, spans)
     if engine == "prefix" and not caps.prefix_cache:
         raise ValueError("engine='prefix' needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          "PrefixCacheModel: supports_prefix_cache = True, kv_bytes_per_token, tail_logits_and_cache, "
@@ -129,7 +138,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     if _log.isEnabledFor(logging.DEBUG):
         why = ("requested" if asked != "auto" else "prefix cache" if engine == "prefix"
                else "clean_logits given" if caps.prefix_cache else "no prefix cache")
@@ -143,7 +152,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         raise ValueError(f"clean_pass covers rows {list(clean_pass.rows)[:8]}, not every row scored ({rows[:8]})")
     run = _OarPRun(model=model, caps=caps, batch=batch, rows=tuple(rows), probe=probe, budget=budget,
                    max_variants=max_variants, clean_logits=clean_logits, max_prefix_waste=max_prefix_waste,
-                   positions=positions, device=torch.device(model.device), clean_pass=clean_pass)
+                   units=units, device=torch.device(model.device), clean_pass=clean_pass)
     stats = (_oar_p_prefix if engine == "prefix" else _oar_p_batched)(run, res)
     res.stats.update(engine=engine, seconds=time.perf_counter() - t0, **stats)
     _log.info("oar_p_scores: %s engine, %d rows, %d variants in %d chunks%s, %d forwards, %.3f s", engine, len(rows),
@@ -158,7 +167,7 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
     the stats."""
     model, batch, rows, probe, dev = run.model, run.batch, run.rows, run.probe, run.device
     clean_all, clean_row, passes = _clean(model, batch, rows, run.clean_logits)
-    var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
+    var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     counts = [int((var_row_t == r).sum()) for r in rows]
@@ -172,13 +181,15 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
             off = T - width  # left padding: every context in the chunk lies within the last `width` columns
             row_index = var_row_t[sl]
             masked = ops.build_masked_batch(batch.input_ids[:, off:], row_index, var_col_t[sl] - off, batch.pad_id)
+            if run.units is not None:  # spans: the unit's other tokens too
+                masked.masked_fill_(_span_mask(torch.arange(width), var_col_t[sl] - off, var_len_t[sl]), batch.pad_id)
             window = model.tail_logits(input_ids=masked.to(dev), attention_mask=batch.attention_mask[row_index, off:].to(dev),
                                        position_ids=batch.position_ids[row_index, off:].to(dev), keep=batch.keep)
             passes += 1
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], batch.answer_ids.shape[1])
             clean = clean_all[clean_index_t[sl].to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl])
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl], var_len_t[sl])
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
@@ -199,9 +210,9 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
             cached_rows = list(rows)
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
-        var_row_t, var_col_t, var_j_t = _variants(batch, rows, run.positions)
+        var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)
         order = torch.argsort(var_col_t, stable=True)
-        var_row_t, var_col_t, var_j_t = var_row_t[order], var_col_t[order], var_j_t[order]
+        var_row_t, var_col_t, var_j_t, var_len_t = var_row_t[order], var_col_t[order], var_j_t[order], var_len_t[order]
         slot = {r: i for i, r in enumerate(cached_rows)}  # row -> index in clean_all / kv_all
         var_slot_t = torch.tensor([slot[int(r)] for r in var_row_t], dtype=torch.long)
         plan = planner.plan_prefix(model, batch, var_col_t.tolist(), budget, run.max_variants, run.max_prefix_waste)
@@ -214,15 +225,15 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             # The run must cover the kept probe window: with a short conclude string the last reasoning tokens
             # lie inside it, and a prefix past T - keep would leave fewer than keep positions to read.
             p = min(ch.prefix_len, T - batch.keep)
-            row_index, slots, cols, js = var_row_t[sl], var_slot_t[sl], var_col_t[sl], var_j_t[sl]
+            row_index, slots, cols, js, lens = var_row_t[sl], var_slot_t[sl], var_col_t[sl], var_j_t[sl], var_len_t[sl]
             # Shared-prefix attention reads each row's prefix in place and needs the suffixes free of padding
             # (a chunk may mix rows whose padding reaches past p: those chunks take the cached path).
             use_shared = shared and max(pad_of_slot[int(x)] for x in slots.unique()) <= p
             if use_shared:  # group the variants by cached row: one prefix attention call per row
                 order = torch.argsort(slots, stable=True)
-                row_index, slots, cols, js = row_index[order], slots[order], cols[order], js[order]
+                row_index, slots, cols, js, lens = row_index[order], slots[order], cols[order], js[order], lens[order]
             masked = batch.input_ids[row_index, p:].clone()
-            masked[torch.arange(masked.shape[0]), cols - p] = batch.pad_id
+            masked.masked_fill_(_span_mask(torch.arange(T - p), cols - p, lens), batch.pad_id)
             if use_shared:
                 ids, counts = torch.unique_consecutive(slots, return_counts=True)
                 ends = counts.cumsum(0).tolist()
@@ -244,6 +255,6 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], K)
             clean = clean_all[slots.to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens,
             "shared_prefix_chunks": shared_chunks}

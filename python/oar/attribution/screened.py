@@ -25,6 +25,7 @@ import torch
 from oar.attribution.context import ProbeBatch
 from oar.attribution.base import Attribution
 from oar.attribution.oar_p import oar_p_scores
+from oar.attribution.spans import check_spans
 
 
 def _fraction(name: str, value) -> float:
@@ -127,7 +128,7 @@ def budget_fraction(costs: Sequence[Sequence[float]], max_fraction: float, sampl
 
 def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, fraction: float, sample_fraction: float,
                           rows: Sequence[int] | None = None, generator: torch.Generator | None = None,
-                          positions: dict | None = None, **oar_p_kwargs) -> Attribution:
+                          positions: dict | None = None, spans: dict | None = None, **oar_p_kwargs) -> Attribution:
     """Screened OAR-P scores of ``batch`` (module docstring).
 
     Args:
@@ -139,16 +140,21 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
         generator: CPU generator of the random sample.
         positions: {row: reasoning indices} the only candidates of a row (as :func:`oar.attribution.oar_p_scores`:
             tool outputs excluded); the fractions are of a row's candidates, other tokens score 0. None = all.
+        spans: {row: [(j0, j1), ...]} masking units (docs/method.md section 11; exclusive with ``positions``): the
+            candidates are the spans, a span's screen score is the mean of its tokens' screen scores (the screen in
+            unit form: every token of a span carrying the span's score, as the window engine run with the same
+            spans or :func:`oar.attribution.spans.span_sums` give it), and every token of an unmasked span gets
+            ``a x`` that score.
         oar_p_kwargs: passed to :func:`oar.attribution.oar_p_scores` (probe, memory_budget_mb, engine, ...).
 
     Returns:
-        Attribution (B, L_max) float32 >= 0: exact OAR-P scores on the selected tokens, ``a_i x screen``
-        elsewhere; stats of the exact pass plus ``masked`` (tokens masked exactly), ``scored_tokens`` (reasoning
-        tokens scored), ``calibration`` ({row: a_i}).
+        Attribution (B, L_max) float32 >= 0: exact OAR-P scores on the selected units, ``a_i x screen``
+        elsewhere; stats of the exact pass plus ``masked`` (units masked exactly), ``scored_tokens`` (units
+        scored: reasoning tokens with token units), ``calibration`` ({row: a_i}).
 
     Raises:
         ValueError: as :func:`screen_selection` and :func:`oar.attribution.oar_p_scores`; a screen whose shape is not
-            the batch's (B, L_max), or with scores < 0 / not finite on its mask.
+            the batch's (B, L_max), or with scores < 0 / not finite on its mask; both positions and spans.
     """
     B = int(batch.input_ids.shape[0])
     L_max = int(batch.reasoning_len.max()) if B else 0
@@ -159,33 +165,49 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
         raise ValueError("screen.scores must be finite and >= 0 on screen.mask")
     if _fraction("fraction", fraction) + _fraction("sample_fraction", sample_fraction) <= 0:
         raise ValueError("fraction + sample_fraction must be > 0: a screen that masks nothing has no exact scale")
+    if positions is not None and spans is not None:
+        raise ValueError("pass positions (single tokens) or spans (token ranges), not both")
     rows = list(range(B)) if rows is None else [int(r) for r in rows]
-    candidates = {}
+    lengths = {r: int(batch.reasoning_len[r]) for r in rows}
+    if spans is not None:
+        spans = check_spans(spans, lengths)
+    candidates: dict[int, list[tuple[int, int]]] = {}  # per row: its units (j0, j1)
     for r in rows:
-        L = int(batch.reasoning_len[r])
-        cand = list(range(L)) if positions is None else sorted({int(j) for j in positions.get(r, ())})
-        if any(not 0 <= j < L for j in cand):
-            raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {cand[:8]}")
+        L = lengths[r]
+        if spans is not None:
+            cand = spans.get(r, [])
+        else:
+            js = list(range(L)) if positions is None else sorted({int(j) for j in positions.get(r, ())})
+            if any(not 0 <= j < L for j in js):
+                raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {js[:8]}")
+            cand = [(j, j + 1) for j in js]
         if cand:
             candidates[r] = cand
-    selection: dict[int, tuple[list[int], list[int]]] = {}
+
+    def unit_scores(scores: torch.Tensor, units) -> torch.Tensor:
+        return torch.stack([scores[j0:j1].double().mean() for j0, j1 in units])
+
+    selection: dict[int, tuple[list[int], list[int]]] = {}  # per row: indices into candidates[r]
     for r, cand in candidates.items():
-        top, sample = screen_selection(sc[r, cand], fraction, sample_fraction, generator)
-        selection[r] = ([cand[i] for i in top], [cand[i] for i in sample])
+        selection[r] = screen_selection(unit_scores(sc[r], cand), fraction, sample_fraction, generator)
     chosen_of = {r: sorted(top + sample) for r, (top, sample) in selection.items() if top or sample}
     if screen.clean_pass is not None and "clean_pass" not in oar_p_kwargs:
         oar_p_kwargs = dict(oar_p_kwargs, clean_pass=screen.clean_pass)  # the screen's clean forward, reused
-    exact = oar_p_scores(model, batch, rows=rows, positions=chosen_of, **oar_p_kwargs)
+    exact = oar_p_scores(model, batch, rows=rows, spans={r: [candidates[r][i] for i in idx]
+                                                         for r, idx in chosen_of.items()}, **oar_p_kwargs)
     out = exact.scores.clone()
     calibration = {}
     for r, (top, sample) in selection.items():
+        cand = candidates[r]
         chosen = chosen_of.get(r, [])
-        a = calibrate(sc[r], exact.scores[r], sample, chosen)
+        s_u = unit_scores(sc[r], cand)
+        e_u = unit_scores(exact.scores[r], cand)
+        a = calibrate(s_u, e_u, sample, chosen)
         calibration[r] = a
         taken = set(chosen)
-        rest = [j for j in candidates[r] if j not in taken]
-        if rest:
-            out[r, rest] = (a * sc[r, rest].double()).float()
+        for i, (j0, j1) in enumerate(cand):
+            if i not in taken:
+                out[r, j0:j1] = float(a * s_u[i])
     stats = dict(exact.stats, masked=sum(len(p) for p in chosen_of.values()),
                  scored_tokens=sum(len(c) for c in candidates.values()), calibration=calibration)
     return Attribution(out, exact.mask, stats)

@@ -22,6 +22,7 @@ from oar.attribution.base import (
     _engine_args,
     _int_value,
     _store,
+    _units,
     _variants,
 )
 from oar.attribution.context import ProbeBatch
@@ -32,7 +33,8 @@ _log = logging.getLogger("oar")
 
 def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                         rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
-                        memory_budget_mb: int = 1024, keep_clean_pass: bool = False) -> Attribution:
+                        memory_budget_mb: int = 1024, keep_clean_pass: bool = False,
+                        spans: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> Attribution:
     """Windowed OAR-P (the screen of screened OAR-P; docs/design.md "Screened OAR-P"): I_t as in
     :func:`~oar.attribution.oar_p.oar_p_scores` (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
     the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
@@ -52,6 +54,9 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             (``HFProbeModel``: transformers passes a 4-D mask through as it is).
         window: int >= 0, the later reasoning tokens re-run with each masked token.
         probe, rows, positions, memory_budget_mb: as :func:`~oar.attribution.oar_p.oar_p_scores`.
+        spans: optional {row: [(j0, j1), ...]} masking units, as :func:`~oar.attribution.oar_p.oar_p_scores`: a
+            span's variant masks all its tokens and re-runs them plus the ``window`` reasoning tokens after the
+            span's last token (the window counts tokens whatever the unit).
         keep_clean_pass: attach the clean pass (:class:`CleanPass`: probe logits and key/value cache of the rows
             scored) to the result, for the exact pass of screened OAR-P (memory: the cache of those rows).
     Returns:
@@ -66,6 +71,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     if window < 0:
         raise ValueError(f"window must be an int >= 0, got {window}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    units = _units(batch, rows, positions, spans)
     if not caps.prefix_cache:
         raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
@@ -73,7 +79,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine="window", seconds=0.0)
         return res
@@ -84,19 +90,20 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     with torch.no_grad():
         clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
         dtype = kv_all[0][0].dtype
-        var_row_t, var_col_t, var_j_t = _variants(batch, rows, positions)
+        var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, units)
         slot = {r: i for i, r in enumerate(rows)}
-        # Re-run columns of each variant: [t, t + 1 + window) and the tail [min(end of reasoning, T - keep), T).
+        # Re-run columns of each variant (masked columns [t, t + n)): [t, t + n + window) and the tail
+        # [min(end of reasoning, T - keep), T).
         runs = []
-        for r, t in zip(var_row_t.tolist(), var_col_t.tolist()):
+        for r, t, n in zip(var_row_t.tolist(), var_col_t.tolist(), var_len_t.tolist()):
             tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
-            runs.append(sorted(set(range(t, min(t + 1 + window, T))) | set(range(tail, T))))
+            runs.append(sorted(set(range(t, min(t + n + window, T))) | set(range(tail, T))))
         shared = caps.shared_prefix
         plan = planner.plan_window(model, batch, len(runs), max(len(c) for c in runs), budget, shared=shared)
         chunks = 0
         for ch in plan:
             sl = slice(ch.begin, ch.end)
-            row_index, cols_t, js = var_row_t[sl], var_col_t[sl], var_j_t[sl]
+            row_index, cols_t, js, lens = var_row_t[sl], var_col_t[sl], var_j_t[sl], var_len_t[sl]
             part = runs[sl]
             N, S = len(part), max(len(c) for c in part)
             colq = torch.full((N, S), -1, dtype=torch.long)  # original column of each suffix slot, -1 = padding
@@ -105,7 +112,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             valid = colq >= 0
             ids = batch.input_ids[row_index.view(-1, 1), colq.clamp_min(0)]
             ids[~valid] = batch.pad_id
-            ids[torch.arange(N), (colq == cols_t.view(-1, 1)).long().argmax(1)] = batch.pad_id  # the masked token
+            ids[(colq >= cols_t.view(-1, 1)) & (colq < (cols_t + lens).view(-1, 1))] = batch.pad_id  # the masked unit
             pos = torch.where(valid, batch.position_ids[row_index.view(-1, 1), colq.clamp_min(0)], torch.zeros(()))
             rerun = torch.zeros((N, T), dtype=torch.bool)
             rerun[torch.arange(N).view(-1, 1).expand_as(colq)[valid], colq[valid]] = True
@@ -135,7 +142,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             tokens += int(valid.sum())
             pert = gather_probe_logits(win, batch.probe_start[row_index], K)
             clean = clean_all[dslots.to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js)
+            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
     res.stats.update(forward_passes=passes, variants=int(var_row_t.numel()), chunks=chunks, tokens=tokens,
                      engine="window", seconds=time.perf_counter() - t0)
     if keep_clean_pass:

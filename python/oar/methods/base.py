@@ -36,6 +36,10 @@ class Step:
         model: the policy as the caller passed it (None when not given).
         stats: engine counters the method adds to (``forward_passes``, ``screen_fraction``, ...).
         gate: the :class:`oar.distributed.ForwardGate` of ``model_pass`` when ranks are kept in step, else None.
+        spans: the masking units of the scored rows (config ``mask_unit`` or the batch's ``span_starts``;
+            docs/method.md section 11) as {row: [(j0, j1), ...]} reasoning-index ranges, None for token units. A
+            scorer that masks spans itself (``masks_spans = True``, OAR-P) reads them; the pipeline applies the
+            unit rule (:func:`oar.attribution.spans.span_sums`) to every other scorer's token scores.
     """
 
     b: object
@@ -50,6 +54,7 @@ class Step:
     model: object = None
     stats: dict = field(default_factory=dict)
     gate: object = None
+    spans: dict | None = None
 
 
 @dataclass(frozen=True)

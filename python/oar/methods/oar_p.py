@@ -10,6 +10,7 @@ import time
 
 from oar.attribution import oar_g_scores, oar_p_scores, oar_p_window_scores, probe_capabilities
 from oar.attribution.screened import budget_fraction, oar_p_screened_scores
+from oar.attribution.spans import span_sums
 from oar.methods.base import MethodSpec, Step
 
 _log = logging.getLogger("oar")
@@ -17,7 +18,10 @@ _log = logging.getLogger("oar")
 
 class OARPScorer:
     """OAR-P scores of the eligible reasoning tokens, exact or screened (state: the exact pass's measured seconds per
-    token, which the time budget reads on the next call)."""
+    token, which the time budget reads on the next call). Masks the pipeline's spans itself (``Step.spans``: one variant
+    per span, docs/method.md section 11)."""
+
+    masks_spans = True
 
     def __init__(self, config):
         self.config = config
@@ -28,6 +32,8 @@ class OARPScorer:
         cfg = self.config
         kw = dict(probe=cfg.probe, memory_budget_mb=step.memory_budget_mb,
                   max_variants_per_chunk=cfg.max_variants_per_chunk)
+        if step.spans is not None:  # the spans already leave out the tokens that are not eligible
+            positions, kw["spans"] = None, step.spans
         if cfg.screen_fraction < 1:
             return self._screened(step, pm, pbatch, positions, kw)
         return oar_p_scores(pm, pbatch, rows=step.active, positions=positions, **kw)
@@ -48,11 +54,14 @@ class OARPScorer:
         if kind == "window":
             screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
                                          rows=step.active, positions=positions, memory_budget_mb=step.memory_budget_mb,
-                                         keep_clean_pass=True)
+                                         keep_clean_pass=True, spans=step.spans)
         else:
             screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=step.active, sigma=cfg.sigma,
                                   noise_draws=cfg.noise_draws, generator=step.generator,
-                                  memory_budget_mb=step.memory_budget_mb, positions=positions)
+                                  memory_budget_mb=step.memory_budget_mb,
+                                  positions=positions if step.spans is None else _span_positions(step.spans))
+            for r, units in (step.spans or {}).items():  # the screen in unit form (method.md section 11)
+                screen.scores[r] = span_sums(screen.scores[r], units)
         screen_s = time.perf_counter() - t0
         fraction = self._fraction(step, pbatch, positions, screen_s, screen.clean_pass is None)
         att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
@@ -83,9 +92,17 @@ class OARPScorer:
         T = int(pbatch.input_ids.shape[1])
         costs = []  # per row: the suffix cost (tokens) of each candidate (left-padded: every context ends at T)
         for r in step.active:
-            cand = range(int(pbatch.reasoning_len[r])) if positions is None else positions.get(r, ())
+            if step.spans is not None:
+                cand = [j0 for j0, _ in step.spans.get(r, ())]
+            else:
+                cand = range(int(pbatch.reasoning_len[r])) if positions is None else positions.get(r, ())
             costs.append([T - int(pbatch.reasoning_start[r]) - j for j in cand])
         return budget_fraction(costs, f_max, float(cfg.screen_sample), budget_tokens)
+
+
+def _span_positions(spans: dict) -> dict:
+    """{row: the reasoning indices the spans cover} (the tokens an OAR-G screen perturbs and scores)."""
+    return {r: [j for j0, j1 in units for j in range(j0, j1)] for r, units in spans.items()}
 
 
 SPEC = MethodSpec("oar_p", "reshape", needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARPScorer)
