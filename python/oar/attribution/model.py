@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import ContextManager, Protocol, runtime_checkable
 
@@ -235,7 +236,7 @@ class HFProbeModel:
     Uses ``model(..., logits_to_keep=keep, use_cache=False)`` so the LM head runs only on the probe window.
     ``eval_mode()`` switches off dropout for the duration of an attribution pass and restores the mode.
     For OAR-P's prefix engine it offers the clean key/value cache (:meth:`tail_logits_and_cache`), suffix
-    passes on a copied prefix (:meth:`tail_logits_cached`) and, for CPU Llama/Qwen2/Qwen3 models, suffix
+    passes on a copied prefix (:meth:`tail_logits_cached`) and, for Llama/Qwen2/Qwen3 models, suffix
     passes that read each row's prefix in place through a registered attention function
     (:meth:`tail_logits_shared_prefix`; switch off with ``shared_prefix_attention = False``). Sizes come from
     the model's (text) config, else from its embedding matrices.
@@ -365,19 +366,38 @@ class HFProbeModel:
 
     #: Set to False to make the prefix engine use :meth:`tail_logits_cached` for every chunk.
     shared_prefix_attention: bool = True
+    #: The kernel of :meth:`tail_logits_shared_prefix`: ``"auto"`` (PyTorch's CPU flash kernel on CPU,
+    #: FlexAttention elsewhere), ``"flash_cpu"`` or ``"flex"`` (FlexAttention with one block mask over every row's
+    #: prefix and every suffix: compiled on CUDA, PyTorch's unfused reference implementation on CPU, which tests it).
+    shared_prefix_kernel: str = "auto"
 
     @property
     def supports_shared_prefix_attention(self) -> bool:
         """True when :meth:`tail_logits_shared_prefix` can run this model: a croppable cache
         (:attr:`supports_prefix_cache`), an architecture whose attention modules call the attention
         interface with plain causal semantics (Llama, Qwen2, Qwen3), a CPU model (the attention with
-        log-sum-exp is PyTorch's CPU flash kernel; on GPUs the engine keeps the cached path) and the switch
-        :attr:`shared_prefix_attention` on."""
-        if not self.shared_prefix_attention or not self.supports_prefix_cache or self.device.type != "cpu":
+        log-sum-exp is PyTorch's CPU flash kernel) or a model on any device with FlexAttention (the kernel
+        :attr:`shared_prefix_kernel`), and the switch :attr:`shared_prefix_attention` on."""
+        if not self.shared_prefix_attention or not self.supports_prefix_cache:
             return False
-        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        if getattr(self._text_config, "model_type", None) not in _SHARED_PREFIX_MODEL_TYPES:
             return False
-        return getattr(self._text_config, "model_type", None) in _SHARED_PREFIX_MODEL_TYPES
+        kernel = self._shared_prefix_kernel()
+        if kernel == "flash_cpu":
+            return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        return _flex_attention_available()
+
+    def _shared_prefix_kernel(self) -> str:
+        """The kernel :meth:`tail_logits_shared_prefix` runs (:attr:`shared_prefix_kernel` resolved)."""
+        kernel = self.shared_prefix_kernel
+        if kernel not in ("auto", "flash_cpu", "flex"):
+            raise ValueError(f"shared_prefix_kernel must be 'auto', 'flash_cpu' or 'flex', got {kernel!r}")
+        if kernel == "auto":
+            return "flash_cpu" if self.device.type == "cpu" else "flex"
+        if kernel == "flash_cpu" and self.device.type != "cpu":
+            raise ValueError(f"shared_prefix_kernel 'flash_cpu' runs on CPU only; this model is on {self.device}: "
+                             "use 'flex' or 'auto'")
+        return kernel
 
     def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int,
                                   prefix_bias: torch.Tensor | None = None, self_bias: torch.Tensor | None = None):
@@ -391,7 +411,10 @@ class HFProbeModel:
         (pad <= prefix_len); the groups must cover 0..N in order. Attention is computed in two exact parts
         merged by their log-sum-exp: the suffix queries of a row against its prefix (one call per row, its
         suffixes' queries stacked, no mask but the padding) and each suffix against itself (causal, so the
-        kernel skips the upper triangle). Equal to :meth:`tail_logits_cached` within float rounding (tested).
+        kernel skips the upper triangle), or (kernel ``"flex"``, :attr:`shared_prefix_kernel`) in one
+        FlexAttention call per layer whose block mask lets each suffix query see its row's prefix and its own
+        suffix only (the used rows' prefixes are gathered once per layer and chunk, never per suffix). Equal to
+        :meth:`tail_logits_cached` within float rounding (tested).
         Optional masks replace the padding mask and the causal one (windowed OAR-P): ``prefix_bias`` (N, S,
         prefix_len) and ``self_bias`` (N, 1, S, S), additive floats (0 = attend, dtype-min = not); every query must
         attend at least one key of the suffix part (e.g. itself).
@@ -411,7 +434,8 @@ class HFProbeModel:
                 raise ValueError(f"tail_logits_shared_prefix: {name} must have shape {want}, got {tuple(m.shape)}")
         _register_shared_prefix_attention()
         ctx = _SharedPrefix(prefix_kv, [(int(sl), int(b), int(e), int(pd)) for sl, b, e, pd in groups],
-                            int(prefix_len), prefix_bias=prefix_bias, self_bias=self_bias)
+                            int(prefix_len), prefix_bias=prefix_bias, self_bias=self_bias,
+                            kernel=self._shared_prefix_kernel())
         cfg = self.model.config
         old = cfg._attn_implementation
         token = _SHARED_PREFIX.set(ctx)
@@ -474,6 +498,8 @@ class _SharedPrefix:
     bias: dict = field(default_factory=dict)  # pad -> additive (1, 1, 1, p) mask, built once per call
     prefix_bias: torch.Tensor | None = None  # (N, S, p) additive mask of each suffix query over its prefix
     self_bias: torch.Tensor | None = None  # (N, 1, S, S) additive mask of the suffix over itself (None: causal)
+    kernel: str = "flash_cpu"  # "flash_cpu" | "flex"
+    block_mask: object = None  # the flex kernel's block mask, built by the first layer, shared by the others
 
 
 _SHARED_PREFIX: contextvars.ContextVar = contextvars.ContextVar("oar_shared_prefix", default=None)
@@ -497,11 +523,14 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
         raise RuntimeError("oar shared-prefix attention runs in eval mode only (dropout must be 0)")
     if kwargs.get("sliding_window") is not None:
         raise RuntimeError("oar shared-prefix attention does not support sliding-window layers")
-    # Under CPU autocast (e.g. a trainer's bf16 mixed precision) the rotary embedding leaves queries and keys
-    # in float32 and values in bf16; SDPA's autocast rule runs attention in the autocast dtype, the private
-    # kernel needs one dtype: use the same one.
-    dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    # Under autocast (e.g. a trainer's bf16 mixed precision) the rotary embedding leaves queries and keys in
+    # float32 and values in bf16; SDPA's autocast rule runs attention in the autocast dtype, the kernels need one
+    # dtype: use the same one.
+    dev = query.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
     query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    if ctx.kernel == "flex":
+        return _shared_prefix_flex(ctx, module, query, key, value, scaling), None
     N, H, S, D = query.shape
     rep = H // key.shape[1]
     if rep > 1:  # grouped-query attention: query head h reads kv head h // rep
@@ -540,6 +569,86 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     w_s = (lse_s - top).exp_().unsqueeze(-1)
     out = (out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)
     return out.to(dt).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _flex_attention_available() -> bool:
+    """FlexAttention importable (torch >= 2.5)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _flex_kernel(device_type: str):
+    """FlexAttention as the shared-prefix kernel runs it: compiled (dynamic shapes: chunks differ in size) on CUDA,
+    PyTorch's unfused implementation elsewhere (CPU: the reference the tests compare; it materializes the scores of
+    one layer and chunk)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=True)
+    return flex_attention
+
+
+def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device):
+    """The flex kernel's block mask over queries (N x S suffix tokens, variant-major) and keys (the used rows'
+    prefixes, p columns each, in group order, then the N x S suffix tokens): a query of variant v at suffix slot i
+    sees column c < p of its row's prefix when c >= the row's padding (or ``prefix_bias[v, i, c]`` allows it) and
+    slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    p = ctx.p
+    g = len(ctx.groups)
+    group_of = torch.empty(n, dtype=torch.long)
+    pads = torch.tensor([pad for _, _, _, pad in ctx.groups], dtype=torch.long, device=device)
+    for k, (_, begin, end, _) in enumerate(ctx.groups):
+        group_of[begin:end] = k
+    group_of = group_of.to(device)
+    see_p = None if ctx.prefix_bias is None else (ctx.prefix_bias == 0)
+    see_s = None if ctx.self_bias is None else (ctx.self_bias[:, 0] == 0)
+    n_pre = g * p
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        v, i = q_idx // s, q_idx % s
+        pre_idx = kv_idx.clamp(max=max(n_pre - 1, 0))
+        row, c = pre_idx // max(p, 1), pre_idx % max(p, 1)
+        pre = (kv_idx < n_pre) & (row == group_of[v])
+        pre = pre & (see_p[v, i, c] if see_p is not None else c >= pads[row])
+        suf_idx = (kv_idx - n_pre).clamp(min=0)
+        w, j = suf_idx // s, suf_idx % s
+        suf = (kv_idx >= n_pre) & (w == v)
+        suf = suf & (see_s[v, i, j] if see_s is not None else j <= i)
+        return pre | suf
+
+    return create_block_mask(mask_mod, None, None, n * s, n_pre + n * s, device=device)
+
+
+def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
+    """The shared-prefix attention of one layer in one FlexAttention call: query (N, H, S, D), key / value
+    (N, kv_heads, S, D) of the suffixes; the used rows' clean prefixes (p columns) gathered once into the key
+    sequence. Returns (N, S, H, D)."""
+    N, H, S, D = query.shape
+    hk = key.shape[1]
+    p = ctx.p
+    if ctx.block_mask is None:
+        ctx.block_mask = _shared_prefix_block_mask(ctx, N, S, query.device)
+    keys, values = ctx.kv[module.layer_idx]
+    k_s = key.transpose(0, 1).reshape(1, hk, N * S, D)
+    v_s = value.transpose(0, 1).reshape(1, hk, N * S, D)
+    if p > 0:
+        idx = torch.tensor([slot for slot, _, _, _ in ctx.groups], dtype=torch.long, device=keys.device)
+        k_p = keys[:, :, :p].index_select(0, idx).to(query.dtype).transpose(0, 1).reshape(1, hk, -1, D)
+        v_p = values[:, :, :p].index_select(0, idx).to(query.dtype).transpose(0, 1).reshape(1, hk, -1, D)
+        k_s, v_s = torch.cat([k_p, k_s], 2), torch.cat([v_p, v_s], 2)
+    q = query.transpose(0, 1).reshape(1, H, N * S, D)
+    with warnings.catch_warnings():  # the unfused CPU path is chosen on purpose (PyTorch warns about it)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = _flex_kernel(query.device.type)(q, k_s, v_s, block_mask=ctx.block_mask, scale=scaling,
+                                              enable_gqa=H != hk)
+    return out.reshape(H, N, S, D).permute(1, 2, 0, 3).contiguous()
 
 
 def _no_mask(*args, **kwargs):
