@@ -99,3 +99,50 @@ def test_kernel_names_are_checked(gqa):
     pm.shared_prefix_kernel = "triton"
     with pytest.raises(ValueError, match=r"shared_prefix_kernel must be 'auto', 'flash_cpu' or 'flex', got 'triton'"):
         oar_p_scores(pm, batch, engine="prefix")
+
+
+# ---- CUDA: the compiled kernel the engines run on GPUs (benchmarks/gpu/run_scale.sh runs these) -------------------
+
+from _devices import OTHER_DEVICES, no_pending_device_errors  # noqa: E402,F401 - autouse fixture
+from _error_model import Bounded  # noqa: E402
+from _tolerance import UNIT_ROUNDOFF  # noqa: E402
+
+
+def _rounded_to(model, dtype):
+    """A float32 copy of ``model`` whose weights are exactly representable in ``dtype`` (so that the float64
+    reference and a ``dtype`` run start from the same weights)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(prm.to(dtype).float())
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", OTHER_DEVICES)
+@pytest.mark.parametrize("engine", ["prefix", "window"])
+def test_cuda_flex_kernel_equals_the_float64_reference(gqa, device, dtype, engine):
+    """On CUDA, ``shared_prefix_kernel="auto"`` is the compiled FlexAttention kernel: the prefix engine (word spans)
+    and the windowed engine (window 3) in float32 and bfloat16 against the float64 CPU reference of the same
+    (rounded) weights. float32: rule 1. bfloat16: the first-order bounds scale with the unit roundoff, so the budget
+    is the float32 one times u_bf16 / u_fp32; it is checked to stay below max |value| (a wrong mask or row moves a
+    score by its own size)."""
+    model, batch, spans = gqa
+    m = _rounded_to(model, dtype)
+    pm = HFProbeModel(m.to(device=device, dtype=dtype))
+    assert pm._shared_prefix_kernel() == "flex" and probe_capabilities(pm).shared_prefix
+    if engine == "prefix":
+        res = oar_p_scores(pm, batch, engine="prefix", spans=spans, memory_budget_mb=1)
+        want = oar_p_error_bound(m.float().cpu(), batch, "answer_mean", spans=spans)
+    else:
+        res = oar_p_window_scores(pm, batch, window=3, memory_budget_mb=1)
+        want = oar_p_window_error_bound(m.float().cpu(), batch, 3, "answer_mean")
+    W = want.value.shape[1]
+    if dtype == torch.float32:
+        assert_within_error_model(res.scores[:, :W], want, what=f"cuda flex {engine} fp32")
+    else:
+        s = UNIT_ROUNDOFF[torch.bfloat16] / UNIT_ROUNDOFF[torch.float32]
+        scaled = Bounded(want.value, want.bound * s, want.bound_ref)
+        assert_within_error_model(res.scores[:, :W], scaled, vacuous_above=1.0, what=f"cuda flex {engine} bf16")

@@ -1,0 +1,69 @@
+"""benchmarks/python/bench_scale.py (issue 23): the cost model's forwards per row are exactly the token-columns the
+engines run (their own ``tokens`` stats) on a one-row batch, and ``time`` runs every setting end to end."""
+
+import csv
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
+import bench_scale as bs  # noqa: E402
+
+from oar.app.models import minimal_tokenizer, tiny_random_llama  # noqa: E402
+from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_p_scores, oar_p_window_scores  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_row():
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    P, L = 30, 53
+    batch = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{").build(
+        [torch.randint(6, 100, (P,), generator=g)], [torch.randint(6, 100, (L,), generator=g)], ["42"], [L])
+    T = int(batch.input_ids.shape[1])
+    tail = T - P - L
+    assert int(batch.reasoning_start[0]) == P and T - int(batch.keep) >= P + L  # the model's assumptions hold
+    return HFProbeModel(model), batch, P, L, T, tail
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_window_count(one_row, window):
+    pm, batch, P, L, T, tail = one_row
+    res = oar_p_window_scores(pm, batch, window=window)
+    assert res.stats["tokens"] == pytest.approx(bs.forwards_per_row("window", L, P, tail, window=window) * T)
+
+
+@pytest.mark.parametrize("unit_len", [1, 7, 25])
+def test_span_counts(one_row, unit_len):
+    pm, batch, P, L, T, tail = one_row
+    spans = {0: [(s, min(s + unit_len, L)) for s in bs.unit_starts(L, unit_len)]}
+    exact = oar_p_scores(pm, batch, spans=spans, engine="prefix", max_variants_per_chunk=1)
+    assert exact.stats["tokens"] == pytest.approx(bs.forwards_per_row("span", L, P, tail, unit_len=unit_len) * T)
+    for window in (0, 8):
+        win = oar_p_window_scores(pm, batch, window=window, spans=spans)
+        want = bs.forwards_per_row("span_window", L, P, tail, window=window, unit_len=unit_len) * T
+        assert win.stats["tokens"] == pytest.approx(want)
+    if unit_len == 1:  # one-token units are exact token OAR-P
+        assert bs.forwards_per_row("span", L, P, tail, unit_len=1) == pytest.approx(
+            bs.forwards_per_row("exact", L, P, tail))
+
+
+def test_cost_table_orders_the_settings():
+    rows = {(r["L"], r["setting"]): r["forwards_per_row"] for r in bs.cost_table([4096], 200, 40, 8, [25], 0.1)}
+    assert rows[4096, "span_window 25 W=8"] < rows[4096, "window W=8"] < rows[4096, "span 25"] < rows[4096, "exact"]
+    assert rows[4096, "grpo"] == bs.GRPO_FORWARDS
+    with pytest.raises(ValueError, match="setting must be one of"):
+        bs.forwards_per_row("bogus", 10, 1, 1)
+
+
+def test_time_runs_every_setting(tmp_path):
+    rows = bs.time_settings("tiny", 40, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1)
+    assert [r["setting"] for r in rows] == ["grpo_update_proxy", "oar_g", "window W=2", "span 8", "span_window 8 W=2"]
+    assert all(r["seconds"] > 0 for r in rows)
+    assert rows[3]["variants"] == rows[4]["variants"] == 5 and rows[2]["variants"] == 40
+    assert bs.main(["cost", "--lengths", "512", "--unit-len", "25", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "cost_model.csv") as f:
+        assert len(list(csv.DictReader(f))) == 7
