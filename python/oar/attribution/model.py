@@ -367,7 +367,7 @@ class HFProbeModel:
     #: Set to False to make the prefix engine use :meth:`tail_logits_cached` for every chunk.
     shared_prefix_attention: bool = True
     #: The kernel of :meth:`tail_logits_shared_prefix`: ``"auto"`` (PyTorch's CPU flash kernel on CPU,
-    #: FlexAttention elsewhere), ``"flash_cpu"`` or ``"flex"`` (FlexAttention with one block mask over every row's
+    #: FlexAttention on CUDA, none on other devices), ``"flash_cpu"`` or ``"flex"`` (FlexAttention with one block mask over every row's
     #: prefix and every suffix: compiled on CUDA, PyTorch's unfused reference implementation on CPU, which tests it).
     shared_prefix_kernel: str = "auto"
 
@@ -382,6 +382,8 @@ class HFProbeModel:
             return False
         if getattr(self._text_config, "model_type", None) not in _SHARED_PREFIX_MODEL_TYPES:
             return False
+        if self.shared_prefix_kernel == "auto" and self.device.type not in ("cpu", "cuda"):
+            return False  # FlexAttention elsewhere (MPS, XPU) has not been checked: the cached path runs
         kernel = self._shared_prefix_kernel()
         if kernel == "flash_cpu":
             return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
