@@ -179,9 +179,6 @@ OARConfig parse_oar_config(const std::string& json_text) {
   cfg.screen_sample = get_number(obj, "screen_sample", cfg.screen_sample);
   if (!(cfg.screen_sample >= 0 && cfg.screen_sample <= 1))
     fail("screen_sample", "must be in [0, 1], got " + json(cfg.screen_sample).dump());
-  if (cfg.screen_fraction < 1 && !(cfg.screen_fraction + cfg.screen_sample > 0))
-    fail("screen_sample", "must be > 0 when oar.screen_fraction is 0 (nothing would be masked exactly), got " +
-                              json(cfg.screen_sample).dump());
   cfg.screen = get_string(obj, "screen", cfg.screen);
   if (cfg.screen != "window" && cfg.screen != "oar_g")
     fail("screen", "must be \"window\" or \"oar_g\", got " + json(cfg.screen).dump());

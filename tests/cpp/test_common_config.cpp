@@ -92,8 +92,8 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"sigma": 0})"); }, "oar.sigma");
   expect_invalid([] { parse_oar_config(R"({"screen_fraction": 1.5})"); }, "oar.screen_fraction must be in [0, 1]");
   expect_invalid([] { parse_oar_config(R"({"screen_sample": -0.1})"); }, "oar.screen_sample must be in [0, 1]");
-  expect_invalid([] { parse_oar_config(R"({"screen_fraction": 0, "screen_sample": 0})"); },
-                 "oar.screen_sample must be > 0 when oar.screen_fraction is 0");
+  // screen_fraction = screen_sample = 0: the screen alone (windowed OAR-P)
+  EXPECT_DOUBLE_EQ(parse_oar_config(R"({"screen_fraction": 0, "screen_sample": 0})").screen_sample, 0.0);
   expect_invalid([] { parse_oar_config(R"({"screen_budget": 1.0})"); }, "oar.screen_budget must be 0 (off) or > 1");
   expect_invalid([] { parse_oar_config(R"({"screen": "entropy"})"); },
                  "oar.screen must be \"window\" or \"oar_g\", got \"entropy\"");

@@ -69,7 +69,9 @@ struct OARConfig {
   /// tokens and the probe tail) or "oar_g" (OAR-G with this config's sigma / noise_draws).
   std::string screen = "window";
   int64_t screen_window = 8;                 ///< >= 0, the "window" screen's re-run reasoning tokens
-  double screen_sample = 0.05;               ///< in [0, 1]; screen_fraction + screen_sample > 0
+  /// in [0, 1]; screen_fraction = screen_sample = 0: the screen's scores alone, nothing masked exactly (with
+  /// screen "window": windowed OAR-P, the cheap setting at long responses; docs/method.md section 11)
+  double screen_sample = 0.05;
   /// 0 = off; > 1: the masked share is also cut so that a step takes at most screen_budget x a GRPO step
   /// (wall time measured between pipeline calls; then results depend on timing).
   double screen_budget = 0.0;

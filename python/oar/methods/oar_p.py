@@ -41,8 +41,11 @@ class OARPScorer:
     def _screened(self, step: Step, pm, pbatch, positions, kw):
         """The screen (config ``screen``: windowed OAR-P with ``screen_window``, or OAR-G with the config's sigma and
         noise draws), then exact masking of the selection. A model without the prefix-cache capability (sliding-window
-        or recurrent layers) cannot run the window screen: OAR-G screens instead (warned once)."""
+        or recurrent layers) cannot run the window screen: OAR-G screens instead (warned once). With
+        ``screen_fraction = screen_sample = 0`` the screen's scores are the result (windowed OAR-P: nothing is masked
+        exactly, no calibration; the reshaping normalizes each row's scores anyway)."""
         cfg = self.config
+        screen_only = cfg.screen_fraction == 0 and cfg.screen_sample == 0
         kind = cfg.screen
         if kind == "window" and not probe_capabilities(pm).prefix_cache:
             if not self._warned_screen:
@@ -54,7 +57,7 @@ class OARPScorer:
         if kind == "window":
             screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
                                          rows=step.active, positions=positions, memory_budget_mb=step.memory_budget_mb,
-                                         keep_clean_pass=True, spans=step.spans)
+                                         keep_clean_pass=not screen_only, spans=step.spans)
         else:
             screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=step.active, sigma=cfg.sigma,
                                   noise_draws=cfg.noise_draws, generator=step.generator,
@@ -63,6 +66,9 @@ class OARPScorer:
             for r, units in (step.spans or {}).items():  # the screen in unit form (method.md section 11)
                 screen.scores[r] = span_sums(screen.scores[r], units)
         screen_s = time.perf_counter() - t0
+        if screen_only:
+            screen.stats.update(screen_fraction=0.0, screen_seconds=screen_s)
+            return screen
         fraction = self._fraction(step, pbatch, positions, screen_s, screen.clean_pass is None)
         att = oar_p_screened_scores(pm, pbatch, screen, fraction=fraction, sample_fraction=cfg.screen_sample,
                                     rows=step.active, generator=step.generator, positions=positions, **kw)
