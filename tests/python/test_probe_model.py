@@ -214,7 +214,7 @@ def test_planners_use_the_declared_activation_cost(tiny):
     torch.testing.assert_close(one.scores, each.scores, rtol=0, atol=0)  # the same model: only the chunking differs
     g = Toy(len(tok), bytes_per_token=2**20)
     assert oar_g_scores(g, batch, memory_budget_mb=1, generator=torch.Generator().manual_seed(0)).stats["chunks"] == 2
-    assert g.declared == [(T, True)]
+    assert g.declared == [(T, False), (T, True)]  # its clean pass (chunked), then forward + backward
 
 
 # ---- the page's example (docs/models.md) -----------------------------------------------------------------------
