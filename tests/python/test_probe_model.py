@@ -131,11 +131,15 @@ def test_capabilities_of_a_plain_model_and_of_hf_models(tiny):
     pm = HFProbeModel(model)
     assert isinstance(pm, ProbeModel) and isinstance(pm, PrefixCacheModel) and isinstance(pm, SharedPrefixModel)
     assert isinstance(pm, EmbeddingNoiseModel)
+    impl = model.config._attn_implementation  # transformers' default for a model built from a config: sdpa
+    assert impl == "sdpa"
     assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=True,
-                                                       embedding_noise=True)
+                                                       embedding_noise=True, activation_checkpointing=True,
+                                                       attn_implementation="sdpa", dense_mask=True)
     pm.shared_prefix_attention = False
     assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=False,
-                                                       embedding_noise=True)
+                                                       embedding_noise=True, activation_checkpointing=True,
+                                                       attn_implementation="sdpa", dense_mask=True)
     assert as_probe_model(model).model is model and as_probe_model(pm) is pm
 
 
@@ -205,11 +209,12 @@ def test_planners_use_the_declared_activation_cost(tiny):
     one = oar_p_scores(small, batch, memory_budget_mb=1)
     each = oar_p_scores(huge, batch, memory_budget_mb=1)
     assert (one.stats["chunks"], each.stats["chunks"]) == (1, n)
-    assert small.declared == [(T, False)]  # asked once, for the widest context
+    # asked once by the clean pass (plan_clean, full width T) and once by the variants (the widest context)
+    assert small.declared == [(T, False), (T, False)]
     torch.testing.assert_close(one.scores, each.scores, rtol=0, atol=0)  # the same model: only the chunking differs
     g = Toy(len(tok), bytes_per_token=2**20)
     assert oar_g_scores(g, batch, memory_budget_mb=1, generator=torch.Generator().manual_seed(0)).stats["chunks"] == 2
-    assert g.declared == [(T, True)]
+    assert g.declared == [(T, False), (T, True)]  # its clean pass (chunked), then forward + backward
 
 
 # ---- the page's example (docs/models.md) -----------------------------------------------------------------------

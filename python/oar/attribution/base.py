@@ -140,21 +140,48 @@ def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
     return Attribution(torch.zeros((batch.batch_size, L), dtype=torch.float32), mask)
 
 
-def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
+def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int] | None = None,
+                       memory_budget_mb: int | None = None) -> torch.Tensor:
     """Probe logits (n, K_max, V) (the model's dtype, on its device) of the unperturbed contexts of ``rows`` (all
-    rows by default), one forward without grad."""
-    idx = torch.tensor(list(rows) if rows is not None else list(range(batch.batch_size)), dtype=torch.long)
+    rows by default), without grad: one forward, or with ``memory_budget_mb`` (an int >= 1) forwards over chunks of
+    rows planned by :func:`oar.attribution.planner.plan_clean` (no cache kept).
+
+    Raises:
+        ValueError: ``memory_budget_mb`` not None nor an int >= 1.
+    """
+    rows = list(rows) if rows is not None else list(range(batch.batch_size))
+    budget = None if memory_budget_mb is None else planner.budget_bytes(memory_budget_mb)
+    return _clean_logits(model, batch, rows, budget)[0]
+
+
+def _clean_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int], budget: int | None):
+    """Clean probe logits (n, K_max, V) of ``rows`` without grad, in chunks of rows under ``budget`` bytes (None:
+    one forward), and the number of forwards."""
+    idx = torch.tensor(rows, dtype=torch.long)
     dev = torch.device(model.device)
+    if budget is None or not rows:
+        spans = [(0, len(rows))]
+    else:
+        spans = [(ch.begin, ch.end) for ch in planner.plan_clean(model, batch, len(rows), budget, cache=False)]
+    parts = []
     with torch.no_grad():
-        window = model.tail_logits(input_ids=batch.input_ids[idx].to(dev), attention_mask=batch.attention_mask[idx].to(dev),
-                                   position_ids=batch.position_ids[idx].to(dev), keep=batch.keep)
-        return gather_probe_logits(window, batch.probe_start[idx], batch.answer_ids.shape[1])
+        for begin, end in spans:
+            sel = idx[begin:end]
+            window = model.tail_logits(input_ids=batch.input_ids[sel].to(dev),
+                                       attention_mask=batch.attention_mask[sel].to(dev),
+                                       position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+            parts.append(gather_probe_logits(window, batch.probe_start[sel], batch.answer_ids.shape[1]))
+            del window
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), len(spans)
 
 
-def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logits: torch.Tensor | None):
-    """Clean probe logits for ``rows``: (logits, row -> index into logits, forward passes spent)."""
+def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logits: torch.Tensor | None,
+           budget: int | None = None):
+    """Clean probe logits for ``rows`` (in chunks under ``budget`` bytes when given): (logits, row -> index into
+    logits, forward passes spent)."""
     if clean_logits is None:
-        return clean_probe_logits(model, batch, rows), {r: i for i, r in enumerate(rows)}, 1
+        logits, passes = _clean_logits(model, batch, list(rows), budget)
+        return logits, {r: i for i, r in enumerate(rows)}, passes
     want = (batch.batch_size, batch.answer_ids.shape[1])
     if not isinstance(clean_logits, torch.Tensor) or clean_logits.dim() != 3 or tuple(clean_logits.shape[:2]) != want:
         got = tuple(clean_logits.shape) if isinstance(clean_logits, torch.Tensor) else type(clean_logits).__name__
@@ -238,17 +265,27 @@ def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int
     dev = torch.device(model.device)
     idx_rows = torch.tensor(list(rows), dtype=torch.long)
     plan = planner.plan_clean(model, batch, len(rows), budget)
-    clean_parts, kv_parts, passes, tokens = [], [], 0, 0
+    clean_parts, kv_all, passes, tokens = [], None, 0, 0
+    n = len(rows)
     for ch in plan:
         sel = idx_rows[ch.begin:ch.end]
         window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
                                                  attention_mask=batch.attention_mask[sel].to(dev),
                                                  position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
         clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
-        kv_parts.append(kv)
+        del window
+        if kv_all is None:
+            if len(plan) == 1:  # one chunk: its cache is the cache
+                kv_all = [(k, v) for k, v in kv]
+            else:  # the rows' cache written chunk by chunk into one allocation (no concatenation: no 2x peak)
+                kv_all = [(k.new_empty((n,) + tuple(k.shape[1:])), v.new_empty((n,) + tuple(v.shape[1:])))
+                          for k, v in kv]
+        if len(plan) > 1:
+            for (k_all, v_all), (k, v) in zip(kv_all, kv):
+                k_all[ch.begin:ch.end].copy_(k)
+                v_all[ch.begin:ch.end].copy_(v)
+        del kv
         passes += 1
         tokens += int(sel.numel()) * T
     clean_all = torch.cat(clean_parts)
-    kv_all = [(torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
-              for l in range(len(kv_parts[0]))]
     return clean_all, kv_all, passes, tokens

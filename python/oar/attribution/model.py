@@ -57,10 +57,11 @@ class ProbeModel(Protocol):
         write parameter ``.grad``."""
 
     def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
-        """Peak activation bytes one context token costs in a forward over contexts of ``width`` tokens
-        (forward + backward w.r.t. the input embeddings when ``backward``): the chunk planners keep
-        ``tokens x this + variants x 8 x keep x vocab_size`` under the memory budget. An estimate is enough;
-        too small risks running out of memory, too large runs more, smaller chunks."""
+        """Peak activation bytes (int >= 0) one context token costs in a forward over contexts of ``width``
+        tokens, at the precision the model computes in when the engine plans (forward + backward w.r.t. the
+        input embeddings when ``backward``): the chunk planners keep ``tokens x this + variants x 8 x keep x
+        vocab_size`` under the memory budget (``oar.attribution.planner``). An estimate is enough; too small
+        risks running out of memory, too large runs more, smaller chunks."""
 
     def eval_mode(self) -> ContextManager:
         """A context manager under which the model runs deterministically (dropout off), restoring the previous
@@ -85,7 +86,7 @@ class PrefixCacheModel(ProbeModel, Protocol):
     supports_prefix_grad: bool
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of cached keys + values per token (all layers)."""
+        """Bytes of cached keys + values per token (all layers), in the dtype the cache is written in."""
 
     def tail_logits_and_cache(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, list]:
@@ -148,6 +149,23 @@ class EmbeddingNoiseModel(ProbeModel, Protocol):
         :class:`NoisedEmbeddings` record of that forward."""
 
 
+@runtime_checkable
+class CheckpointModel(ProbeModel, Protocol):
+    """Optional capability: activation checkpointing of the model's layers for one forward + backward w.r.t. the
+    input embeddings (OAR-G on a row too long for the budget). Declared by ``supports_activation_checkpointing``."""
+
+    supports_activation_checkpointing: bool
+
+    def activation_checkpointing(self) -> ContextManager:
+        """A context under which forwards with grad keep only each layer's input and recompute the layer in the
+        backward (same gradients within float rounding); no parameter ``.grad`` is written; the model's
+        ``training`` flag is unchanged (dropout stays off)."""
+
+    def checkpointed_activation_bytes_per_token(self, width: int) -> int:
+        """:meth:`ProbeModel.activation_bytes_per_token` with ``backward=True`` under
+        :meth:`activation_checkpointing`."""
+
+
 def _own_members(proto) -> tuple[str, ...]:
     """Members a protocol class declares itself (annotations, then methods, in definition order)."""
     names = list(proto.__dict__.get("__annotations__", {}))
@@ -160,6 +178,16 @@ PROBE_MODEL_MEMBERS = _own_members(ProbeModel)
 PREFIX_CACHE_MEMBERS = _own_members(PrefixCacheModel)
 SHARED_PREFIX_MEMBERS = _own_members(SharedPrefixModel)
 EMBEDDING_NOISE_MEMBERS = _own_members(EmbeddingNoiseModel)
+CHECKPOINT_MEMBERS = _own_members(CheckpointModel)
+
+#: Attention implementations of Hugging Face models that take a 4-D float attention mask as given (windowed
+#: OAR-P's cached path). transformers' flash-attention paths read 2-D padding masks only (a 4-D one fails or
+#: attends wrongly); flex_attention takes it in principle but crashed the process on CPU (torch 2.14,
+#: transformers 5.24: "corrupted double-linked list"); a registered custom function may do anything with it.
+DENSE_MASK_ATTENTION = ("eager", "sdpa")
+#: Attention implementations that never materialise the (heads, L, width) scores: fused kernels with a block
+#: workspace (the activation cost has no heads x width term for them). "eager" and unknown names do.
+FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "oar_shared_prefix")
 
 
 @dataclass(frozen=True)
@@ -171,12 +199,23 @@ class ProbeCapabilities:
         prefix_grad: OAR-G may differentiate :meth:`PrefixCacheModel.tail_logits_cached`.
         shared_prefix: :meth:`SharedPrefixModel.tail_logits_shared_prefix` usable.
         embedding_noise: :meth:`EmbeddingNoiseModel.noised_embeddings` usable (OAR-G never calls ``embed``).
+        activation_checkpointing: :meth:`CheckpointModel.activation_checkpointing` usable (OAR-G recomputes the
+            layers' activations in the backward when a row would not fit the budget otherwise).
+        attn_implementation: the attention implementation the model declares (``attn_implementation``; for a
+            Hugging Face model its ``config._attn_implementation``: ``"eager"``, ``"sdpa"``,
+            ``"flash_attention_2"``, ...), None when it declares none.
+        dense_mask: the model's ``tail_logits_cached`` takes a 4-D float attention mask (N, 1, S, P + S)
+            (``supports_dense_mask``; True when the model declares nothing). False for flash-attention and
+            flex-attention Hugging Face models (:data:`DENSE_MASK_ATTENTION`).
     """
 
     prefix_cache: bool = False
     prefix_grad: bool = False
     shared_prefix: bool = False
     embedding_noise: bool = False
+    activation_checkpointing: bool = False
+    attn_implementation: str | None = None
+    dense_mask: bool = True
 
 
 def _type_name(model) -> str:
@@ -202,12 +241,14 @@ def probe_capabilities(model) -> ProbeCapabilities:
     """Checks that ``model`` implements :class:`ProbeModel` and returns the optional capabilities it declares.
 
     Computed once per engine call (and by :func:`as_probe_model`). A capability is declared by its flag
-    (``supports_prefix_cache``, ``supports_shared_prefix_attention``, ``supports_embedding_noise``); a model that
-    declares one must have all of its members.
+    (``supports_prefix_cache``, ``supports_shared_prefix_attention``, ``supports_embedding_noise``,
+    ``supports_activation_checkpointing``); a model that declares one must have all of its members. The attention
+    implementation is read once here too (``attn_implementation``, ``supports_dense_mask``: the engines that hand
+    the model a 4-D mask check it with :func:`require_dense_mask` before any forward).
 
     Raises:
         TypeError: ``model`` lacks members of :class:`ProbeModel` (all of them named in one message), a declared
-            capability lacks members, or a flag is not a bool.
+            capability lacks members, a flag is not a bool, or ``attn_implementation`` is not a str.
         ValueError: ``vocab_size`` or ``hidden_size`` is not an int >= 1.
     """
     missing = [n for n in PROBE_MODEL_MEMBERS if not hasattr(model, n)]
@@ -227,7 +268,35 @@ def probe_capabilities(model) -> ProbeCapabilities:
     shared = prefix and _declared(model, "supports_shared_prefix_attention", SHARED_PREFIX_MEMBERS,
                                   "SharedPrefixModel")
     noise = _declared(model, "supports_embedding_noise", EMBEDDING_NOISE_MEMBERS, "EmbeddingNoiseModel")
-    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared, embedding_noise=noise)
+    ckpt = _declared(model, "supports_activation_checkpointing", CHECKPOINT_MEMBERS, "CheckpointModel")
+    impl = getattr(model, "attn_implementation", None)
+    if impl is not None and not isinstance(impl, str):
+        raise TypeError(f"model.attn_implementation must be a str or None, got {type(impl).__name__} {impl!r} "
+                        f"({_type_name(model)})")
+    dense = getattr(model, "supports_dense_mask", True)
+    if not isinstance(dense, bool):
+        raise TypeError(f"model.supports_dense_mask must be a bool, got {type(dense).__name__} {dense!r} "
+                        f"({_type_name(model)})")
+    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared, embedding_noise=noise,
+                             activation_checkpointing=ckpt, attn_implementation=impl, dense_mask=dense)
+
+
+def require_dense_mask(caps: ProbeCapabilities, caller: str) -> None:
+    """Refuses, before any forward, an engine path that would hand the model a 4-D float attention mask
+    (windowed OAR-P without shared-prefix attention) when the model cannot take one (``caps.dense_mask`` False,
+    e.g. ``attn_implementation="flash_attention_2"``). Paths with 2-D padding masks (batched and prefix OAR-P,
+    OAR-G) need no such check.
+
+    Raises:
+        ValueError: naming ``caller``, the implementation found and those that take a 4-D mask.
+    """
+    if caps.shared_prefix or caps.dense_mask:  # the shared-prefix path runs oar's own attention with its masks
+        return
+    raise ValueError(f"{caller} hands the model a 4-D float attention mask (N, 1, S, P + S), which attention "
+                     f"implementation {caps.attn_implementation!r} cannot take (transformers' flash-attention "
+                     f"paths read 2-D padding masks only); run it with one of {DENSE_MASK_ATTENTION} (e.g. "
+                     f"model.config._attn_implementation = 'sdpa', or load the model with attn_implementation="
+                     f"'sdpa'), or use oar_p_scores / oar_g_scores, whose masks are 2-D")
 
 
 class HFProbeModel:
@@ -241,12 +310,21 @@ class HFProbeModel:
     (:meth:`tail_logits_shared_prefix`; switch off with ``shared_prefix_attention = False``). Sizes come from
     the model's (text) config, else from its embedding matrices.
 
+    Memory estimates (:meth:`activation_bytes_per_token`, :meth:`kv_bytes_per_token`) describe the model as it runs
+    when an engine plans: the element size is the autocast dtype's when autocast is on for the model's device type
+    (``torch.is_autocast_enabled(device_type)``), else the parameters' (read at each call, so a model cast after
+    wrapping is seen); the attention term follows ``config._attn_implementation`` (:attr:`attn_implementation`).
+    Under FSDP2 mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) the parameters the wrapper
+    holds may be float32 while every forward computes in bf16, without autocast: pass ``bytes_per_element=2``.
+
     Args:
         model: a ``PreTrainedModel`` with a causal-LM head (or a wrapper exposing the same forward).
-        bytes_per_element: override of the activation element size used in memory estimates.
+        bytes_per_element: element size in bytes (int >= 1) of the activations and cache in memory estimates,
+            overriding the autocast / parameter dtype; None (default) reads it from the model at planning time.
 
     Raises:
         TypeError: ``model`` has no ``get_input_embeddings`` (not a Hugging Face model) or no parameters.
+        ValueError: ``bytes_per_element`` not None nor an int >= 1.
     """
 
     def __init__(self, model, bytes_per_element: int | None = None):
@@ -269,7 +347,54 @@ class HFProbeModel:
             raise TypeError(f"HFProbeModel needs a model with parameters, got {_type_name(model)} without any")
         self.device = param.device
         self.dtype = param.dtype
-        self.bytes_per_element = bytes_per_element or param.element_size()
+        if bytes_per_element is not None and (isinstance(bytes_per_element, bool) or not isinstance(
+                bytes_per_element, int) or bytes_per_element < 1):
+            raise ValueError(f"bytes_per_element must be None (read from the model) or an int >= 1, got "
+                             f"{bytes_per_element!r}")
+        #: The user's element size of activations and cache (None: autocast dtype, else parameter dtype).
+        self.bytes_per_element = bytes_per_element
+
+    def _param_element_size(self) -> int:
+        param = next(self.model.parameters(), None)
+        return param.element_size() if param is not None else torch.finfo(self.dtype).bits // 8
+
+    def element_size(self) -> int:
+        """Bytes of one activation element as the model computes now: ``bytes_per_element`` when given, else the
+        autocast dtype's when autocast is on for the model's device type, else the parameters'."""
+        if self.bytes_per_element is not None:
+            return self.bytes_per_element
+        dev = self.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev).itemsize
+        return self._param_element_size()
+
+    def cache_key_element_size(self) -> int:
+        """Bytes of one cached key element (also the dtype windowed OAR-P builds its masks in). Under autocast the
+        rotary embedding multiplies the keys by position tables of the parameters' dtype, so keys are cached at
+        the wider of the two (float32 keys, bf16 values with float32 parameters under bf16 autocast: checked on
+        Llama, transformers 5.24)."""
+        if self.bytes_per_element is not None:
+            return self.bytes_per_element
+        if torch.is_autocast_enabled(self.device.type):
+            return max(self.element_size(), self._param_element_size())
+        return self._param_element_size()
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The model's attention implementation (``config._attn_implementation`` of its text config, else of its
+        config), None when it has none."""
+        for cfg in (self._text_config, getattr(self.model, "config", None)):
+            impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+            if isinstance(impl, str):
+                return impl
+        return None
+
+    @property
+    def supports_dense_mask(self) -> bool:
+        """:meth:`tail_logits_cached` takes a 4-D float mask: the attention implementation is one of
+        :data:`DENSE_MASK_ATTENTION` (or the model declares none)."""
+        impl = self.attn_implementation
+        return impl is None or impl in DENSE_MASK_ATTENTION
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)
@@ -328,11 +453,16 @@ class HFProbeModel:
         return not getattr(text, "use_sliding_window", False)
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of cached keys + values per token (all layers)."""
+        """Bytes of cached keys + values per token (all layers): layers x kv_heads x head_dim x (key + value
+        element sizes, :meth:`cache_key_element_size` and :meth:`element_size`)."""
+        return self.num_layers * self._kv_dim() * (self.cache_key_element_size() + self.element_size())
+
+    def _kv_dim(self) -> int:
+        """kv_heads x head_dim: the width of one layer's keys (or values) of one token."""
         text = self._text_config
         kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
         head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
-        return 2 * self.num_layers * kv_heads * head_dim * self.bytes_per_element
+        return kv_heads * head_dim
 
     def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
         """Like :meth:`tail_logits` on ids, also returning the key/value cache as a list of per-layer
@@ -464,14 +594,101 @@ class HFProbeModel:
         params = inspect.signature(inner.forward).parameters
         return "cache" if "cache" in params else "past_key_values"
 
+    def _costs(self, width: int) -> dict:
+        """The per-token terms (bytes) of the activation estimates over contexts of ``width`` keys, at
+        :meth:`element_size` bytes per element (bpe), for :attr:`attn_implementation`:
+
+        - ``shared``: tensors every layer reads, alive through the forward: the (B, 1, L, width) mask
+          (eager: additive, bpe; sdpa: bool, 1 byte, built when rows are padded, plus the kernel's float copy,
+          bpe; flash / flex: none, 2-D) and the rotary tables (2 x head_dim, parameter dtype);
+        - ``layer``: one layer's forward peak on top: bpe x (3 H + 3 I) (residual stream, normed input, the
+          MLP's three I-wide intermediates), the keys and values repeated to every head under grouped-query
+          attention (eager, and sdpa with a mask: 2 x H x bpe), plus eager's scores, heads x width x (4 + bpe)
+          (float32 softmax and its compute-dtype copy), or a fused kernel's float32 log-sum-exp (4 x heads);
+        - ``saved``: what one layer keeps for the backward: bpe x (8 H + 4 I + 2 kv_dim) plus eager's softmaxed
+          scores (heads x width x 4, + bpe below float32), or the log-sum-exp and sdpa's float mask (width x
+          bpe);
+        - ``attn_bwd``: eager's backward through the softmax (gradients of the probabilities and of the
+          scores, 2 x heads x width x 4); 0 for fused kernels;
+        - ``grads``: the gradient buffers flowing through a layer, bpe x 2 (H + I);
+        - ``inputs``: one layer's input, bpe x H (what a checkpointed layer keeps).
+        """
+        bpe = self.element_size()
+        H, I, kv, heads = self.hidden_size, self.intermediate_size, self._kv_dim(), self.num_heads
+        head_dim = H // max(heads, 1)
+        impl = self.attn_implementation
+        rotary = 2 * head_dim * (self.bytes_per_element or self._param_element_size())
+        repeat = 2 * heads * head_dim * bpe if kv < heads * head_dim else 0  # transformers' repeat_kv
+        if impl in FUSED_ATTENTION:
+            sdpa = impl == "sdpa"
+            mask = width * (1 + bpe) if sdpa else 0
+            scores = 4 * heads + (repeat if sdpa else 0)
+            scores_saved, attn_bwd = 4 * heads + (width * bpe if sdpa else 0), 0
+        else:  # eager, and names we do not know (conservatively)
+            mask = width * bpe
+            scores = heads * width * (4 + bpe) + repeat
+            scores_saved = heads * width * (4 if bpe == 4 else 4 + bpe)
+            attn_bwd = 2 * heads * width * 4
+        return dict(shared=mask + rotary, layer=bpe * (3 * H + 3 * I) + scores,
+                    saved=bpe * (8 * H + 4 * I + 2 * kv) + scores_saved, attn_bwd=attn_bwd,
+                    grads=bpe * 2 * (H + I), inputs=bpe * H)
+
     def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
-        """Rough peak activation bytes one context token costs in a forward: residual stream and MLP
-        intermediates of one layer plus float32 attention scores over ``width`` keys; with ``backward``, those of
-        every layer (kept for the backward) plus two layers' worth of gradients."""
-        per = self.bytes_per_element * (4 * self.hidden_size + 2 * self.intermediate_size) + 4 * self.num_heads * width
-        if backward:
-            per = per * self.num_layers + per * 2
-        return int(per)
+        """Peak activation bytes one context token costs in a forward over contexts of ``width`` keys (terms:
+        :meth:`_costs`): ``shared + layer`` (layers run one after the other); with ``backward`` (w.r.t. the
+        input embeddings, every layer's tensors kept): ``shared + layers x saved + layer + grads``. The element
+        size is :meth:`element_size` (autocast / parameters / ``bytes_per_element``); the attention term follows
+        :attr:`attn_implementation` (eager and unknown names: heads x width terms; sdpa / flash / flex: none but
+        sdpa's bool mask). Measured on CPU with float32 Llama at width 2091 (tests/python/test_memory_budget.py):
+        at most 15 % above the measured peaks, never below."""
+        c = self._costs(int(width))
+        if not backward:
+            return int(c["shared"] + c["layer"])
+        return int(c["shared"] + self.num_layers * c["saved"] + c["layer"] + c["grads"])
+
+    # ---- activation checkpointing (OAR-G on rows too long for the budget) -------------------------------------
+
+    @property
+    def supports_activation_checkpointing(self) -> bool:
+        """:meth:`activation_checkpointing` works: the model's decoder layers are transformers'
+        ``GradientCheckpointingLayer`` modules (every decoder of transformers 5)."""
+        return bool(self._decoder_layers())
+
+    def _decoder_layers(self) -> list:
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:  # pragma: no cover - older transformers
+            return []
+        return [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    @contextlib.contextmanager
+    def activation_checkpointing(self):
+        """See :meth:`CheckpointModel.activation_checkpointing`. Each decoder layer's ``forward`` is replaced, for
+        the duration of the context, by a non-reentrant ``torch.utils.checkpoint`` of itself (module hooks, such
+        as FSDP2's gathers, stay outside the checkpoint, as in transformers' own gradient checkpointing, which
+        only runs in training mode). A layer that appends to a key/value cache (OAR-G's prompt-once passes) gets
+        its cache layer put back to what it held before the layer ran when the backward replays it, so the
+        replay attends over the same keys."""
+        from torch.utils.checkpoint import checkpoint
+
+        layers = self._decoder_layers()
+        for k, layer in enumerate(layers):
+            idx = getattr(getattr(layer, "self_attn", None), "layer_idx", k)
+            layer.forward = functools.partial(_checkpointed_layer, layer.forward, idx, checkpoint)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.__dict__.pop("forward", None)
+
+    def checkpointed_activation_bytes_per_token(self, width: int) -> int:
+        """:meth:`activation_bytes_per_token` (``backward=True``) under :meth:`activation_checkpointing`: every
+        layer's input (layers x bpe x H) and the shared tensors, plus the larger of one layer's forward peak and
+        one replayed layer's saved tensors with its backward transients (``saved + attn_bwd + grads``, terms of
+        :meth:`_costs`)."""
+        c = self._costs(int(width))
+        return int(c["shared"] + self.num_layers * c["inputs"]
+                   + max(c["layer"], c["saved"] + c["attn_bwd"] + c["grads"]))
 
     @contextlib.contextmanager
     def eval_mode(self):
@@ -484,6 +701,25 @@ class HFProbeModel:
         finally:
             if was_training:
                 self.model.train()
+
+
+def _checkpointed_layer(forward, layer_idx: int, checkpoint, *args, **kwargs):
+    """One decoder layer call under a non-reentrant checkpoint. The replay in the backward would append the layer's
+    keys/values to the cache a second time: it first puts the cache layer back to its state before this call."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    layer = cache.layers[layer_idx] if cache is not None and hasattr(cache, "layers") else None
+    before = (layer.keys, layer.values, layer.is_initialized) if layer is not None and layer.is_initialized else None
+
+    def run(*a, **kw):
+        if layer is not None:
+            if before is None:
+                layer.keys = layer.values = None
+                layer.is_initialized = False
+            else:
+                layer.keys, layer.values, layer.is_initialized = before
+        return forward(*a, **kw)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 # ---- the shared-prefix attention function (registered with transformers' attention interface) ----------------

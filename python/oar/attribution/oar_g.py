@@ -5,6 +5,7 @@ positions, ``torch.autograd.grad`` w.r.t. the input embeddings only. Rows are ch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Mapping, Sequence
@@ -80,7 +81,12 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
 
     Gradients are taken with ``torch.autograd.grad`` w.r.t. the embeddings only, so no parameter
     ``.grad`` is written (safe inside a trainer's gradient accumulation). Rows are processed in chunks
-    whose estimated forward+backward memory stays under ``memory_budget_mb``. For models whose prefix cache may
+    whose estimated forward+backward memory stays under ``memory_budget_mb`` (plus the clean probe logits kept for
+    the rows: :func:`oar.attribution.planner.resident_bytes`). When one row alone would exceed it and the model
+    offers activation checkpointing (:class:`~oar.attribution.model.CheckpointModel`, e.g. HFProbeModel), every chunk
+    runs checkpointed (each layer's input kept, the layer recomputed in the backward; same scores within float
+    rounding; stats ``checkpointing``); a row that still does not fit runs alone, over the budget, with a warning
+    on the ``"oar"`` logger. For models whose prefix cache may
     be differentiated (``PrefixCacheModel.supports_prefix_grad``) and no ``clean_logits`` given, the columns
     before a chunk's first reasoning token run once without grad and their key/value cache is shared by the
     clean pass and the noisy passes, which then run and differentiate only the suffix (same scores within fp32
@@ -126,16 +132,22 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if use_prefix:
         clean_all, clean_row, passes = None, {}, 0
     else:
-        clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits)
+        clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits, budget)
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
-    plan = planner.plan_masked(model, batch, widths, [1] * len(rows), budget, backward=True)
+    # A row whose forward + backward alone exceeds the budget runs with activation checkpointing when the model
+    # offers it (every layer's input kept, each layer recomputed in the backward); then every chunk does.
+    wide = max(widths)
+    checkpoint = caps.activation_checkpointing and (
+        wide * planner.masked_bytes_per_token(model, wide, backward=True) + planner.probe_bytes(model, batch) > budget)
+    plan = planner.plan_masked(model, batch, widths, [1] * len(rows), budget, backward=True, checkpoint=checkpoint)
     if _log.isEnabledFor(logging.DEBUG):
         why = ("clean_logits given" if clean_logits is not None else "prefix cache with grad" if use_prefix
                else "no differentiable prefix cache")
-        _log.debug("oar_g_scores: %s path (%s), %d rows in %d chunks, budget %d MiB, %d noise draws",
-                   "prompt-once" if use_prefix else "plain", why, len(rows), len(plan), budget >> 20, noise_draws)
+        _log.debug("oar_g_scores: %s path (%s), %d rows in %d chunks, budget %d MiB, %d noise draws, activation "
+                   "checkpointing %s", "prompt-once" if use_prefix else "plain", why, len(rows), len(plan),
+                   budget >> 20, noise_draws, "on" if checkpoint else "off")
     backward = 0
     for ch in plan:
         chunk_rows = rows[ch.begin:ch.end]
@@ -180,7 +192,8 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         for _ in range(noise_draws):
             # Noise is drawn over the whole window either way, so every path uses the same numbers.
             noise = torch.randn((len(chunk_rows), width, model.hidden_size), generator=generator, dtype=torch.float32)
-            with torch.enable_grad():  # also under the caller's torch.no_grad() (trainers make experiences so)
+            ckpt = model.activation_checkpointing() if checkpoint else contextlib.nullcontext()
+            with torch.enable_grad(), ckpt:  # grad also under the caller's torch.no_grad() (trainers make experiences so)
                 g, Ep = _noisy_input_grad(model, clean, batch, idx, probe, noise, sigma, noise_mask, E, kv, ids, attn,
                                           pos, p, K)
             passes += 1
@@ -198,7 +211,8 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
                 res.scores[r, :L] = torch.where(keep, res.scores[r, :L], torch.zeros(()))
     if not torch.isfinite(res.scores).all():
         raise FloatingPointError("oar_g_scores: non-finite importance scores (check the model's logits for NaN/Inf)")
-    res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), seconds=time.perf_counter() - t0)
+    res.stats.update(forward_passes=passes, backward_passes=backward, chunks=len(plan), checkpointing=bool(checkpoint),
+                     seconds=time.perf_counter() - t0)
     _log.info("oar_g_scores: %s path, %d rows in %d chunks, %d forwards, %d backwards, %.3f s",
               "prompt-once" if use_prefix else "plain", len(rows), len(plan), passes, backward, res.stats["seconds"])
     return res

@@ -166,14 +166,14 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
     """Every variant a full left-padded context, chunks by :func:`~oar.attribution.planner.plan_masked`. Returns
     the stats."""
     model, batch, rows, probe, dev = run.model, run.batch, run.rows, run.probe, run.device
-    clean_all, clean_row, passes = _clean(model, batch, rows, run.clean_logits)
+    clean_all, clean_row, passes = _clean(model, batch, rows, run.clean_logits, run.budget)
     var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     counts = [int((var_row_t == r).sum()) for r in rows]
     plan = planner.plan_masked(model, batch, widths, counts, run.budget, run.max_variants)
     clean_index_t = torch.tensor([clean_row[int(r)] for r in var_row_t], dtype=torch.long)
-    tokens = passes * sum(widths)
+    tokens = min(passes, 1) * sum(widths)  # the clean pass runs each row once, in one or more chunks
     with torch.no_grad():
         for ch in plan:
             sl = slice(ch.begin, ch.end)

@@ -10,22 +10,39 @@ planners' per-token / per-variant bytes, so every plan of the package comes from
 Cost models (bytes a chunk may use, compared with the budget):
 
 - masked contexts (:func:`plan_masked`: OAR-P batched, OAR-G): variants x (padded width x activation bytes per
-  token + probe bytes per variant);
-- clean pass with cache (:func:`plan_clean`): rows x (T x (activation + cache bytes per token) + probe bytes);
+  token + probe bytes per variant); OAR-G (``backward``) adds its float32 noise and score accumulator per token and,
+  with ``checkpoint``, takes the model's checkpointed cost;
+- clean pass (:func:`plan_clean`): rows x (T x (activation [+ cache] bytes per token) + probe bytes), the cache
+  counted when it is kept (prefix and windowed engines);
 - prefix-cached OAR-P (:func:`plan_prefix`): variants x ((T - prefix) x activation + prefix x cache bytes + probe
   bytes), chunks also bounded by ``max_prefix_waste``;
-- windowed OAR-P (:func:`plan_window`): variants x a fixed per-variant cost (re-run columns, copied cache, 4-D mask,
+- windowed OAR-P (:func:`plan_window`): variants x a fixed per-variant cost (re-run columns, copied cache, masks,
   probe bytes);
 - policy entropies (:func:`plan_entropy`): rows x kept positions x V x 12 bytes (float32 logits, log-softmax and
   their product).
 
-A chunk always takes its first item, even one over the budget (the caller then runs it alone). The plans are lists
-of the C++ chunk objects: ``MaskedChunk`` (``begin``, ``end``, ``max_context_len``) or ``PrefixChunk`` (``begin``,
-``end``, ``prefix_len``), item ranges [begin, end) in the order given.
+**What the budget covers.** ``memory_budget_mb`` bounds what one chunk's model call adds: its activations (at the
+precision the model computes in, attention as the model's implementation runs it:
+``ProbeModel.activation_bytes_per_token``), the key/value cache it copies or writes, its masks and its probe
+logits. It does not cover what was resident before the engine ran (parameters, optimizer state, the batch) nor
+what the engine keeps across chunks, :func:`resident_bytes`: the clean probe logits of the rows scored and, for the
+prefix and windowed engines, their clean key/value cache (rows x T x ``kv_bytes_per_token``). So an engine call
+peaks at most at ``budget + resident_bytes`` above what was resident (tests/python/test_memory_budget.py measures
+it; docs/design.md, "Memory planner: what the budget covers"). Under FSDP / ZeRO-3 every model call all-gathers the
+parameters of the layer it runs (FSDP2: one layer at a time; ZeRO-3: its prefetch buckets): pass as budget the
+memory left after those gathered parameters, and prefer few large chunks (each chunk is a model call, hence a
+gather of every layer): the planners pack as many items per chunk as the budget allows, and no engine caps a
+chunk at one item unless asked (``max_variants_per_chunk``).
+
+A chunk always takes its first item, even one over the budget (the caller then runs it alone, over the budget:
+the planners log a warning on the ``"oar"`` logger naming the bytes it needs). The plans are lists of the C++
+chunk objects: ``MaskedChunk`` (``begin``, ``end``, ``max_context_len``) or ``PrefixChunk`` (``begin``, ``end``,
+``prefix_len``), item ranges [begin, end) in the order given.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from oar import _args
@@ -34,6 +51,7 @@ from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeModel
 
 _C = load_extension()
+_log = logging.getLogger("oar")
 
 #: Largest budget in MiB: its bytes fit the planners' int64 (products are taken in long double there).
 _MAX_BUDGET_MB = (1 << 43) - 1
@@ -61,30 +79,73 @@ def probe_bytes(model: ProbeModel, batch: ProbeBatch) -> int:
     return 8 * batch.keep * int(model.vocab_size)
 
 
+def resident_bytes(model: ProbeModel, batch: ProbeBatch, engine: str, n_rows: int) -> int:
+    """Bytes an engine keeps across its chunks, outside ``memory_budget_mb``, for ``n_rows`` rows scored: the
+    scores and mask (B x L_max x 5), the clean probe logits (n_rows x K_max x V x 4, float32 at most) and, for
+    ``engine`` ``"prefix"`` and ``"window"`` (also screened OAR-P, whose exact pass reuses the window's clean
+    pass), the clean key/value cache (n_rows x T x ``kv_bytes_per_token``). ``"batched"``, ``"oar_g"``: no cache.
+
+    Raises:
+        ValueError: unknown ``engine``.
+    """
+    engines = ("batched", "prefix", "window", "oar_g")
+    if engine not in engines:
+        raise ValueError(f"engine must be one of {engines}, got {engine!r}")
+    T, K = int(batch.input_ids.shape[1]), int(batch.answer_ids.shape[1])
+    L = int(batch.reasoning_len.max()) if batch.batch_size else 0
+    out = batch.batch_size * L * 5 + int(n_rows) * K * int(model.vocab_size) * 4
+    if engine in ("prefix", "window"):
+        out += int(n_rows) * T * int(model.kv_bytes_per_token())
+    return out
+
+
+def _warn_over(what: str, need: float, budget: int) -> None:
+    """Warns that one item alone needs ``need`` bytes, more than ``budget``: the planners still run it (alone)."""
+    if need > budget:
+        _log.warning("memory planner: %s needs %.1f MiB, over memory_budget_mb = %d MiB: it runs alone, over the "
+                     "budget (raise memory_budget_mb, or shorten the contexts)", what, need / 2**20, budget >> 20)
+
+
 def plan_masked(model: ProbeModel, batch: ProbeBatch, widths: Sequence[int], counts: Sequence[int], budget: int,
-                max_variants: int = 0, *, backward: bool = False) -> list:
+                max_variants: int = 0, *, backward: bool = False, checkpoint: bool = False) -> list:
     """Chunks of the flattened variants of rows with context lengths ``widths`` and ``counts`` variants each (the
     variants of a row consecutive), every variant a full left-padded context (OAR-P batched, OAR-G).
 
     Args:
         widths, counts: per row, ints >= 0 (same length, non-empty).
         budget: bytes (:func:`budget_bytes`). max_variants: variants per chunk, 0 = no cap.
-        backward: cost of forward + backward w.r.t. the embeddings (OAR-G) instead of a forward.
+        backward: cost of forward + backward w.r.t. the embeddings (OAR-G) instead of a forward, plus OAR-G's
+            float32 noise draw (H x 4) and score accumulator (4) per token.
+        checkpoint: with ``backward``, the cost under the model's activation checkpointing
+            (``checkpointed_activation_bytes_per_token``, :class:`~oar.attribution.model.CheckpointModel`).
 
     Returns:
-        ``MaskedChunk`` list; ``max_context_len`` is the chunk's padded width.
+        ``MaskedChunk`` list; ``max_context_len`` is the chunk's padded width. Logs a warning when one variant of
+        the widest row alone exceeds the budget.
     """
-    bytes_tok = int(model.activation_bytes_per_token(max(widths), backward=True) if backward
-                    else model.activation_bytes_per_token(max(widths)))
-    return _C.plan_masked_chunks(list(widths), list(counts), bytes_tok, probe_bytes(model, batch), budget,
-                                 max_variants)
+    bytes_tok = masked_bytes_per_token(model, max(widths), backward=backward, checkpoint=checkpoint)
+    per_var = probe_bytes(model, batch)
+    _warn_over(f"one {'row (forward + backward)' if backward else 'variant'} of {max(widths)} tokens",
+               max(widths) * bytes_tok + per_var, budget)
+    return _C.plan_masked_chunks(list(widths), list(counts), bytes_tok, per_var, budget, max_variants)
 
 
-def plan_clean(model: ProbeModel, batch: ProbeBatch, n_rows: int, budget: int) -> list:
-    """Chunks of ``n_rows`` >= 1 full-width (T) clean contexts run with their key/value cache kept (the clean pass of
-    the prefix and windowed engines). Returns a ``MaskedChunk`` list."""
+def masked_bytes_per_token(model: ProbeModel, width: int, *, backward: bool = False, checkpoint: bool = False) -> int:
+    """Bytes per context token of :func:`plan_masked`'s cost model (see there) for contexts of ``width`` tokens."""
+    if not backward:
+        return int(model.activation_bytes_per_token(width))
+    act = (model.checkpointed_activation_bytes_per_token(width) if checkpoint
+           else model.activation_bytes_per_token(width, backward=True))
+    return int(act) + 4 * int(model.hidden_size) + 4
+
+
+def plan_clean(model: ProbeModel, batch: ProbeBatch, n_rows: int, budget: int, *, cache: bool = True) -> list:
+    """Chunks of ``n_rows`` >= 1 full-width (T) clean contexts, run with their key/value cache kept (``cache``: the
+    clean pass of the prefix and windowed engines) or not (the clean logits of batched OAR-P and OAR-G). Returns a
+    ``MaskedChunk`` list; logs a warning when one row alone exceeds the budget."""
     T = int(batch.input_ids.shape[1])
-    bytes_tok = int(model.activation_bytes_per_token(T)) + int(model.kv_bytes_per_token())
+    bytes_tok = int(model.activation_bytes_per_token(T)) + (int(model.kv_bytes_per_token()) if cache else 0)
+    _warn_over(f"one clean row of {T} tokens", T * bytes_tok + probe_bytes(model, batch), budget)
     return _C.plan_masked_chunks([T] * n_rows, [1] * n_rows, bytes_tok, probe_bytes(model, batch), budget, 0)
 
 
@@ -98,11 +159,15 @@ def plan_prefix(model: ProbeModel, batch: ProbeBatch, columns: Sequence[int], bu
         max_prefix_waste: in (0, 1], the share of a chunk's run columns it may recompute in vain.
 
     Returns:
-        ``PrefixChunk`` list; ``prefix_len`` is the chunk's smallest column.
+        ``PrefixChunk`` list; ``prefix_len`` is the chunk's smallest column. Logs a warning when the variant of the
+        smallest column alone exceeds the budget.
     """
     T = int(batch.input_ids.shape[1])
-    return _C.plan_prefix_chunks(list(columns), T, int(model.activation_bytes_per_token(T)),
-                                 int(model.kv_bytes_per_token()), probe_bytes(model, batch), budget, max_variants,
+    act, kv = int(model.activation_bytes_per_token(T)), int(model.kv_bytes_per_token())
+    if len(columns):
+        p = int(min(columns))
+        _warn_over(f"one variant masking column {p} of {T}", (T - p) * act + p * kv + probe_bytes(model, batch), budget)
+    return _C.plan_prefix_chunks(list(columns), T, act, kv, probe_bytes(model, batch), budget, max_variants,
                                  float(max_prefix_waste))
 
 
@@ -112,18 +177,25 @@ def plan_window(model: ProbeModel, batch: ProbeBatch, n_variants: int, rerun: in
     clean cache.
 
     Per variant: cache bytes of ``rerun`` columns with shared-prefix attention (the row's cache is read in place),
-    else of 2 T + ``rerun`` columns (the row's T-column cache copied per variant, then concatenated with the re-run
-    columns), the activations of the re-run columns over a
-    (T + rerun)-wide context, the float32 4-D mask (rerun x (T + rerun)) and the probe logits.
+    else of 3 T + 2 ``rerun`` columns (the row's T-column cache copied per variant, then concatenated with the re-run
+    columns, and one more for the keys and values repeated to every head under grouped-query attention, one layer
+    at a time: at most all layers' worth when heads / kv_heads <= layers), the activations of the re-run columns over a (T + rerun)-wide context, the masks over
+    rerun x (T + rerun) (query, key) pairs (the additive mask in the cache's dtype,
+    ``cache_key_element_size()`` when the model declares it, else 4 bytes, plus three bool masks it is built
+    from) and the probe logits.
 
     Returns:
-        ``MaskedChunk`` list (``max_context_len`` 0: every variant costs the same).
+        ``MaskedChunk`` list (``max_context_len`` 0: every variant costs the same). Logs a warning when one variant
+        alone exceeds the budget.
     """
     T = int(batch.input_ids.shape[1])
     kv_tok = int(model.kv_bytes_per_token())
-    per_var = ((rerun if shared else 2 * T + rerun) * kv_tok
-               + rerun * int(model.activation_bytes_per_token(T + rerun)) + 4 * rerun * (T + rerun)
+    key_size = getattr(model, "cache_key_element_size", None)
+    mask_bpe = int(key_size()) if callable(key_size) else 4
+    per_var = ((rerun if shared else 3 * T + 2 * rerun) * kv_tok
+               + rerun * int(model.activation_bytes_per_token(T + rerun)) + (mask_bpe + 3) * rerun * (T + rerun)
                + probe_bytes(model, batch))
+    _warn_over(f"one windowed variant re-running {rerun} of {T} columns", per_var, budget)
     return _C.plan_masked_chunks([0], [n_variants], 0, per_var, budget, 0)
 
 

@@ -26,7 +26,7 @@ from oar.attribution.base import (
     _variants,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits
+from oar.attribution.model import ProbeModel, gather_probe_logits, require_dense_mask
 
 _log = logging.getLogger("oar")
 
@@ -76,6 +76,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
                          "it: use oar_p_scores")
+    require_dense_mask(caps, "oar_p_window_scores")  # a 4-D mask for the model: refused for flash attention
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
