@@ -78,7 +78,10 @@ class ForwardGate:
     with nothing to do): it runs dummy calls until every rank is done. The prefix-cache members are offered when
     the wrapped model has that capability, but ``supports_prefix_grad`` is False: under a gate OAR-G keeps its
     plain path, whose calls come in kind order (every no-grad forward first), so ranks pad each other with few
-    dummies; the prompt-once path alternates no-grad and differentiated calls in every chunk.
+    dummies; the prompt-once path alternates no-grad and differentiated calls in every chunk. Activation
+    checkpointing is not offered either: its recomputation in the backward would run collectives (ZeRO-3 / FSDP
+    parameter gathers) that a rank running a dummy call does not, so OAR-G rows over the budget run whole (warned by
+    the planner). The attention implementation and the mask element size are passed on as they are.
 
     Args:
         model: the ProbeModel (``oar.attribution.as_probe_model(policy)``).
@@ -123,6 +126,21 @@ class ForwardGate:
 
     def activation_bytes_per_token(self, width: int, backward: bool = False) -> int:
         return self._model.activation_bytes_per_token(width, backward)
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The wrapped model's attention implementation (read by the engines' checks; no model call)."""
+        return self._caps.attn_implementation
+
+    @property
+    def supports_dense_mask(self) -> bool:
+        return self._caps.dense_mask
+
+    def cache_key_element_size(self) -> int:
+        """The wrapped model's cached-key element size (the windowed planner's mask estimate), 4 when it declares
+        none."""
+        f = getattr(self._model, "cache_key_element_size", None)
+        return int(f()) if callable(f) else 4
 
     def eval_mode(self):
         return self._model.eval_mode()

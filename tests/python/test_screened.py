@@ -342,3 +342,59 @@ def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F8
     with pytest.raises(ValueError, match="clean_pass covers rows \\[0\\], not every row scored \\(\\[0, 1\\]\\)"):
         oar_p_scores(pm, batch, rows=[0, 1], clean_pass=oar_p_window_scores(pm, batch, window=0, rows=[0],
                                                                               keep_clean_pass=True).clean_pass)
+
+
+def test_pipeline_window_screen_under_flash_attention_falls_back_to_oar_g(tiny, monkeypatch, caplog):  # noqa: F811
+    """A model whose attention is flash-attention (no 4-D masks) and without shared-prefix attention cannot run the
+    window screen: the pipeline screens with OAR-G (warned, naming the implementation) instead of failing. The model
+    is never run with flash attention here: the implementation is only declared (flash-attn is not installed)."""
+    model, tok = tiny
+    batch, _ = _pipeline_batch(tok)
+    cfg = oar.OARConfig(method="oar_p", screen_fraction=0.3, screen_sample=0.1, screen_window=2, seed=5)
+
+    class Flash(HFProbeModel):
+        shared_prefix_attention = False
+
+        @property
+        def attn_implementation(self):
+            return "flash_attention_2"
+
+        @property
+        def supports_dense_mask(self):
+            return False
+
+    calls = []
+    real = screened.oar_p_screened_scores
+    monkeypatch.setattr(oar_p_method, "oar_p_screened_scores",
+                        lambda m, pb, screen, **kw: calls.append((pb, screen, kw)) or real(m, pb, screen, **kw))
+    with caplog.at_level(logging.WARNING, logger="oar"):
+        Pipeline(cfg, tok).compute(batch, Flash(model))
+    assert "runs attention 'flash_attention_2': screening with OAR-G" in caplog.text
+    (pbatch, screen, kw), = calls
+    assert "engine" not in screen.stats or screen.stats["engine"] != "window"
+    want = oar_g_scores(Flash(model), pbatch, rows=[0, 1, 2], sigma=cfg.sigma,
+                        generator=torch.Generator().manual_seed(5), positions=kw["positions"])
+    assert torch.equal(screen.scores, want.scores)
+
+
+def test_forward_gate_passes_the_attention_implementation_on(tiny):  # noqa: F811
+    """Under a ForwardGate (ZeRO-3 / FSDP ranks kept in step) the engines still see the model's attention
+    implementation: the windowed engine's 4-D-mask refusal fires before any model call, so no collective runs."""
+    from oar.distributed import ForwardGate
+
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    pbatch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    pm.shared_prefix_attention = False
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        gate = ForwardGate(pm)
+        caps = oar.attribution.probe_capabilities(gate)
+        assert caps.attn_implementation == "flash_attention_2" and not caps.dense_mask
+        with pytest.raises(ValueError, match="attention implementation 'flash_attention_2' cannot take"):
+            oar_p_window_scores(gate, pbatch, window=2)
+        assert gate.real_calls == {1: 0, 2: 0} and gate.dummy_calls == {1: 0, 2: 0}
+    finally:
+        model.config._attn_implementation = old

@@ -41,16 +41,20 @@ class OARPScorer:
     def _screened(self, step: Step, pm, pbatch, positions, kw):
         """The screen (config ``screen``: windowed OAR-P with ``screen_window``, or OAR-G with the config's sigma and
         noise draws), then exact masking of the selection. A model without the prefix-cache capability (sliding-window
-        or recurrent layers) cannot run the window screen: OAR-G screens instead (warned once). With
+        or recurrent layers), or one whose attention takes no 4-D mask (flash attention) and has no shared-prefix
+        attention, cannot run the window screen: OAR-G screens instead (warned once). With
         ``screen_fraction = screen_sample = 0`` the screen's scores are the result (windowed OAR-P: nothing is masked
         exactly, no calibration; the reshaping normalizes each row's scores anyway)."""
         cfg = self.config
         screen_only = cfg.screen_fraction == 0 and cfg.screen_sample == 0
         kind = cfg.screen
-        if kind == "window" and not probe_capabilities(pm).prefix_cache:
+        caps = probe_capabilities(pm)
+        why = ("needs a model with the prefix-cache capability; %s has none" if not caps.prefix_cache else
+               "needs shared-prefix attention or a model that takes 4-D masks; %s runs attention "
+               f"{caps.attn_implementation!r}" if not (caps.shared_prefix or caps.dense_mask) else None)
+        if kind == "window" and why:
             if not self._warned_screen:
-                _log.warning("screen 'window' needs a model with the prefix-cache capability; %s has none: "
-                             "screening with OAR-G", type(pm).__name__)
+                _log.warning("screen 'window' " + why + ": screening with OAR-G", type(pm).__name__)
                 self._warned_screen = True
             kind = "oar_g"
         t0 = time.perf_counter()
