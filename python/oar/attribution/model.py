@@ -431,11 +431,32 @@ class HFProbeModel:
         if calls[0] != 1:
             raise RuntimeError(f"noised_embeddings: expected one forward under the context, got {calls[0]}")
 
+    #: Compute the probe logits (the LM head on the kept positions) in float32 whatever the compute dtype: under
+    #: bf16 the logits' rounding (2^-8 of |z| ~ 0.05 at |z| ~ 10) is of the size of the small probe divergences OAR
+    #: ranks tokens by (docs/design.md, "bf16: the probe logits in float32"). False: the model's own head.
+    probe_logits_float32: bool = True
+
+    @contextlib.contextmanager
+    def _probe_head(self):
+        """Within it, the model's output embedding (a ``torch.nn.Linear`` LM head) returns float32 logits from a
+        float32 product (:func:`_linear_float32`); a no-op when :attr:`probe_logits_float32` is off or the head is
+        not a plain Linear."""
+        head = self.model.get_output_embeddings() if self.probe_logits_float32 else None
+        if not isinstance(head, torch.nn.Linear) or "forward" in head.__dict__:
+            yield
+            return
+        head.forward = lambda x: _linear_float32(x, head.weight, head.bias)
+        try:
+            yield
+        finally:
+            del head.forward
+
     def tail_logits(self, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids, keep: int):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("tail_logits: pass exactly one of input_ids and inputs_embeds")
-        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                         position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+        with self._probe_head():
+            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                             position_ids=position_ids, logits_to_keep=keep, use_cache=False)
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[:, -keep:]
 
@@ -467,8 +488,9 @@ class HFProbeModel:
     def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
         """Like :meth:`tail_logits` on ids, also returning the key/value cache as a list of per-layer
         ``(keys, values)`` tensors of shape (B, kv_heads, T, head_dim)."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         logits_to_keep=keep, use_cache=True)
+        with self._probe_head():
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             logits_to_keep=keep, use_cache=True)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)  # renamed in transformers 5.x
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -keep:], kv
@@ -487,9 +509,10 @@ class HFProbeModel:
         cache = None
         if prefix_kv is not None and prefix_kv[0][0].shape[-2] > 0:
             cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix_kv])
-        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                         position_ids=position_ids, logits_to_keep=keep, use_cache=cache is not None,
-                         **{self._cache_kwarg: cache})
+        with self._probe_head():
+            out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                             position_ids=position_ids, logits_to_keep=keep, use_cache=cache is not None,
+                             **{self._cache_kwarg: cache})
         return out.logits[:, -keep:]
 
     # ---- shared-prefix attention (OAR-P suffix passes without copying the prefix or a dense mask) ---------
@@ -573,7 +596,9 @@ class HFProbeModel:
         token = _SHARED_PREFIX.set(ctx)
         cfg._attn_implementation = _SHARED_PREFIX_IMPL
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+            with self._probe_head():
+                out = self.model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep,
+                                 use_cache=False)
         finally:
             cfg._attn_implementation = old
             _SHARED_PREFIX.reset(token)
@@ -720,6 +745,31 @@ def _checkpointed_layer(forward, layer_idx: int, checkpoint, *args, **kwargs):
         return forward(*a, **kw)
 
     return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+#: Rows of the LM head weight upcast at a time when a float32 product needs a float32 copy (CPU, float16 on CUDA).
+_HEAD_CHUNK_ROWS = 16384
+
+
+def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` as float32 logits, outside autocast, differentiable in ``x``: the plain product
+    when both are float32; on CUDA with bf16 / fp16 weights one ``mm`` with float32 output (tensor cores, float32
+    accumulation, no weight copy); otherwise the weight upcast :data:`_HEAD_CHUNK_ROWS` rows at a time (a transient
+    copy of at most that many rows)."""
+    dev = x.device.type
+    with torch.autocast(dev, enabled=False):
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.nn.functional.linear(x, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if dev == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
+            out = torch.mm(x2.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+        else:
+            xf = x2.float()
+            out = torch.cat([xf @ weight[v:v + _HEAD_CHUNK_ROWS].float().t()
+                             for v in range(0, weight.shape[0], _HEAD_CHUNK_ROWS)], dim=-1)
+        if bias is not None:
+            out = out + bias.float()
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ---- the shared-prefix attention function (registered with transformers' attention interface) ----------------
