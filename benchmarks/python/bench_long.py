@@ -442,8 +442,9 @@ def main(argv=None) -> int:
                 cache["reasoning_len"] = int(batch.reasoning_len[0])
                 ctx = Ctx(pm, batch, tok, trace["response_ids"], trace_seed(trace, args.seed), args.budget_mb)
                 run_exact(cache, ctx, args.exact_block, budget, path, bar)
-    rows = summarize(chosen, cache_dir, [s.name for s in SETTINGS])
-    write_tables(rows, chosen, cache_dir, args, unavailable)
+    # the tables cover every trace of the file that has a cache file, whatever this run's --lengths chose
+    rows = summarize(traces, cache_dir, [s.name for s in SETTINGS])
+    write_tables(rows, args, unavailable)
     return 0
 
 
@@ -544,9 +545,9 @@ def _commit() -> str:
         return "unknown"
 
 
-def write_tables(rows: list[dict], chosen: list[dict], cache_dir: str, args, unavailable: list[str]) -> None:
+def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
     os.makedirs(args.out, exist_ok=True)
-    buckets = sorted({t["bucket"] for t in chosen})
+    buckets = sorted({r["bucket"] for r in rows})
     table = [r for b in buckets for r in bucket_table(rows, b)]
     if table:
         with open(os.path.join(args.out, "long.csv"), "w", newline="") as f:
@@ -573,7 +574,7 @@ def write_tables(rows: list[dict], chosen: list[dict], cache_dir: str, args, una
     for b in buckets:
         tb = [r for r in table if r["length"] == b]
         grpo = _mean([r["grpo_step_s"] for r in rows if r["bucket"] == b])
-        n = sum(t["bucket"] == b for t in chosen)
+        n = len({r["trace"] for r in rows if r["bucket"] == b})
         lines += [f"### L = {b}: {n} traces, GRPO step per rollout {f(grpo, '.1f')} s", "",
                   "| setting | traces (with reference) | reasoning tokens | seconds | x GRPO step | x exact | forwards | "
                   "tokens run | masked | Spearman (min) | top-10% overlap | recall@10% |",
