@@ -410,7 +410,8 @@ def main(argv=None) -> int:
         bar = tqdm(chosen, desc="traces", unit="trace", dynamic_ncols=True)
         for trace in bar:
             if budget.over():
-                bar.write(f"--max-minutes {args.max_minutes} reached: stopping (rerun to resume)")
+                bar.write(f"--max-minutes {args.max_minutes} reached: stopping (rerun to resume; exact references "
+                          "resume block by block)")
                 break
             path = os.path.join(cache_dir, f"{trace['id']}.json")
             cache = load_cache(path, trace)
@@ -430,17 +431,8 @@ def main(argv=None) -> int:
             run_settings(cache, ctx, settings, args.repeats, budget, path, bar)
             if args.oracle and not budget.over():
                 run_oracle(cache, model, tok, trace, batch, args.oracle_max_len, path)
-        # exact references last: the most expensive, resumed block by block
-        if args.exact:
-            for trace in tqdm([t for t in chosen if t["bucket"] in exact_at], desc="exact OAR-P", unit="trace"):
-                if budget.over():
-                    print(f"--max-minutes {args.max_minutes} reached: exact references left to resume", flush=True)
-                    break
-                path = os.path.join(cache_dir, f"{trace['id']}.json")
-                cache = load_cache(path, trace)
-                batch = build_batch(tok, trace)
-                cache["reasoning_len"] = int(batch.reasoning_len[0])
-                ctx = Ctx(pm, batch, tok, trace["response_ids"], trace_seed(trace, args.seed), args.budget_mb)
+            # then this trace's exact reference, resumed block by block (so each finished trace has its fidelity)
+            if args.exact and trace["bucket"] in exact_at:
                 run_exact(cache, ctx, args.exact_block, budget, path, bar)
     # the tables cover every trace of the file that has a cache file, whatever this run's --lengths chose
     rows = summarize(traces, cache_dir, [s.name for s in SETTINGS])
