@@ -1,0 +1,91 @@
+"""benchmarks/python/bench_long.py's logic on a tiny random model (plumbing only: random weights give no fidelity
+numbers): every setting's row appears, a setting equal to exact OAR-P ranks like it, and a rerun resumes from the
+cache files (exact references block by block)."""
+
+import csv
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
+import bench_long  # noqa: E402
+
+TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "tokenizer": "minimal", "initializer_range": 0.12}
+
+
+def _traces(path):
+    from oar.app.models import minimal_tokenizer
+
+    tok = minimal_tokenizer()
+    texts = {24: ["First we add 2 and 3.\nSo", "Then x = 7, so 2x is 14."],
+             40: ["We multiply 6 by 7 to get 42.\nCheck: 42/7=6."]}
+    rows = []
+    for bucket, ts in texts.items():
+        for i, t in enumerate(ts):
+            ids = tok.encode(t, add_special_tokens=False)
+            rows.append({"id": f"t{bucket}-{i}", "bucket": bucket, "length": len(ids), "answer": "42",
+                         "prompt_ids": tok.encode("Q: what is 6*7?\n", add_special_tokens=False), "response_ids": ids})
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def _run(tmp_path, *extra):
+    return bench_long.main(["--traces", str(tmp_path / "traces.jsonl"), "--lengths", "24", "40", "--per-length", "2",
+                            "--model", "tiny-random-llama", "--model-kwargs", json.dumps(TINY), "--group", "2",
+                            "--exact-block", "8", "--out", str(tmp_path / "out"), "--settings", "oar_g", "window8",
+                            "screen0.2", "window_all", *extra])
+
+
+def _table(tmp_path):
+    with open(tmp_path / "out" / "long.csv") as f:
+        return {(int(r["length"]), r["setting"]): r for r in csv.DictReader(f)}
+
+
+def test_rows_exactness_and_resume(tmp_path, monkeypatch):
+    _traces(tmp_path / "traces.jsonl")
+    # one more row of the settings table: the window covering every later token is exact OAR-P
+    monkeypatch.setattr(bench_long, "SETTINGS", bench_long.SETTINGS + [
+        bench_long.Setting("window_all", bench_long._window(10**6), note="window past the end: exact")])
+    assert _run(tmp_path) == 0
+    table = _table(tmp_path)
+    for L in (24, 40):
+        for name in ("oar_p_exact", "oar_g", "window8", "screen0.2", "window_all"):
+            r = table[(L, name)]
+            assert float(r["seconds"]) > 0 and float(r["x_grpo"]) > 0, (L, name)
+            assert int(r["with_reference"]) == int(r["traces"]) == (2 if L == 24 else 1), (L, name)
+        assert float(table[(L, "window_all")]["spearman"]) == pytest.approx(1.0, abs=1e-6)
+        assert float(table[(L, "window_all")]["top10"]) == 1.0
+        assert float(table[(L, "oar_p_exact")]["x_exact"]) == 1.0
+    md = (tmp_path / "out" / "long.md").read_text()
+    assert "### L = 24: 2 traces" in md and "| window_all |" in md
+    assert (tmp_path / "out" / "fidelity_cost_L40.png").exists()
+
+    # resume: nothing cached is recomputed ...
+    import oar.attribution as A
+
+    def boom(*a, **k):
+        raise AssertionError("a cached result was recomputed")
+
+    monkeypatch.setattr(A, "oar_p_scores", boom)
+    monkeypatch.setattr(bench_long, "grpo_step", boom)
+    for s in bench_long.SETTINGS:
+        monkeypatch.setattr(s, "run", boom)
+    assert _run(tmp_path) == 0
+    assert _table(tmp_path)[(24, "window_all")]["spearman"] == table[(24, "window_all")]["spearman"]
+
+    # ... and an exact reference cut short resumes at its missing block only
+    path = tmp_path / "out" / "cache" / "t24-0.json"
+    cache = json.loads(path.read_text())
+    lost = cache["exact_blocks"].pop("8")
+    path.write_text(json.dumps(cache))
+    calls = []
+    from oar.attribution.oar_p import oar_p_scores
+
+    monkeypatch.setattr(A, "oar_p_scores", lambda *a, **k: calls.append(k["positions"]) or oar_p_scores(*a, **k))
+    assert _run(tmp_path) == 0
+    assert calls == [{0: list(range(lost["start"], lost["end"]))}]
+    assert json.loads(path.read_text())["exact_blocks"]["8"]["scores"] == pytest.approx(lost["scores"], rel=1e-4)
+    assert _table(tmp_path)[(24, "window_all")]["spearman"] == table[(24, "window_all")]["spearman"]
