@@ -80,8 +80,6 @@ class Ctx:
         from oar.attribution import spans as sp
 
         ids = self.response_ids[: self.L]
-        if hasattr(sp, "spans_for"):  # a one-call helper, when the module has one
-            return {0: list(sp.spans_for(self.tok, ids, unit))}
         return {0: sp.spans_of(sp.span_starts(sp.token_texts(self.tok, ids), unit))}
 
 
