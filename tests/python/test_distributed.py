@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import oar
-from oar.attribution.model import (EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS,
+from oar.attribution.model import (ATTENTION_MEMBERS, EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS,
                                    SHARED_PREFIX_MEMBERS, NoisedEmbeddings)
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
@@ -213,7 +213,8 @@ def test_gate_is_the_protocol_and_nothing_else():
     """Every ProbeModel / capability member is the gate's own (a model call cannot reach the model ungated), and
     the gate offers nothing beyond them but finish()."""
     public = {n for n in dir(ForwardGate) if not n.startswith("_")}
-    members = PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS + EMBEDDING_NOISE_MEMBERS
+    members = (PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS + EMBEDDING_NOISE_MEMBERS
+               + ATTENTION_MEMBERS)
     assert public == set(members) | {"finish"}
     gate = ForwardGate(LoggingModel(collective=False))
     assert gate.supports_prefix_cache and not gate.supports_prefix_grad  # OAR-G keeps its plain path under a gate
