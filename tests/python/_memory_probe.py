@@ -2,7 +2,7 @@
 
 ``python _memory_probe.py SETTING`` builds the test model and a long batch (L = 2048 reasoning tokens), warms the
 model up on a short input, reads the resident set size (RSS, /proc/self/statm) and the process high-water mark
-(``ru_maxrss``), runs the engine call of SETTING and prints one JSON line: ``rss0`` (bytes resident before the
+(``VmHWM``), runs the engine call of SETTING and prints one JSON line: ``rss0`` (bytes resident before the
 call), ``max0`` (high-water mark before), ``max1`` (after), ``peak`` = max1 - rss0 (the most the call added on top
 of what was resident: an upper bound of its peak when max0 - rss0 is small, which the test checks), the budget,
 the bytes the planner declares outside chunks (:func:`oar.attribution.planner.resident_bytes`) and the stats.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 
 import torch
@@ -37,7 +36,14 @@ def _rss() -> int:
 
 
 def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """The high-water mark of this process's own address space (/proc/self/status ``VmHWM``, KiB). Not
+    ``ru_maxrss``: Linux carries that over fork and exec, so a child of a large parent (pytest after a long
+    session) starts with the parent's resident size as its high-water mark."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def build(attn: str = "sdpa"):

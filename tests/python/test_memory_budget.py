@@ -7,7 +7,7 @@ How it is measured (docs/design.md, "Memory planner: what the budget covers"): e
 process (tests/python/_memory_probe.py) with ``MALLOC_ARENA_MAX=1`` and ``MALLOC_MMAP_THRESHOLD_=65536``, so every
 tensor of 64 KiB or more is its own mmap, returned to the system when freed, and the resident set size follows the
 live tensors. The worker reads the RSS after building the model and batch and a short warm-up forward, runs the call
-and reads the process high-water mark (``ru_maxrss``); peak = high-water mark after - RSS before, an upper bound of
+and reads the process high-water mark (``VmHWM``, not ``ru_maxrss``, which Linux carries over from the parent); peak = high-water mark after - RSS before, an upper bound of
 what the call added (exact when the high-water mark before the call did not exceed the RSS, which is asserted
 within 1 MiB). Error budget of the comparison, :data:`SLACK`: page granularity and the one arena's small
 allocations (< 64 KiB each: Python objects, autograd nodes, shape metadata, the CPU kernels' per-thread scratch),
