@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -51,6 +50,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from bench_step import _commit  # the commit the numbers were measured at (same as the step table)
 
 PROBE = "answer_mean"
 EXACT = "oar_p_exact"
@@ -525,14 +526,6 @@ def bucket_table(rows: list[dict], bucket: int) -> list[dict]:
                     "recall10": _mean([r["recall10"] for r in g]),
                     "exact_done_frac": _mean([r["done_frac"] for r in g]) if name == EXACT else None})
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
