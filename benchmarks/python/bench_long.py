@@ -115,11 +115,13 @@ def _oar_g(ctx: Ctx):
     return a, _cost(a)
 
 
-def _window(w: int, unit: str | None = None):
+def _window(w: int, unit: str | None = None, tail: str = "conclude"):
     def run(ctx: Ctx):
         from oar.attribution import oar_p_window_scores
 
         kw = {"spans": ctx.spans(unit)} if unit else {}
+        if tail != "conclude":
+            kw["rerun_tail"] = tail
         a = oar_p_window_scores(ctx.pm, ctx.batch, window=w, probe=PROBE, memory_budget_mb=ctx.budget_mb, **kw)
         return a, _cost(a)
     return run
@@ -148,6 +150,15 @@ def _span_exact(unit: str):
     return run
 
 
+def _has_probe_tail() -> bool:
+    """oar_p_window_scores takes ``rerun_tail`` (the probe-window tail)."""
+    import inspect
+
+    from oar.attribution import oar_p_window_scores
+
+    return "rerun_tail" in inspect.signature(oar_p_window_scores).parameters
+
+
 def _has_spans() -> bool:
     """oar.attribution.spans exists and both OAR-P engines take ``spans=``."""
     import inspect
@@ -164,8 +175,14 @@ def _has_spans() -> bool:
 
 SETTINGS: list[Setting] = [
     Setting("oar_g", _oar_g, note="gradient x input, 1 noise draw"),
+    Setting("window1", _window(1), note="windowed OAR-P, W = 1"),
+    Setting("window2", _window(2), note="windowed OAR-P, W = 2"),
+    Setting("window4", _window(4), note="windowed OAR-P, W = 4"),
     Setting("window8", _window(8), note="windowed OAR-P, W = 8"),
     Setting("window32", _window(32), note="windowed OAR-P, W = 32"),
+    Setting("window1_probe", _window(1, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 1, probe-window tail"),
+    Setting("window4_probe", _window(4, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 4, probe-window tail"),
+    Setting("window8_probe", _window(8, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 8, probe-window tail"),
     Setting("screen0.1", _screened(0.1), note="window-8 screen + exact top 10% + random 5%"),
     Setting("screen0.2", _screened(0.2), note="window-8 screen + exact top 20% + random 5%"),
     Setting("span_word", _span_exact("word"), _has_spans, "exact OAR-P, word units"),
@@ -358,6 +375,8 @@ def main(argv=None) -> int:
     p.add_argument("--traces", default="benchmarks/data/long_traces.jsonl")
     p.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048])
     p.add_argument("--per-length", type=int, default=4, help="traces per length bucket (file order)")
+    p.add_argument("--ids", nargs="*", default=None,
+                   help="trace ids to run (instead of --lengths/--per-length; the tables still cover every cache)")
     p.add_argument("--settings", nargs="*", default=None, help="names of SETTINGS rows (default: all available)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each setting (median)")
     p.add_argument("--no-exact", dest="exact", action="store_false", help="skip the exact references")
@@ -386,6 +405,11 @@ def main(argv=None) -> int:
 
     traces = load_traces(args.traces)
     chosen = select_traces(traces, args.lengths, args.per_length)
+    if args.ids is not None:
+        by_id = {t["id"]: t for t in traces}
+        if set(args.ids) - set(by_id):
+            raise SystemExit(f"--ids: unknown {sorted(set(args.ids) - set(by_id))}")
+        chosen = [by_id[i] for i in args.ids]
     known = {s.name for s in SETTINGS}
     if args.settings is not None and set(args.settings) - known:
         raise SystemExit(f"--settings: unknown {sorted(set(args.settings) - known)}; rows: {sorted(known)}")

@@ -10,6 +10,7 @@ token is not in the count (it adds ~T / (12 hidden) of a token's projections: 8%
 
     grpo        5 forwards (old log-probs 1, reference 1, update forward + backward 3)
     oar_g       3 (a clean forward, a forward and a backward w.r.t. the input embeddings)
+    (clean = 1 forward, or 1 - (1 - 1/G) P / T with G rollouts per prompt: the prompt-once clean pass)
     exact       1 clean + sum over tokens t of (T - t) / T      (the prefix engine: each variant re-runs [t, T))
     window W    1 clean + sum over tokens t of min(1 + W + tail, T - t) / T
     span        1 clean + sum over units u of (T - start_u) / T
@@ -20,7 +21,8 @@ token is not in the count (it adds ~T / (12 hidden) of a token's projections: 8%
 mean nothing for fidelity), each setting timed on ``--device`` (CUDA: synchronised), with peak memory on CUDA.
 
 Usage:
-    python benchmarks/python/bench_scale.py cost [--lengths 2048 4096 8192] [--unit-len 25] [--out docs/benchmarks/scale]
+    python benchmarks/python/bench_scale.py cost [--lengths 2048 4096 8192] [--unit-len 25] [--group 8]
+        [--out docs/benchmarks/scale] [--name cost_model]
     python benchmarks/python/bench_scale.py time --shape qwen2.5-1.5b --length 4096 --device cuda --dtype bfloat16
 """
 
@@ -53,29 +55,32 @@ def unit_starts(L: int, unit_len: int) -> list[int]:
 
 
 def forwards_per_row(setting: str, L: int, prompt: int, tail: int, *, window: int = 8, unit_len: int = 25,
-                     fraction: float = 0.1) -> float:
-    """Model forwards per row of ``setting`` (module docstring): token-columns run / T, T = prompt + L + tail."""
+                     fraction: float = 0.1, group: int = 1) -> float:
+    """Model forwards per row of ``setting`` (module docstring): token-columns run / T, T = prompt + L + tail.
+    ``group``: rollouts sharing the prompt in one clean chunk (the prompt-once clean pass runs the prompt once per
+    group: clean = 1 - (1 - 1/group) prompt / T; docs/design.md "Prompt-once clean pass")."""
     T = prompt + L + tail
+    clean = 1 - (1 - 1 / max(1, int(group))) * prompt / T
     if setting == "grpo":
         return GRPO_FORWARDS
     if setting == "oar_g":
         return OAR_G_FORWARDS
     if setting == "exact":
-        return 1 + sum(T - (prompt + t) for t in range(L)) / T
+        return clean + sum(T - (prompt + t) for t in range(L)) / T
     if setting == "window":  # a window reaching the tail re-runs [t, T) once
-        return 1 + sum(min(1 + window + tail, T - (prompt + t)) for t in range(L)) / T
+        return clean + sum(min(1 + window + tail, T - (prompt + t)) for t in range(L)) / T
     starts = unit_starts(L, unit_len)
     if setting == "span":
-        return 1 + sum(T - (prompt + s) for s in starts) / T
+        return clean + sum(T - (prompt + s) for s in starts) / T
     if setting == "span_window":
-        return 1 + sum(min(min(s + unit_len, L) - s + window + tail, T - (prompt + s)) for s in starts) / T
+        return clean + sum(min(min(s + unit_len, L) - s + window + tail, T - (prompt + s)) for s in starts) / T
     if setting == "screened":
         mean_suffix = sum(T - (prompt + t) for t in range(L)) / L
-        return forwards_per_row("window", L, prompt, tail, window=window) + fraction * L * mean_suffix / T
+        return forwards_per_row("window", L, prompt, tail, window=window, group=group) + fraction * L * mean_suffix / T
     raise ValueError(f"setting must be one of grpo, oar_g, exact, window, span, span_window, screened, got {setting!r}")
 
 
-def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction: float) -> list[dict]:
+def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction: float, group: int = 1) -> list[dict]:
     rows = []
     for L in lengths:
         settings = [("grpo", {}), ("oar_g", {}), ("exact", {}), (f"window W={window}", {"window": window}),
@@ -85,7 +90,7 @@ def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction
                                                                                         "window": window})]
         for name, kw in settings:
             kind = name.split()[0]
-            f = forwards_per_row(kind, L, prompt, tail, **kw)
+            f = forwards_per_row(kind, L, prompt, tail, group=group, **kw)
             rows.append({"L": L, "setting": name, "forwards_per_row": round(f, 2),
                          "x_grpo": round(f / GRPO_FORWARDS, 2), "attribution_x_grpo_step": round(1 + f / GRPO_FORWARDS, 2)
                          if kind != "grpo" else 1.0})
@@ -190,6 +195,8 @@ def main(argv=None) -> int:
     c.add_argument("--window", type=int, default=8)
     c.add_argument("--unit-len", type=int, nargs="+", default=[12, 25, 50])
     c.add_argument("--fraction", type=float, default=0.1)
+    c.add_argument("--group", type=int, default=1, help="rollouts per prompt in a clean chunk (prompt-once clean pass)")
+    c.add_argument("--name", default="cost_model", help="file name of the table under --out")
     c.add_argument("--out", default="docs/benchmarks/scale")
     t = sub.add_parser("time", help="time the settings on a random-weight model of a real shape")
     t.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -205,9 +212,9 @@ def main(argv=None) -> int:
     t.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "cost":
-        rows = cost_table(a.lengths, a.prompt, a.tail, a.window, a.unit_len, a.fraction)
-        _write(rows, a.out, "cost_model", f"Forwards per row (prompt {a.prompt}, tail {a.tail}; GRPO = "
-               f"{GRPO_FORWARDS:g})")
+        rows = cost_table(a.lengths, a.prompt, a.tail, a.window, a.unit_len, a.fraction, a.group)
+        _write(rows, a.out, a.name, f"Forwards per row (prompt {a.prompt}, tail {a.tail}, {a.group} rollouts per "
+               f"prompt; GRPO = {GRPO_FORWARDS:g})")
         for r in rows:
             print(r)
     else:

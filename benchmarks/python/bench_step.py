@@ -16,6 +16,8 @@ Providers:
   oar_p_naive_serial    oar.reference.oar_p_naive(mode="serial"): one masked context per forward
   oar_p_window{W}       windowed OAR-P (issue 13's screen): each masked token re-runs only the next W reasoning
                         tokens and the probe tail (--windows; never strided)
+  oar_p_window{W}_each_prompt  the same with the prompt-once clean pass off (every row runs its prompt; the
+                        A/B of docs/design.md "Prompt-once clean pass")
   oar_p_screen{f}       screened OAR-P (issue 13) with the window screen (--screen-window, the config default 8;
                         its time counts), then exact masking of the screen's top f plus a random --screen-sample of
                         the rest (never strided)
@@ -178,6 +180,14 @@ def run_repeat(model, tok, opt, roll: Rollouts, args, strides, conclude, gen_s) 
                                                                    keep_clean_pass=True))
         if w in args.windows:
             times[f"oar_p_window{w}"] = t_win[w] + build_s
+    # The same windowed engine with every row's prompt run in the clean pass (the prompt-once clean pass off):
+    # the A/B of docs/design.md "Prompt-once clean pass", on the same rollouts.
+    pm_plain = HFProbeModel(model)
+    pm_plain.prompt_once_clean_pass = False
+    for w in args.windows:
+        _, t_plain = _timed(lambda: oar_p_window_scores(pm_plain, batch, window=w, rows=active,
+                                                        memory_budget_mb=args.budget_mb))
+        times[f"oar_p_window{w}_each_prompt"] = t_plain + build_s
     screened = {}
     for kind, scr, t_scr in (("screen", windowed.get(args.screen_window), t_win.get(args.screen_window)),
                              ("gscreen", screen, t)):

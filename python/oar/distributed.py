@@ -204,10 +204,15 @@ class ForwardGate:
     def kv_bytes_per_token(self) -> int:
         return self._model.kv_bytes_per_token()
 
-    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
+    @property
+    def supports_prefix_extend(self) -> bool:
+        return self._caps.prefix_extend
+
+    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int, prefix_kv=None):
         self._gate(KIND_FORWARD)
+        extra = {} if prefix_kv is None else {"prefix_kv": prefix_kv}  # only models that declare prefix_extend
         return self._model.tail_logits_and_cache(input_ids=input_ids, attention_mask=attention_mask,
-                                                 position_ids=position_ids, keep=keep)
+                                                 position_ids=position_ids, keep=keep, **extra)
 
     def tail_logits_cached(self, prefix_kv, *, input_ids=None, inputs_embeds=None, attention_mask, position_ids,
                            keep: int):

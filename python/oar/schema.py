@@ -8,8 +8,8 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
   raise ValueError naming the key); ``to_json()`` round-trips. JSON keys are flat (``ktae_alpha``), Python
   attributes nested (``cfg.ktae.alpha``): the table is in docs/config.md.
 - ``ReshapeOptions``, ``GroupAdvantageOptions``: the nested option structs (``cfg.reshape``, ``cfg.advantages``).
-- :data:`METHODS`, :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS` and :data:`MASK_UNITS`: the values of
-  ``method``, ``probe``, ``estimator``, ``screen`` and ``mask_unit`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
+- :data:`METHODS`, :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS`, :data:`SCREEN_TAILS` and
+  :data:`MASK_UNITS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail`` and ``mask_unit`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
 - :func:`with_method`: a config with another method (the one rule between keys: ``dr_grpo``'s estimator).
 - :func:`config_arg`: the one check of a ``config`` argument; :func:`config_from_mapping` and :func:`yaml_load`:
   the one way a YAML / JSON ``oar`` section becomes an ``OARConfig`` (run configs and ``$OAR_CONFIG`` alike).
@@ -40,6 +40,10 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "batch", "rloo")
 #: ``screen``: the screen of screened OAR-P (``window``: windowed OAR-P; ``oar_g``: OAR-G).
 SCREENS: tuple[str, ...] = ("window", "oar_g")
 
+#: ``screen_tail``: the probe-side tokens the window screen re-runs (:func:`oar.attribution.oar_p_window_scores`,
+#: ``rerun_tail``).
+SCREEN_TAILS: tuple[str, ...] = ("conclude", "probe")
+
 #: ``mask_unit``: what OAR-P masks per variant and the token-level scorers sum over (docs/method.md section 11).
 MASK_UNITS: tuple[str, ...] = ("token", "word", "line", "sentence")
 
@@ -47,7 +51,7 @@ MASK_UNITS: tuple[str, ...] = ("token", "word", "line", "sentence")
 TIERS: tuple[str, ...] = ("both", "boost", "suppress")
 
 __all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
-           "MASK_UNITS", "TIERS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
+           "SCREEN_TAILS", "MASK_UNITS", "TIERS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
 
 
 def with_method(config, method: str):

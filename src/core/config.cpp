@@ -77,7 +77,7 @@ const std::set<std::string>& known_keys() {
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
       "screen_fraction", "screen_sample", "screen_budget", "screen", "screen_window",
-      "mask_unit",
+      "screen_tail", "mask_unit",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -184,6 +184,9 @@ OARConfig parse_oar_config(const std::string& json_text) {
     fail("screen", "must be \"window\" or \"oar_g\", got " + json(cfg.screen).dump());
   cfg.screen_window = get_int(obj, "screen_window", cfg.screen_window);
   if (cfg.screen_window < 0) fail("screen_window", "must be >= 0, got " + std::to_string(cfg.screen_window));
+  cfg.screen_tail = get_string(obj, "screen_tail", cfg.screen_tail);
+  if (cfg.screen_tail != "conclude" && cfg.screen_tail != "probe")
+    fail("screen_tail", "must be \"conclude\" or \"probe\", got " + json(cfg.screen_tail).dump());
   cfg.mask_unit = get_string(obj, "mask_unit", cfg.mask_unit);
   if (cfg.mask_unit != "token" && cfg.mask_unit != "word" && cfg.mask_unit != "line" && cfg.mask_unit != "sentence")
     fail("mask_unit", "must be \"token\", \"word\", \"line\" or \"sentence\", got " + json(cfg.mask_unit).dump());
@@ -238,6 +241,7 @@ std::string to_json(const OARConfig& cfg) {
   j["screen_budget"] = cfg.screen_budget;
   j["screen"] = cfg.screen;
   j["screen_window"] = cfg.screen_window;
+  j["screen_tail"] = cfg.screen_tail;
   j["mask_unit"] = cfg.mask_unit;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;

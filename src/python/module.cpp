@@ -164,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("screen", &OARConfig::screen)
       .def_readwrite("screen_window", &OARConfig::screen_window)
       .def_readwrite("screen_budget", &OARConfig::screen_budget)
+      .def_readwrite("screen_tail", &OARConfig::screen_tail)
       .def_readwrite("mask_unit", &OARConfig::mask_unit)
       .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
       .def_readwrite("ktae", &OARConfig::ktae)

@@ -47,6 +47,7 @@ TEST(Config, DefaultsFollowMethodMd) {
   EXPECT_EQ(c.screen, "window");
   EXPECT_EQ(c.screen_window, 8);
   EXPECT_EQ(c.mask_unit, "token");  // the paper's unit
+  EXPECT_EQ(c.screen_tail, "conclude");
 }
 
 TEST(Config, ParsesEveryFieldAndRoundTrips) {
@@ -101,6 +102,9 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"mask_unit": "step"})"); },
                  "oar.mask_unit must be \"token\", \"word\", \"line\" or \"sentence\", got \"step\"");
   EXPECT_EQ(parse_oar_config(R"({"mask_unit": "line"})").mask_unit, "line");
+  expect_invalid([] { parse_oar_config(R"({"screen_tail": "all"})"); },
+                 "oar.screen_tail must be \"conclude\" or \"probe\", got \"all\"");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "probe"})"))).screen_tail, "probe");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"mask_unit": "word"})"))).mask_unit, "word");
   expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
   expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");

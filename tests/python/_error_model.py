@@ -425,13 +425,16 @@ def oar_p_error_bound(model, batch, probe: str = "answer_mean", spans=None):
     return error_bound(run)
 
 
-def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mean", spans=None):
+def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mean", spans=None,
+                             rerun_tail: str = "conclude"):
     """Windowed OAR-P scores of a probe ``batch`` on the float64 copy of ``model`` and their float32 error bounds,
     step by step as :func:`oar.reference.oar_p_window_naive` (one unpadded context, one masked token at a time, a
     Hugging Face cache and 2-D masks), under :func:`error_bound`. The clean cache is recomputed for each masked
     token instead of copied (a copy of a tensor inside an autograd graph is not supported): the same operations on
     the same values, so the same scores and bounds. ``spans`` ({row: [(j0, j1), ...]}): each span masked whole,
     re-running its tokens and the ``window`` tokens after it; its score on each of its tokens (others 0).
+    ``rerun_tail="probe"``: the tail re-run is the last ``batch.keep`` columns only (the conclude tokens before them
+    keep their clean keys/values).
 
     Returns:
         :class:`Bounded`, (B, L_max) float64; positions past a row's reasoning length are 0 with bound 0.
@@ -452,7 +455,7 @@ def oar_p_window_error_bound(model, batch, window: int, probe: str = "answer_mea
             ids, s, L, cols, a_ids = _row_context(batch, r, torch.device("cpu"))
             n = ids.numel()
             clean = _probe_stat(m64(input_ids=ids[None]).logits[0], cols, a_ids, probe)
-            tail = min(s + L, n - batch.keep)
+            tail = n - batch.keep if rerun_tail == "probe" else min(s + L, n - batch.keep)
             row = [torch.zeros((), dtype=torch.float64)] * Lm
             for j0, j1 in ([(j, j + 1) for j in range(L)] if spans is None else spans.get(r, [])):
                 t = s + j0

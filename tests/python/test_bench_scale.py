@@ -51,6 +51,21 @@ def test_span_counts(one_row, unit_len):
             bs.forwards_per_row("exact", L, P, tail))
 
 
+@pytest.mark.parametrize("window", [0, 8])
+def test_prompt_once_count(one_row, window):
+    """G rollouts of one prompt (same length): the prompt-once clean pass runs the prompt once, the count's clean
+    term 1 - (1 - 1/G) P / T."""
+    pm, batch, P, L, T, tail = one_row
+    G = 4
+    group = ProbeContextBuilder(minimal_tokenizer(), "\nTherefore, the final answer is \\boxed{").build(
+        [batch.input_ids[0, :P]] * G, [batch.input_ids[0, P:P + L]] * G, ["42"] * G, [L] * G)
+    res = oar_p_window_scores(pm, group, window=window)
+    want = bs.forwards_per_row("window", L, P, tail, window=window, group=G) * T * G
+    assert res.stats["tokens"] == pytest.approx(want)
+    assert bs.forwards_per_row("window", L, P, tail, window=window, group=G) == pytest.approx(
+        bs.forwards_per_row("window", L, P, tail, window=window) - (1 - 1 / G) * P / T)
+
+
 def test_cost_table_orders_the_settings():
     rows = {(r["L"], r["setting"]): r["forwards_per_row"] for r in bs.cost_table([4096], 200, 40, 8, [25], 0.1)}
     assert rows[4096, "span_window 25 W=8"] < rows[4096, "window W=8"] < rows[4096, "span 25"] < rows[4096, "exact"]

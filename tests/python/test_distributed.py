@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import oar
-from oar.attribution.model import (ATTENTION_MEMBERS, EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_MEMBERS, PROBE_MODEL_MEMBERS,
-                                   SHARED_PREFIX_MEMBERS, NoisedEmbeddings)
+from oar.attribution.model import (ATTENTION_MEMBERS, EMBEDDING_NOISE_MEMBERS, PREFIX_CACHE_FLAGS, PREFIX_CACHE_MEMBERS,
+                                   PROBE_MODEL_MEMBERS, SHARED_PREFIX_MEMBERS, NoisedEmbeddings)
 from oar.distributed import ForwardGate, distributed_world, gate_model
 
 from _error_model import Bounded, random_rounding
@@ -214,7 +214,7 @@ def test_gate_is_the_protocol_and_nothing_else():
     the gate offers nothing beyond them but finish()."""
     public = {n for n in dir(ForwardGate) if not n.startswith("_")}
     members = (PROBE_MODEL_MEMBERS + PREFIX_CACHE_MEMBERS + SHARED_PREFIX_MEMBERS + EMBEDDING_NOISE_MEMBERS
-               + ATTENTION_MEMBERS)
+               + ATTENTION_MEMBERS + PREFIX_CACHE_FLAGS)
     assert public == set(members) | {"finish"}
     gate = ForwardGate(LoggingModel(collective=False))
     assert gate.supports_prefix_cache and not gate.supports_prefix_grad  # OAR-G keeps its plain path under a gate

@@ -133,12 +133,12 @@ def test_capabilities_of_a_plain_model_and_of_hf_models(tiny):
     assert isinstance(pm, EmbeddingNoiseModel)
     impl = model.config._attn_implementation  # transformers' default for a model built from a config: sdpa
     assert impl == "sdpa"
-    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=True,
-                                                       embedding_noise=True, activation_checkpointing=True,
+    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, prefix_extend=True,
+                                                       shared_prefix=True, embedding_noise=True, activation_checkpointing=True,
                                                        attn_implementation="sdpa", dense_mask=True)
     pm.shared_prefix_attention = False
-    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, shared_prefix=False,
-                                                       embedding_noise=True, activation_checkpointing=True,
+    assert probe_capabilities(pm) == ProbeCapabilities(prefix_cache=True, prefix_grad=True, prefix_extend=True,
+                                                       shared_prefix=False, embedding_noise=True, activation_checkpointing=True,
                                                        attn_implementation="sdpa", dense_mask=True)
     assert as_probe_model(model).model is model and as_probe_model(pm) is pm
 

@@ -238,6 +238,34 @@ def test_window_scores_equal_the_stepwise_reference(tiny, window, probe, budget_
             assert_within_error_model(res.scores[:, : exact.value.shape[1]], exact, what="window 0 vs exact")
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_window_probe_tail_equals_the_stepwise_reference(tiny, shared):  # noqa: F811
+    """``rerun_tail="probe"``: each variant re-runs its window and the probe window only (the conclude tokens keep
+    their clean keys/values), against the step-by-step reference with that tail (rule 1 against float64); fewer
+    tokens run than with the conclude tail, and the scores differ from it by more than rounding."""
+    pm, batch, _ = _setup(tiny)
+    pm.shared_prefix_attention = shared
+    res = oar_p_window_scores(pm, batch, window=2, rerun_tail="probe")
+    model, _ = tiny
+    want = oar_p_window_error_bound(model, batch, 2, "answer_mean", rerun_tail="probe")
+    assert_within_error_model(res.scores, want, what="window 2, probe tail")
+    full = oar_p_window_scores(pm, batch, window=2)
+    T, keep = batch.input_ids.shape[1], int(batch.keep)
+    # variant of column t re-runs [t, t + 3) and its tail, [T - keep, T) or [min(end of reasoning, T - keep), T)
+    # (a window reaching the tail runs those columns once); both runs share the same clean pass
+    def reruns(tail_of):
+        return sum(len(set(range(t, min(t + 3, T))) | set(range(tail_of(e), T))) for e, s in (
+            (int(batch.reasoning_start[r] + batch.reasoning_len[r]), int(batch.reasoning_start[r]))
+            for r in range(batch.batch_size)) for t in range(s, e))
+    saved = reruns(lambda e: min(e, T - keep)) - reruns(lambda e: T - keep)
+    assert saved > 0 and full.stats["tokens"] - res.stats["tokens"] == saved
+    with pytest.raises(AssertionError, match="outside the budget"):
+        assert_within_error_model(full.scores, want, what="conclude tail vs probe tail")
+    with pytest.raises(ValueError, match=r"rerun_tail must be one of \('conclude', 'probe'\), got 'all'"):
+        oar_p_window_scores(pm, batch, window=2, rerun_tail="all")
+    assert oar.schema.SCREEN_TAILS == oar.attribution.window.RERUN_TAILS
+
+
 def test_window_covering_the_rest_is_exact_oar_p(tiny):  # noqa: F811
     """A window as long as the longest reasoning re-runs every later token: exact OAR-P (rule 1 against float64,
     the exact engine's float32 scores as rounding reference); with positions, only those tokens are scored."""
@@ -322,6 +350,7 @@ def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F8
     its scores are the same exact OAR-P numbers (rule 1: the float32 error model of the float64 scores); a
     clean pass that misses a scored row is refused."""
     pm, batch, _ = _setup(tiny)
+    pm.prompt_once_clean_pass = False  # every clean row runs its whole context: one chunk of 3 T tokens
     screen = oar_p_window_scores(pm, batch, window=2, keep_clean_pass=True)
     assert screen.clean_pass is not None and screen.clean_pass.rows == (0, 1, 2)
     plain = oar_p_window_scores(pm, batch, window=2)

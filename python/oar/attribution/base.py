@@ -257,21 +257,103 @@ def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tenso
     res.scores[row_index.repeat_interleave(reps), j_index.repeat_interleave(reps) + offs] = d.repeat_interleave(reps)
 
 
-def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int):
+def _prompt_once_layout(batch: ProbeBatch, rows: Sequence[int]):
+    """The prompt-once layout of a clean chunk (docs/design.md, "Prompt-once clean pass"), or None when it saves
+    nothing (no prompt shared by two rows) or does not apply (an empty prompt, a probe window reaching into a
+    row's prompt).
+
+    Row r (batch columns: padding [0, a_r), prompt [a_r, s_r), response [s_r, T)) is laid out as prompt [0, P_r),
+    a hole [P_r, s_r) (padding, masked), response [s_r, T) at its batch columns. The first ``p`` columns (p <= every
+    s_r, <= T - keep) are the distinct prompts' cache, computed once each; columns [p, T) run on top of it.
+
+    Returns (p, distinct prompts as tuples, slot of each row's prompt, per-row (a_r, s_r))."""
+    T = int(batch.input_ids.shape[1])
+    firsts = [T - int(batch.context_len[r]) for r in rows]
+    starts = [int(batch.reasoning_start[r]) for r in rows]
+    keys = [tuple(batch.input_ids[r, a:s].tolist()) for r, a, s in zip(rows, firsts, starts)]
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == len(rows) or any(len(k) == 0 for k in distinct) or max(starts) > T - int(batch.keep):
+        return None
+    p = min(min(starts), max(len(k) for k in distinct))
+    if p <= 0:
+        return None
+    slot = {k: i for i, k in enumerate(distinct)}
+    return p, distinct, [slot[k] for k in keys], list(zip(firsts, starts))
+
+
+def _prompt_once_clean(model, batch: ProbeBatch, rows: Sequence[int], layout, dev):
+    """One clean chunk through the prompt-once layout (:func:`_prompt_once_layout`): the distinct prompts' first
+    ``p`` columns once, then columns [p, T) of every row on top (``tail_logits_and_cache(prefix_kv=...)``). Returns
+    (probe window logits (n, keep, V), cache in the batch layout (per layer (n, kv_heads, T, head_dim)), tokens)."""
+    p, distinct, slots, spans = layout
+    T, keep, pad = int(batch.input_ids.shape[1]), int(batch.keep), int(batch.pad_id)
+    n, nd = len(rows), len(distinct)
+    ids_u = torch.full((nd, p), pad, dtype=torch.long)
+    attn_u = torch.zeros((nd, p), dtype=torch.long)
+    for i, k in enumerate(distinct):
+        m = min(len(k), p)
+        ids_u[i, :m] = torch.tensor(k[:m], dtype=torch.long)
+        attn_u[i, :m] = 1
+    pos_u = torch.arange(p).expand(nd, p)
+    _, kv_u = model.tail_logits_and_cache(input_ids=ids_u.to(dev), attention_mask=attn_u.to(dev),
+                                          position_ids=pos_u.to(dev), keep=1)
+    slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+    prefix = [(k.index_select(0, slot_t), v.index_select(0, slot_t)) for k, v in kv_u]
+    del kv_u
+    # Columns [p, T) of each row in the prompt-once layout; `src` maps a batch column to its layout column.
+    ids = torch.full((n, T), pad, dtype=torch.long)
+    attn = torch.zeros((n, T), dtype=torch.long)
+    pos = torch.zeros((n, T), dtype=torch.long)
+    src = torch.arange(T).repeat(n, 1)
+    for i, (r, (a, s)) in enumerate(zip(rows, spans)):
+        ids[i, : s - a] = batch.input_ids[r, a:s]
+        ids[i, s:] = batch.input_ids[r, s:]
+        attn[i, : s - a] = 1
+        attn[i, s:] = 1
+        pos[i, : s - a] = batch.position_ids[r, a:s]
+        pos[i, s:] = batch.position_ids[r, s:]
+        src[i, a:s] = torch.arange(s - a)
+    window, kv = model.tail_logits_and_cache(input_ids=ids[:, p:].to(dev), attention_mask=attn.to(dev),
+                                             position_ids=pos[:, p:].to(dev), keep=keep, prefix_kv=prefix)
+    del prefix
+    # Back to the batch layout, one layer at a time (a transient of one layer's cache): prompt [0, P_r) moves to
+    # [a_r, s_r); the response already sits at its batch columns; padding columns [0, a_r) keep finite values.
+    src = src.to(dev)
+    out = []
+    for k, v in kv:
+        idx = src.view(n, 1, T, 1).expand(-1, k.shape[1], -1, k.shape[3])
+        out.append((torch.take_along_dim(k, idx, dim=2), torch.take_along_dim(v, idx, dim=2)))
+    del kv
+    return window, out, nd * p + n * (T - p)
+
+
+def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int, prompt_once: bool = False):
     """Clean pass over ``rows`` (chunked under ``budget`` bytes, no grad): probe logits (n, K_max, V), the
-    key/value cache (per layer (keys, values), each (n, kv_heads, T, head_dim)), forward passes, tokens run."""
+    key/value cache (per layer (keys, values), each (n, kv_heads, T, head_dim)), forward passes, tokens run.
+
+    With ``prompt_once`` (the model's ``prefix_extend`` capability) a chunk whose rows share prompts (rollouts of
+    one group) runs each distinct prompt once (:func:`_prompt_once_clean`; same numbers within rounding)."""
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
     dev = torch.device(model.device)
-    idx_rows = torch.tensor(list(rows), dtype=torch.long)
-    plan = planner.plan_clean(model, batch, len(rows), budget)
+    rows = list(rows)
+    idx_rows = torch.tensor(rows, dtype=torch.long)
+    prompt_once = prompt_once and _prompt_once_layout(batch, rows) is not None
+    plan = planner.plan_clean(model, batch, len(rows), budget, prompt_once=prompt_once)
     clean_parts, kv_all, passes, tokens = [], None, 0, 0
     n = len(rows)
     for ch in plan:
         sel = idx_rows[ch.begin:ch.end]
-        window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
-                                                 attention_mask=batch.attention_mask[sel].to(dev),
-                                                 position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+        layout = _prompt_once_layout(batch, rows[ch.begin:ch.end]) if prompt_once else None
+        if layout is not None:
+            window, kv, run_tokens = _prompt_once_clean(model, batch, rows[ch.begin:ch.end], layout, dev)
+            passes += 2
+        else:
+            window, kv = model.tail_logits_and_cache(input_ids=batch.input_ids[sel].to(dev),
+                                                     attention_mask=batch.attention_mask[sel].to(dev),
+                                                     position_ids=batch.position_ids[sel].to(dev), keep=batch.keep)
+            run_tokens = int(sel.numel()) * T
+            passes += 1
         clean_parts.append(gather_probe_logits(window, batch.probe_start[sel], K))
         del window
         if kv_all is None:
@@ -285,7 +367,6 @@ def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int
                 k_all[ch.begin:ch.end].copy_(k)
                 v_all[ch.begin:ch.end].copy_(v)
         del kv
-        passes += 1
-        tokens += int(sel.numel()) * T
+        tokens += run_tokens
     clean_all = torch.cat(clean_parts)
     return clean_all, kv_all, passes, tokens

@@ -91,7 +91,10 @@ class PrefixCacheModel(ProbeModel, Protocol):
     def tail_logits_and_cache(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               position_ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, list]:
         """:meth:`tail_logits` on ids, plus the key/value cache: a list of per-layer ``(keys, values)`` of shape
-        (B, kv_heads, T, head_dim)."""
+        (B, kv_heads, T, head_dim). A model that also sets ``supports_prefix_extend = True`` takes
+        ``prefix_kv=`` (per-layer keys/values of P columns, as for :meth:`tail_logits_cached`; ``attention_mask``
+        then (B, P + T)) and returns the cache of prefix + input, (B, kv_heads, P + T, head_dim): the engines'
+        prompt-once clean pass (docs/design.md, "Prompt-once clean pass")."""
 
     def tail_logits_cached(self, prefix_kv: list, *, input_ids: torch.Tensor | None = None,
                            inputs_embeds: torch.Tensor | None = None, attention_mask: torch.Tensor,
@@ -179,6 +182,8 @@ PREFIX_CACHE_MEMBERS = _own_members(PrefixCacheModel)
 SHARED_PREFIX_MEMBERS = _own_members(SharedPrefixModel)
 EMBEDDING_NOISE_MEMBERS = _own_members(EmbeddingNoiseModel)
 CHECKPOINT_MEMBERS = _own_members(CheckpointModel)
+#: Optional flags of :class:`PrefixCacheModel` (absent = False; no members of their own): ``supports_prefix_extend``.
+PREFIX_CACHE_FLAGS = ("supports_prefix_extend",)
 #: Optional members that describe how the model runs attention (read by the engines' checks and the planner; no
 #: model call): the attention implementation, whether it takes 4-D masks, the cached keys' element size.
 ATTENTION_MEMBERS = ("attn_implementation", "supports_dense_mask", "cache_key_element_size")
@@ -200,6 +205,8 @@ class ProbeCapabilities:
     Attributes:
         prefix_cache: :class:`PrefixCacheModel` members usable (OAR-P ``engine="prefix"``).
         prefix_grad: OAR-G may differentiate :meth:`PrefixCacheModel.tail_logits_cached`.
+        prefix_extend: :meth:`PrefixCacheModel.tail_logits_and_cache` takes ``prefix_kv`` (flag
+            ``supports_prefix_extend``): the prompt-once clean pass of the OAR-P engines.
         shared_prefix: :meth:`SharedPrefixModel.tail_logits_shared_prefix` usable.
         embedding_noise: :meth:`EmbeddingNoiseModel.noised_embeddings` usable (OAR-G never calls ``embed``).
         activation_checkpointing: :meth:`CheckpointModel.activation_checkpointing` usable (OAR-G recomputes the
@@ -214,6 +221,7 @@ class ProbeCapabilities:
 
     prefix_cache: bool = False
     prefix_grad: bool = False
+    prefix_extend: bool = False
     shared_prefix: bool = False
     embedding_noise: bool = False
     activation_checkpointing: bool = False
@@ -268,6 +276,7 @@ def probe_capabilities(model) -> ProbeCapabilities:
             raise ValueError(f"model.{name} must be an int >= 1, got {type(v).__name__} {v!r}")
     prefix = _declared(model, "supports_prefix_cache", PREFIX_CACHE_MEMBERS, "PrefixCacheModel")
     grad = prefix and _declared(model, "supports_prefix_grad", (), "PrefixCacheModel")
+    extend = prefix and _declared(model, "supports_prefix_extend", (), "PrefixCacheModel")
     shared = prefix and _declared(model, "supports_shared_prefix_attention", SHARED_PREFIX_MEMBERS,
                                   "SharedPrefixModel")
     noise = _declared(model, "supports_embedding_noise", EMBEDDING_NOISE_MEMBERS, "EmbeddingNoiseModel")
@@ -280,8 +289,9 @@ def probe_capabilities(model) -> ProbeCapabilities:
     if not isinstance(dense, bool):
         raise TypeError(f"model.supports_dense_mask must be a bool, got {type(dense).__name__} {dense!r} "
                         f"({_type_name(model)})")
-    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, shared_prefix=shared, embedding_noise=noise,
-                             activation_checkpointing=ckpt, attn_implementation=impl, dense_mask=dense)
+    return ProbeCapabilities(prefix_cache=prefix, prefix_grad=grad, prefix_extend=extend, shared_prefix=shared,
+                             embedding_noise=noise, activation_checkpointing=ckpt, attn_implementation=impl,
+                             dense_mask=dense)
 
 
 def require_dense_mask(caps: ProbeCapabilities, caller: str) -> None:
@@ -488,12 +498,29 @@ class HFProbeModel:
         head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
         return kv_heads * head_dim
 
-    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int):
-        """Like :meth:`tail_logits` on ids, also returning the key/value cache as a list of per-layer
-        ``(keys, values)`` tensors of shape (B, kv_heads, T, head_dim)."""
+    #: Set to False to make the engines' clean pass run every row's prompt (A/B benchmarks of the prompt-once
+    #: clean pass, docs/design.md "Prompt-once clean pass").
+    prompt_once_clean_pass: bool = True
+
+    @property
+    def supports_prefix_extend(self) -> bool:
+        """:meth:`tail_logits_and_cache` takes ``prefix_kv`` (the engines' prompt-once clean pass): when
+        :attr:`supports_prefix_cache` and :attr:`prompt_once_clean_pass`."""
+        return bool(self.prompt_once_clean_pass) and self.supports_prefix_cache
+
+    def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int, prefix_kv=None):
+        """Like :meth:`tail_logits` on ids (B, S), also returning the key/value cache as a list of per-layer
+        ``(keys, values)`` tensors of shape (B, kv_heads, S, head_dim). With ``prefix_kv`` (per-layer keys/values
+        (B, kv_heads, P, head_dim)) the input runs on top of it, ``attention_mask`` covers (B, P + S) and the
+        returned cache holds P + S columns."""
+        from transformers import DynamicCache
+
+        extra = {}
+        if prefix_kv is not None and prefix_kv[0][0].shape[-2] > 0:
+            extra[self._cache_kwarg] = DynamicCache(ddp_cache_data=[(k, v) for k, v in prefix_kv])
         with self._probe_head():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             logits_to_keep=keep, use_cache=True)
+                             logits_to_keep=keep, use_cache=True, **extra)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)  # renamed in transformers 5.x
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -keep:], kv

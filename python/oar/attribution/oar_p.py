@@ -207,7 +207,7 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             clean_all, kv_all, passes, tokens = run.clean_pass.logits, run.clean_pass.kv, 0, 0
             cached_rows = list(run.clean_pass.rows)
         else:
-            clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+            clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget, run.caps.prefix_extend)
             cached_rows = list(rows)
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
         var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)

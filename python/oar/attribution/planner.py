@@ -139,12 +139,15 @@ def masked_bytes_per_token(model: ProbeModel, width: int, *, backward: bool = Fa
     return int(act) + 4 * int(model.hidden_size) + 4
 
 
-def plan_clean(model: ProbeModel, batch: ProbeBatch, n_rows: int, budget: int, *, cache: bool = True) -> list:
+def plan_clean(model: ProbeModel, batch: ProbeBatch, n_rows: int, budget: int, *, cache: bool = True,
+               prompt_once: bool = False) -> list:
     """Chunks of ``n_rows`` >= 1 full-width (T) clean contexts, run with their key/value cache kept (``cache``: the
-    clean pass of the prefix and windowed engines) or not (the clean logits of batched OAR-P and OAR-G). Returns a
-    ``MaskedChunk`` list; logs a warning when one row alone exceeds the budget."""
+    clean pass of the prefix and windowed engines) or not (the clean logits of batched OAR-P and OAR-G). With
+    ``prompt_once`` (the prompt-once clean pass) the cache counts twice: the rows' gathered prompt prefix lives
+    beside their full cache. Returns a ``MaskedChunk`` list; logs a warning when one row alone exceeds the budget."""
     T = int(batch.input_ids.shape[1])
-    bytes_tok = int(model.activation_bytes_per_token(T)) + (int(model.kv_bytes_per_token()) if cache else 0)
+    copies = (2 if prompt_once else 1) if cache else 0
+    bytes_tok = int(model.activation_bytes_per_token(T)) + (copies * int(model.kv_bytes_per_token()) if copies else 0)
     _warn_over(f"one clean row of {T} tokens", T * bytes_tok + probe_bytes(model, batch), budget)
     return _C.plan_masked_chunks([T] * n_rows, [1] * n_rows, bytes_tok, probe_bytes(model, batch), budget, 0)
 

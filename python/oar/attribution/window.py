@@ -31,16 +31,21 @@ from oar.attribution.model import ProbeModel, gather_probe_logits, require_dense
 _log = logging.getLogger("oar")
 
 
+#: ``rerun_tail`` values of :func:`oar_p_window_scores` (= ``oar.schema.SCREEN_TAILS``, the config's ``screen_tail``).
+RERUN_TAILS = ("conclude", "probe")
+
+
 def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                         rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
                         memory_budget_mb: int = 1024, keep_clean_pass: bool = False,
-                        spans: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> Attribution:
+                        spans: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                        rerun_tail: str = "conclude") -> Attribution:
     """Windowed OAR-P (the screen of screened OAR-P; docs/design.md "Screened OAR-P"): I_t as in
     :func:`~oar.attribution.oar_p.oar_p_scores` (token t replaced by PAD, KL or clamped phi drop of the probe), but the masked context re-runs only token t,
-    the ``window`` reasoning tokens after it and the probe tail (conclude + answer); the reasoning tokens further
-    on keep their clean keys/values. It measures the effect of token t that reaches the answer directly or
-    through its next ``window`` tokens, at a cost of (1 + window + tail) tokens per masked token instead of the
-    whole suffix. ``window >= L - 1`` re-runs every later token: exact OAR-P (equal within fp32 rounding; tested).
+    the ``window`` reasoning tokens after it and the probe tail (conclude + answer, or the probe window alone:
+    ``rerun_tail``); the reasoning tokens further on keep their clean keys/values. It measures the effect of token t
+    that reaches the answer directly or through its next ``window`` tokens, at a cost of (1 + window + tail) tokens
+    per masked token instead of the whole suffix. ``window >= L - 1`` re-runs every later token: exact OAR-P (equal within fp32 rounding; tested).
 
     One clean pass yields the clean probe logits and the key/value cache; each chunk of masked variants runs its
     re-run columns on its row's clean cache: a re-run token attends to the clean columns before it that are not
@@ -57,6 +62,10 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         spans: optional {row: [(j0, j1), ...]} masking units, as :func:`~oar.attribution.oar_p.oar_p_scores`: a
             span's variant masks all its tokens and re-runs them plus the ``window`` reasoning tokens after the
             span's last token (the window counts tokens whatever the unit).
+        rerun_tail: the probe-side columns each variant re-runs: ``"conclude"`` (default: from the end of the
+            reasoning, i.e. the conclude string and the probe window) or ``"probe"`` (only the last ``batch.keep``
+            columns, the probe window; the conclude tokens keep their clean keys/values, like the reasoning tokens
+            past the window: (1 + window + keep) tokens per variant; docs/design.md "Windowed OAR-P: the tail").
         keep_clean_pass: attach the clean pass (:class:`CleanPass`: probe logits and key/value cache of the rows
             scored) to the result, for the exact pass of screened OAR-P (memory: the cache of those rows).
     Returns:
@@ -70,6 +79,8 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     window = _int_value("window", window)
     if window < 0:
         raise ValueError(f"window must be an int >= 0, got {window}")
+    if not isinstance(rerun_tail, str) or rerun_tail not in RERUN_TAILS:
+        raise ValueError(f"rerun_tail must be one of {RERUN_TAILS}, got {rerun_tail!r}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     units = _units(batch, rows, positions, spans)
     if not caps.prefix_cache:
@@ -89,15 +100,17 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     K = batch.answer_ids.shape[1]
     keep = int(batch.keep)
     with torch.no_grad():
-        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget)
+        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget, caps.prefix_extend)
         dtype = kv_all[0][0].dtype
         var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, units)
         slot = {r: i for i, r in enumerate(rows)}
         # Re-run columns of each variant (masked columns [t, t + n)): [t, t + n + window) and the tail
-        # [min(end of reasoning, T - keep), T).
+        # [min(end of reasoning, T - keep), T) ("conclude") or [T - keep, T) ("probe").
         runs = []
         for r, t, n in zip(var_row_t.tolist(), var_col_t.tolist(), var_len_t.tolist()):
             tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
+            if rerun_tail == "probe":
+                tail = T - keep
             runs.append(sorted(set(range(t, min(t + n + window, T))) | set(range(tail, T))))
         shared = caps.shared_prefix
         plan = planner.plan_window(model, batch, len(runs), max(len(c) for c in runs), budget, shared=shared)

@@ -61,7 +61,8 @@ class OARPScorer:
         if kind == "window":
             screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
                                          rows=step.active, positions=positions, memory_budget_mb=step.memory_budget_mb,
-                                         keep_clean_pass=not screen_only, spans=step.spans)
+                                         keep_clean_pass=not screen_only, spans=step.spans,
+                                         rerun_tail=cfg.screen_tail)
         else:
             screen = oar_g_scores(pm, pbatch, probe=cfg.probe, rows=step.active, sigma=cfg.sigma,
                                   noise_draws=cfg.noise_draws, generator=step.generator,
