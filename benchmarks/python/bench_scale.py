@@ -13,6 +13,8 @@ token is not in the count (it adds ~T / (12 hidden) of a token's projections: 8%
     (clean = 1 forward, or 1 - (1 - 1/G) P / T with G rollouts per prompt: the prompt-once clean pass)
     exact       1 clean + sum over tokens t of (T - t) / T      (the prefix engine: each variant re-runs [t, T))
     window W    1 clean + sum over tokens t of min(1 + W + tail, T - t) / T
+    window_probe W  1 clean + sum over t of (min(1 + W, T - keep - t) + keep) / T  (rerun_tail="probe": the probe
+                window of ``keep`` tokens instead of the whole tail)
     span        1 clean + sum over units u of (T - start_u) / T
     span_window 1 clean + sum over units u of min(len_u + W + tail, T - start_u) / T
     screened f  the window screen + f x L exact variants of mean suffix (T - t)
@@ -42,6 +44,8 @@ SHAPES = {
                          vocab_size=151936),
     "qwen2.5-7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944,
                        vocab_size=152064),
+    "smollm2-135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                         vocab_size=49152),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128),
 }
 
@@ -55,10 +59,11 @@ def unit_starts(L: int, unit_len: int) -> list[int]:
 
 
 def forwards_per_row(setting: str, L: int, prompt: int, tail: int, *, window: int = 8, unit_len: int = 25,
-                     fraction: float = 0.1, group: int = 1) -> float:
+                     fraction: float = 0.1, group: int = 1, keep: int = 8) -> float:
     """Model forwards per row of ``setting`` (module docstring): token-columns run / T, T = prompt + L + tail.
     ``group``: rollouts sharing the prompt in one clean chunk (the prompt-once clean pass runs the prompt once per
-    group: clean = 1 - (1 - 1/group) prompt / T; docs/design.md "Prompt-once clean pass")."""
+    group: clean = 1 - (1 - 1/group) prompt / T; docs/design.md "Prompt-once clean pass"). ``keep``: the probe
+    window (answer + suffix + 1 tokens), the only tail the ``*_probe`` settings re-run (``rerun_tail="probe"``)."""
     T = prompt + L + tail
     clean = 1 - (1 - 1 / max(1, int(group))) * prompt / T
     if setting == "grpo":
@@ -69,28 +74,36 @@ def forwards_per_row(setting: str, L: int, prompt: int, tail: int, *, window: in
         return clean + sum(T - (prompt + t) for t in range(L)) / T
     if setting == "window":  # a window reaching the tail re-runs [t, T) once
         return clean + sum(min(1 + window + tail, T - (prompt + t)) for t in range(L)) / T
+    if setting == "window_probe":  # [t, t + 1 + W) and the probe window [T - keep, T)
+        return clean + sum(min(1 + window, T - keep - (prompt + t)) + keep for t in range(L)) / T
     starts = unit_starts(L, unit_len)
     if setting == "span":
         return clean + sum(T - (prompt + s) for s in starts) / T
     if setting == "span_window":
         return clean + sum(min(min(s + unit_len, L) - s + window + tail, T - (prompt + s)) for s in starts) / T
+    if setting == "span_window_probe":
+        return clean + sum(min(min(s + unit_len, L) - s + window, T - keep - (prompt + s)) + keep for s in starts) / T
     if setting == "screened":
         mean_suffix = sum(T - (prompt + t) for t in range(L)) / L
         return forwards_per_row("window", L, prompt, tail, window=window, group=group) + fraction * L * mean_suffix / T
-    raise ValueError(f"setting must be one of grpo, oar_g, exact, window, span, span_window, screened, got {setting!r}")
+    raise ValueError(f"setting must be one of grpo, oar_g, exact, window, window_probe, span, span_window, "
+                     f"span_window_probe, screened, got {setting!r}")
 
 
-def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction: float, group: int = 1) -> list[dict]:
+def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction: float, group: int = 1,
+               keep: int = 8) -> list[dict]:
     rows = []
     for L in lengths:
         settings = [("grpo", {}), ("oar_g", {}), ("exact", {}), (f"window W={window}", {"window": window}),
+                    (f"window_probe W={window}", {"window": window}), ("window_probe W=4", {"window": 4}),
                     (f"screened W={window} f={fraction}", {"window": window, "fraction": fraction})]
         for u in unit_lens:
             settings += [(f"span {u}", {"unit_len": u}), (f"span_window {u} W={window}", {"unit_len": u,
-                                                                                        "window": window})]
+                                                                                        "window": window}),
+                         (f"span_window_probe {u} W={window}", {"unit_len": u, "window": window})]
         for name, kw in settings:
             kind = name.split()[0]
-            f = forwards_per_row(kind, L, prompt, tail, group=group, **kw)
+            f = forwards_per_row(kind, L, prompt, tail, group=group, keep=keep, **kw)
             rows.append({"L": L, "setting": name, "forwards_per_row": round(f, 2),
                          "x_grpo": round(f / GRPO_FORWARDS, 2), "attribution_x_grpo_step": round(1 + f / GRPO_FORWARDS, 2)
                          if kind != "grpo" else 1.0})
@@ -119,9 +132,11 @@ def _sync(device: torch.device) -> None:
 
 
 def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit_len: int, prompt: int = 200,
-                  repeats: int = 1, budget_mb: int = 16384, settings=None) -> list[dict]:
+                  repeats: int = 1, budget_mb: int = 16384, settings=None, group: int = 1) -> list[dict]:
     """Seconds and peak memory (CUDA) of each attribution setting on one row of L random reasoning tokens of a
-    random-weight ``shape`` model, next to a GRPO-update proxy (a forward + backward of the policy over the row)."""
+    random-weight ``shape`` model, next to a GRPO-update proxy (a forward + backward of the policy over the rows).
+    ``group`` > 1: one group of that many rollouts of the prompt, reasoning lengths L down to about L / 2, and each
+    OAR-P setting also timed with the prompt-once clean pass off (``[each prompt]``), side by side."""
     from oar.app.models import minimal_tokenizer, tiny_random_llama
     from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores,
                                  oar_p_window_scores)
@@ -136,20 +151,37 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     tok = minimal_tokenizer()
     g = torch.Generator().manual_seed(0)
     # printable characters (ids 6..99 of the minimal tokenizer) with a newline every unit_len tokens
-    resp = torch.randint(6, 100, (L,), generator=g)
-    resp[unit_len - 1::unit_len] = tok.convert_tokens_to_ids("\n")
+    group = max(1, int(group))
+    lens = [L - (i * L) // (2 * group) for i in range(group)]
+    resps = []
+    for n in lens:
+        resp = torch.randint(6, 100, (n,), generator=g)
+        resp[unit_len - 1::unit_len] = tok.convert_tokens_to_ids("\n")
+        resps.append(resp)
     batch = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{").build(
-        [torch.randint(6, 100, (prompt,), generator=g)], [resp], ["42"], [L])
+        [torch.randint(6, 100, (prompt,), generator=g)] * group, resps, ["42"] * group, lens)
     pm = HFProbeModel(model)
-    starts = unit_starts(L, unit_len)
-    spans = {0: [(s, min(s + unit_len, L)) for s in starts]}
-    runs = {
-        "oar_g": lambda: oar_g_scores(pm, batch, memory_budget_mb=budget_mb, generator=torch.Generator().manual_seed(1)),
-        f"window W={window}": lambda: oar_p_window_scores(pm, batch, window=window, memory_budget_mb=budget_mb),
-        f"span {unit_len}": lambda: oar_p_scores(pm, batch, spans=spans, memory_budget_mb=budget_mb),
-        f"span_window {unit_len} W={window}": lambda: oar_p_window_scores(pm, batch, window=window, spans=spans,
-                                                                         memory_budget_mb=budget_mb),
-    }
+    spans = {r: [(s, min(s + unit_len, n)) for s in unit_starts(n, unit_len)] for r, n in enumerate(lens)}
+
+    def oar_p_runs(m, tag=""):
+        return {
+            f"window W={window}{tag}": lambda: oar_p_window_scores(m, batch, window=window, memory_budget_mb=budget_mb),
+            f"window_probe W={window}{tag}": lambda: oar_p_window_scores(m, batch, window=window, rerun_tail="probe",
+                                                                        memory_budget_mb=budget_mb),
+            f"span {unit_len}{tag}": lambda: oar_p_scores(m, batch, spans=spans, memory_budget_mb=budget_mb),
+            f"span_window {unit_len} W={window}{tag}": lambda: oar_p_window_scores(
+                m, batch, window=window, spans=spans, memory_budget_mb=budget_mb),
+            f"span_window_probe {unit_len} W={window}{tag}": lambda: oar_p_window_scores(
+                m, batch, window=window, spans=spans, rerun_tail="probe", memory_budget_mb=budget_mb),
+        }
+
+    runs = {"oar_g": lambda: oar_g_scores(pm, batch, memory_budget_mb=budget_mb,
+                                          generator=torch.Generator().manual_seed(1))}
+    runs.update(oar_p_runs(pm))
+    if group > 1:  # the A/B of the prompt-once clean pass: same rows, every prompt run
+        plain = HFProbeModel(model)
+        plain.prompt_once_clean_pass = False
+        runs.update(oar_p_runs(plain, " [each prompt]"))
     if settings:
         runs = {k: v for k, v in runs.items() if k.split()[0] in settings}
 
@@ -161,23 +193,29 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
         model.zero_grad(set_to_none=True)
 
     rows = []
-    for name, fn in [("grpo_update_proxy", grpo_proxy)] + list(runs.items()):
-        secs, stats, peak = [], {}, None
-        for _ in range(repeats + 1):  # the first call warms up (compiles the flex kernel on CUDA)
+    order = [("grpo_update_proxy", grpo_proxy)] + list(runs.items())
+    secs = {name: [] for name, _ in order}
+    stats, peak = {}, {}
+    # Round-robin: repeat k of every setting runs before repeat k + 1 of any, so a slower phase of the machine hits
+    # every setting alike (the ratios are side by side); the first round warms up (compiles flex on CUDA).
+    for _ in range(repeats + 1):
+        for name, fn in order:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             _sync(dev)
             t0 = time.perf_counter()
             res = fn()
             _sync(dev)
-            secs.append(time.perf_counter() - t0)
-            stats = getattr(res, "stats", {}) or {}
+            secs[name].append(time.perf_counter() - t0)
+            stats[name] = getattr(res, "stats", {}) or {}
             if dev.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(dev) / 2**30
-        timed = sorted(secs[1:])[len(secs[1:]) // 2]
-        rows.append({"shape": shape, "L": L, "setting": name, "seconds": round(timed, 3), "first_call_s":
-                     round(secs[0], 3), "forwards": stats.get("forward_passes"), "tokens": stats.get("tokens"),
-                     "variants": stats.get("variants"), "peak_gib": None if peak is None else round(peak, 2)})
+                peak[name] = torch.cuda.max_memory_allocated(dev) / 2**30
+    for name, _ in order:
+        timed = sorted(secs[name][1:])[len(secs[name][1:]) // 2]
+        st, pk = stats[name], peak.get(name)
+        rows.append({"shape": shape, "L": L, "group": group, "setting": name, "seconds": round(timed, 3), "first_call_s":
+                     round(secs[name][0], 3), "forwards": st.get("forward_passes"), "tokens": st.get("tokens"),
+                     "variants": st.get("variants"), "peak_gib": None if pk is None else round(pk, 2)})
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["seconds"]
     for r in rows:
@@ -195,6 +233,7 @@ def main(argv=None) -> int:
     c.add_argument("--window", type=int, default=8)
     c.add_argument("--unit-len", type=int, nargs="+", default=[12, 25, 50])
     c.add_argument("--fraction", type=float, default=0.1)
+    c.add_argument("--keep", type=int, default=8, help="probe window (answer + suffix + 1 tokens)")
     c.add_argument("--group", type=int, default=1, help="rollouts per prompt in a clean chunk (prompt-once clean pass)")
     c.add_argument("--name", default="cost_model", help="file name of the table under --out")
     c.add_argument("--out", default="docs/benchmarks/scale")
@@ -208,21 +247,28 @@ def main(argv=None) -> int:
     t.add_argument("--prompt", type=int, default=200)
     t.add_argument("--repeats", type=int, default=1)
     t.add_argument("--budget-mb", type=int, default=16384)
-    t.add_argument("--settings", nargs="*", help="subset: oar_g window span span_window")
+    t.add_argument("--settings", nargs="*", help="subset: oar_g window window_probe span span_window "
+                   "span_window_probe")
+    t.add_argument("--group", type=int, default=1, help="rollouts of the prompt (> 1: prompt-once A/B rows)")
+    t.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     t.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "cost":
-        rows = cost_table(a.lengths, a.prompt, a.tail, a.window, a.unit_len, a.fraction, a.group)
-        _write(rows, a.out, a.name, f"Forwards per row (prompt {a.prompt}, tail {a.tail}, {a.group} rollouts per "
-               f"prompt; GRPO = {GRPO_FORWARDS:g})")
+        rows = cost_table(a.lengths, a.prompt, a.tail, a.window, a.unit_len, a.fraction, a.group, a.keep)
+        _write(rows, a.out, a.name, f"Forwards per row (prompt {a.prompt}, tail {a.tail}, probe window {a.keep}, "
+               f"{a.group} rollouts per prompt; GRPO = {GRPO_FORWARDS:g})")
         for r in rows:
             print(r)
     else:
+        if a.threads:
+            torch.set_num_threads(a.threads)
         rows = time_settings(a.shape, a.length, a.device, a.dtype, a.window, a.unit_len, a.prompt, a.repeats,
-                             a.budget_mb, a.settings)
+                             a.budget_mb, a.settings, a.group)
         if a.out:
-            _write(rows, a.out, f"time_{a.shape}_L{a.length}_{a.device}", f"{a.shape}, L = {a.length}, {a.device}, "
-                   f"{a.dtype}")
+            g = f"_G{a.group}" if a.group > 1 else ""
+            _write(rows, a.out, f"time_{a.shape}_L{a.length}{g}_{a.device}", f"{a.shape}, L = {a.length}, "
+                   f"{a.group} rollout(s), prompt {a.prompt}, {a.device}, {a.dtype}, {torch.get_num_threads()} "
+                   f"thread(s)")
     return 0
 
 

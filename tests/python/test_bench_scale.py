@@ -52,6 +52,18 @@ def test_span_counts(one_row, unit_len):
 
 
 @pytest.mark.parametrize("window", [0, 8])
+def test_window_probe_tail_count(one_row, window):
+    pm, batch, P, L, T, tail = one_row
+    res = oar_p_window_scores(pm, batch, window=window, rerun_tail="probe")
+    want = bs.forwards_per_row("window_probe", L, P, tail, window=window, keep=int(batch.keep)) * T
+    assert res.stats["tokens"] == pytest.approx(want)
+    spans = {0: [(s, min(s + 7, L)) for s in bs.unit_starts(L, 7)]}
+    res = oar_p_window_scores(pm, batch, window=window, rerun_tail="probe", spans=spans)
+    want = bs.forwards_per_row("span_window_probe", L, P, tail, window=window, unit_len=7, keep=int(batch.keep)) * T
+    assert res.stats["tokens"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("window", [0, 8])
 def test_prompt_once_count(one_row, window):
     """G rollouts of one prompt (same length): the prompt-once clean pass runs the prompt once, the count's clean
     term 1 - (1 - 1/G) P / T."""
@@ -76,9 +88,16 @@ def test_cost_table_orders_the_settings():
 
 def test_time_runs_every_setting(tmp_path):
     rows = bs.time_settings("tiny", 40, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1)
-    assert [r["setting"] for r in rows] == ["grpo_update_proxy", "oar_g", "window W=2", "span 8", "span_window 8 W=2"]
+    names = ["window W=2", "window_probe W=2", "span 8", "span_window 8 W=2", "span_window_probe 8 W=2"]
+    assert [r["setting"] for r in rows] == ["grpo_update_proxy", "oar_g"] + names
     assert all(r["seconds"] > 0 for r in rows)
-    assert rows[3]["variants"] == rows[4]["variants"] == 5 and rows[2]["variants"] == 40
+    assert rows[4]["variants"] == rows[5]["variants"] == rows[6]["variants"] == 5 and rows[2]["variants"] == 40
+    assert rows[3]["tokens"] < rows[2]["tokens"] and rows[6]["tokens"] < rows[5]["tokens"]
+    two = bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1, group=2,
+                           settings=["window"])
+    by = {r["setting"]: r for r in two}
+    assert set(by) == {"grpo_update_proxy", "window W=2", "window W=2 [each prompt]"}
+    assert by["window W=2 [each prompt]"]["tokens"] - by["window W=2"]["tokens"] == 16  # one prompt of 16 not re-run
     assert bs.main(["cost", "--lengths", "512", "--unit-len", "25", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "cost_model.csv") as f:
-        assert len(list(csv.DictReader(f))) == 7
+        assert len(list(csv.DictReader(f))) == 10

@@ -11,9 +11,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
 import bench_step  # noqa: E402
 
-PROVIDERS = ["grpo", "oar_g", "oar_p_window2", "oar_p_window8", "oar_p_screen0.25", "oar_p_screen1",
-             "oar_p_gscreen0.25", "oar_p_gscreen1", "oar_p", "oar_p_all_rows", "oar_p_naive_batched",
-             "oar_p_naive_serial"]
+PROVIDERS = ["grpo", "oar_g", "oar_p_window2", "oar_p_window8", "oar_p_window2_each_prompt",
+             "oar_p_window8_each_prompt", "oar_p_screen0.25", "oar_p_screen1", "oar_p_gscreen0.25", "oar_p_gscreen1",
+             "oar_p", "oar_p_all_rows", "oar_p_naive_batched", "oar_p_naive_serial"]
 
 
 def test_fixed_suite_tiny_run(tmp_path):
