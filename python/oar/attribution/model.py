@@ -505,8 +505,9 @@ class HFProbeModel:
     @property
     def supports_prefix_extend(self) -> bool:
         """:meth:`tail_logits_and_cache` takes ``prefix_kv`` (the engines' prompt-once clean pass): when
-        :attr:`supports_prefix_cache` and :attr:`prompt_once_clean_pass`."""
-        return bool(self.prompt_once_clean_pass) and self.supports_prefix_cache
+        :attr:`supports_prefix_cache` and :attr:`prompt_once_clean_pass`, for eager / sdpa attention only: its layout
+        has a masked hole inside each row, which transformers' flash / flex paths were not tested with."""
+        return bool(self.prompt_once_clean_pass) and self.supports_prefix_cache and self.supports_dense_mask
 
     def tail_logits_and_cache(self, *, input_ids, attention_mask, position_ids, keep: int, prefix_kv=None):
         """Like :meth:`tail_logits` on ids (B, S), also returning the key/value cache as a list of per-layer
