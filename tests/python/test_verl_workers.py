@@ -569,3 +569,29 @@ def test_multi_output_sessions_group_as_verls_grpo(seed):
     # the sessions matter: grouping every output by uid gives other advantages here
     per_row = _v1_advantages([dict(r, key=f"{r['uid']}_{i}_0") for i, r in enumerate(rows)], "sync", "grpo")
     assert not torch.allclose(per_row, ref, atol=1e-3)
+
+
+def test_verls_fused_kernel_forward_gives_the_probes_no_logits():
+    """Why use_fused_kernels is refused at start: verl's own patch (models/transformers/monkey_patch.py,
+    patch_forward_with_backends, torch backend, which runs on CPU) makes the policy's forward return log-probs and
+    entropies of the rolled labels and no logits, and raise without return_dict: OAR's probe forward
+    (HFProbeModel.tail_logits) cannot run on it. The patch replaces the class's forward, so it is applied to a
+    throwaway subclass of the tiny model's class."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    import _verl_cpu
+
+    from oar.attribution import as_probe_model
+
+    model = tiny_random_llama(**_verl_cpu.TINY)[0]  # a fresh model: its class gets patched
+    model.__class__ = type("FusedPatched", (type(model),), {})
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, return_dict=True)
+    assert getattr(out, "logits", None) is None and tuple(out.log_probs.shape) == (2, 7)
+    with pytest.raises(NotImplementedError, match="has to return_dict"):
+        as_probe_model(model).tail_logits(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          position_ids=torch.arange(7).expand(2, 7), keep=2)
+    verl_workers.check_trainer_config(_trainer_config("oar_g", fused=False))  # the refusal is the key, nothing else
+    with pytest.raises(NotImplementedError, match="use_fused_kernels"):
+        verl_workers.check_trainer_config(_trainer_config("oar_g", fused=True))
