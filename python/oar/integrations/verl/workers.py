@@ -12,15 +12,19 @@ imports it (opt-in, see docs/trainers/verl.md), nothing else in oar does.
   :func:`oar.integrations._worker_scoring.score_chunk`), and the chunks come back concatenated. The forward gate
   keeps the number of policy forwards equal on every rank of the data-parallel group (FSDP gathers parameters in
   every forward). :class:`OARActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker`` with the mixin.
-* :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on
-  :class:`OARActorRolloutRefWorker` and, in ``_compute_advantage``, hands the OAR estimator the rollouts (read from
-  the transfer queue) and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group
+* :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on the
+  class verl's trainer of that mode picks plus :class:`OARWorkerMixin` (:func:`oar_worker_class`: verl's
+  ``ActorRolloutRefWorker``, or the ``separate_async`` trainer's ``DetachActorWorker``) and, in
+  ``_compute_advantage``, hands the OAR estimator the rollouts (read from the transfer queue), their session keys
+  and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group
   (:func:`oar.integrations.verl.context.advantage_call`). One trainer is registered per verl trainer mode:
   ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
-* :func:`wrap_init_workers` makes the legacy ``RayPPOTrainer.init_workers`` run the actor role on
-  :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`) and record its worker-group scorer.
+* :func:`wrap_init_workers` makes the legacy ``RayPPOTrainer.init_workers`` run the actor role on its class plus
+  :class:`OARWorkerMixin` (:func:`require_oar_workers`) and record its worker-group scorer.
 
-Refused with a clear error until supported: Ulysses sequence parallelism > 1 and the Megatron engine.
+Refused when the trainer starts (:func:`check_trainer_config`, :func:`require_oar_workers`), and again by the
+workers: the Megatron engine, Ulysses sequence parallelism > 1, verl's fused-kernel forward, an actor class that
+cannot get ``oar_scores``.
 """
 
 from __future__ import annotations
@@ -313,10 +317,12 @@ def require_oar_workers(config, role_worker_mapping: dict) -> bool:
 
 
 def wrap_init_workers(orig):
-    """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: the actor role runs on
-    :class:`OARActorRolloutRefWorker`, and the estimator gets a :class:`oar.integrations.verl.WorkerGroupScorer` of
-    the trainer's actor worker group (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent:
-    returns ``orig`` when it is already wrapped."""
+    """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: first the start checks
+    (:func:`check_trainer_config`, :func:`require_oar_workers`: NotImplementedError / TypeError before verl starts
+    any worker), then the actor role runs on its class plus :class:`OARWorkerMixin`, and the estimator gets a
+    :class:`oar.integrations.verl.WorkerGroupScorer` of the trainer's actor worker group
+    (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent: returns ``orig`` when it is already
+    wrapped."""
     if getattr(orig, "__oar_wrapped__", False):
         return orig
 
@@ -377,13 +383,16 @@ def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
 class OARTrainerMixin:
     """verl v1 trainer extension (``trainer.v1.trainer_mode=oar_sync``, ...): OAR scores on the actor workers.
 
-    * ``_init_resource_pool_mgr``: the actor role runs on :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`).
+    * ``_init_resource_pool_mgr``: refuses what the workers cannot serve (:func:`check_trainer_config`, before
+      verl's own), then the actor role runs on the class verl's trainer picked plus :class:`OARWorkerMixin`
+      (:func:`require_oar_workers`; TypeError when that class cannot get it).
     * ``_compute_advantage``: for an OAR advantage estimator (``algorithm.adv_estimator`` in
       :data:`oar.integrations.verl.ADV_ESTIMATORS`), reads the rollouts of the batch from the transfer queue (prompts,
       responses, response mask and, for ``oar_p`` / ``oar_g``, the answers under ``reward_model``) and runs verl's
-      own ``_compute_advantage`` with them and a :class:`oar.integrations.verl.WorkerGroupScorer` of the actor
-      worker group visible to the estimator. The old log-probs were computed before (the behaviour policy); the
-      estimator sends only the rows with a non-zero sequence advantage to the workers.
+      own ``_compute_advantage`` with them, the rows' session keys (``batch.keys``: group statistics over each
+      agent session's final output, as verl's GRPO) and a :class:`oar.integrations.verl.WorkerGroupScorer` of the
+      actor worker group visible to the estimator. The old log-probs were computed before (the behaviour policy);
+      the estimator sends only the rows with a non-zero sequence advantage to the workers.
     """
 
     #: where the reference answers are (``reward_model.ground_truth``, verl's RL datasets)
