@@ -361,7 +361,8 @@ def _trainer_config(adv_estimator="oar_g", *, strategy="fsdp", sp=1, fsdp_sp=1, 
                       "norm_adv_by_std_in_grpo": True},
         "actor_rollout_ref": {"hybrid_engine": hybrid,
                               "model": {"lora_rank": 0, "use_fused_kernels": fused},
-                              "actor": {"strategy": strategy, "use_kl_loss": False, "ulysses_sequence_parallel_size": sp,
+                              "actor": {"strategy": strategy, "use_kl_loss": False,
+                                        "ulysses_sequence_parallel_size": sp,
                                         "fsdp_config": {"ulysses_sequence_parallel_size": fsdp_sp}},
                               "rollout": {"n": 2}},
         "critic": {"enable": False},
@@ -424,6 +425,23 @@ def test_mixed_worker_class_unpickles_by_reference_in_a_fresh_process():
     assert p.returncode == 0, p.stderr.decode()[-3000:]
     assert p.stdout.decode().split() == ["OARDetachActorWorker", "True", "True", "True"]
 
+    # a user's own subclass (not importable by name in another process) travels by value
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    class UserWorker(ActorRolloutRefWorker):
+        pass
+
+    user = verl_workers.oar_worker_class(UserWorker)
+    assert not hasattr(verl_workers, user.__name__)
+    code = ("import sys, ray.cloudpickle as cp; cls = cp.loads(sys.stdin.buffer.read()); "
+            "from verl.workers.engine_workers import ActorRolloutRefWorker; "
+            "print(cls.__name__, cls.__mro__[2].__name__, issubclass(cls, ActorRolloutRefWorker), "
+            "hasattr(cls, 'oar_scores'))")
+    p = subprocess.run([sys.executable, "-c", code], input=cp.dumps(user), capture_output=True, timeout=300,
+                       env=child_env())
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert p.stdout.decode().split() == ["OARUserWorker", "UserWorker", "True", "True"]
+
 
 def test_an_actor_class_without_oar_scores_is_refused_at_start():
     """An actor class that cannot get oar_scores (no ActorRolloutRefWorker subclass) is refused when the trainer
@@ -443,6 +461,8 @@ def test_an_actor_class_without_oar_scores_is_refused_at_start():
                 verl_workers.require_oar_workers(_trainer_config(est), mapping)
         else:
             assert not verl_workers.require_oar_workers(_trainer_config(est), mapping)
+    with pytest.raises(TypeError, match="scores on the actor workers, but the trainer has no actor role"):
+        verl_workers.require_oar_workers(_trainer_config("oar_g"), {Role.Critic: ray.remote(NotAWorker)})
     called = []
     wrapped = verl_workers.wrap_init_workers(lambda self: called.append(1))
     me = types.SimpleNamespace(config=_trainer_config("oar_p"), role_worker_mapping={Role.ActorRollout:

@@ -5,7 +5,8 @@ verl passes a registered estimator only ``token_level_rewards``, ``response_mask
 what else it needs is made visible for the duration of the call through context variables (nothing is global
 across calls): the whole ``DataProto`` (set by the ``compute_advantage`` wrapper, :mod:`.estimators`), the
 rollouts in verl's padded layout, the scorer on the actor worker group and the rows' session keys (set by the
-OAR v1 trainers, :mod:`.workers`). The legacy trainer's worker-group scorer is recorded once per trainer (``init_workers``).
+OAR v1 trainers, :mod:`.workers`). The legacy trainer's worker-group scorer is recorded once per trainer
+(``init_workers``).
 """
 
 from __future__ import annotations

@@ -307,7 +307,8 @@ def require_oar_workers(config, role_worker_mapping: dict) -> bool:
                   if str(r) in ACTOR_ROLES]
         if not actors:
             raise TypeError(f"algorithm.adv_estimator={_estimator_name(config)!r} scores on the actor workers, "
-                            f"but the trainer has no actor role ({ACTOR_ROLES}) in {list(map(str, role_worker_mapping))}")
+                            f"but the trainer has no actor role ({ACTOR_ROLES}) in "
+                            f"{[str(r) for r in role_worker_mapping]}")
         try:
             oar_worker_class(actors[0])
         except TypeError as e:
