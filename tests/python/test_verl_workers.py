@@ -173,7 +173,7 @@ def test_trainers_registered_per_mode():
     assert verl_workers.register_trainers() == names  # idempotent
 
 
-def test_use_oar_workers_swaps_only_verls_actor_class():
+def test_use_oar_workers_mixes_into_the_actor_class_only():
     import ray
     from verl.trainer.ppo.utils import Role
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
