@@ -400,3 +400,158 @@ def test_hfscorer_missing_ground_truth_is_refused(configure_reset, tiny):
     with pytest.raises(KeyError, match=r"needs the reference answers in non_tensor_batch\['reward_model'\]\[i\]"
                                        r"\['ground_truth'\]; rows \[1, 2\] have none"):
         scorer(data, oar.OARConfig.from_json(json.dumps({"method": "oar_p"})), torch.tensor([1.0, -1.0, 1.0, -1.0]))
+
+
+# ---- parity with verl's own GRPO (issue 24): with uniform credit, OAR changes nothing in verl's loss --------------
+
+#: verl 0.9.1's loss aggregation modes (core_algos.agg_loss).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+
+
+def _multi_turn(data):
+    """Tool outputs inside the responses (response_mask 0 at columns 1-2 of rows long enough), as verl's agent loop
+    writes them; the attention mask keeps them (the policy saw them)."""
+    b = data.batch
+    rmask = b["response_mask"].clone()
+    long_rows = rmask.sum(1) >= 5
+    rmask[long_rows, 1:3] = 0
+    b["response_mask"] = rmask
+    return data
+
+
+def _response_log_probs(model, data, layout):
+    """log p(response token) (B, R) under ``model`` (with grad; 0 after each response), in verl's two layouts:
+    ``padded`` (one row per sequence) or ``remove_padding``: the model output of the packed sequences (total_nnz,
+    position t = log p(token t + 1), as verl's remove-padding engines return it) sliced back to (B, R) by verl's own
+    ``no_padding_2_padding`` (verl/workers/utils/padding.py)."""
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    b = data.batch
+    P = b["prompts"].shape[1]
+    B, R = b["responses"].shape
+    attn = b["attention_mask"].bool()
+    per_seq = []
+    for i in range(B):
+        ids = torch.cat([b["prompts"][i], b["responses"][i]])[attn[i]]
+        logits = model(input_ids=ids[None]).logits[0].float()
+        per_seq.append(torch.log_softmax(logits, -1).gather(-1, torch.roll(ids, -1)[:, None])[:, 0])
+    if layout == "remove_padding":
+        td = TensorDict({"prompts": b["prompts"], "responses": b["responses"], "attention_mask": b["attention_mask"]},
+                        batch_size=[B])
+        return no_padding_2_padding(torch.cat(per_seq), td)
+    out = []
+    for i in range(B):
+        p_len, r_len = int(attn[i, :P].sum()), int(attn[i, P:].sum())
+        lp = per_seq[i][p_len - 1: p_len - 1 + r_len]
+        out.append(torch.nn.functional.pad(lp, (0, R - r_len)))
+    return torch.stack(out)
+
+
+def _verl_policy_loss(log_prob, old_log_prob, advantages, response_mask, mode):
+    """verl's own vanilla PPO policy loss (core_algos.get_policy_loss_fn('vanilla') -> agg_loss), as its actor
+    computes it (verl/workers/utils/losses.py, ppo_loss), with verl's default actor config."""
+    from verl.workers.config import FSDPActorConfig
+
+    cfg = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, rollout_n=1,
+                          loss_agg_mode=mode)
+    loss, _ = core_algos.get_policy_loss_fn("vanilla")(old_log_prob=old_log_prob, log_prob=log_prob,
+                                                       advantages=advantages, response_mask=response_mask.bool(),
+                                                       loss_agg_mode=mode, config=cfg)
+    return loss
+
+
+def _sessions_keys(data):
+    """Transfer-queue keys of verl's agent loop ("{uid}_{session}_{output index}") for the rows of ``data``: in every
+    uid group of 4, sessions of 1, 1 and 2 outputs (the 2-output session's final output comes first)."""
+    keys, count = [], {}
+    layout = ((0, 0), (1, 0), (2, 1), (2, 0))  # (session, output index) of a group's k-th row
+    for uid in data.non_tensor_batch["uid"]:
+        k = count.get(uid, 0)
+        count[uid] = k + 1
+        keys.append(f"{uid}_{layout[k][0]}_{layout[k][1]}")
+    return keys
+
+
+def _advantage_pairs(data):
+    """(oar's, verl's float32, verl's float64) token advantages of ``data`` through verl's two call paths: the legacy
+    ``ray_trainer.compute_advantage``, and the v1 trainer's ``compute_advantage_for_multi_trajectories`` with
+    multi-output agent sessions (the session keys set as the OAR v1 trainer sets them)."""
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    from oar.integrations.verl import context
+
+    b = data.batch
+    out = {"legacy": (_run(data, "oar_grpo"), _run(data, "grpo"),
+                      core_algos.compute_grpo_outcome_advantage(b["token_level_rewards"].double(), b["response_mask"],
+                                                                data.non_tensor_batch["uid"])[0])}
+    keys = _sessions_keys(data)
+
+    def v1(est, dtype=torch.float32):
+        d = DataProto.from_dict(tensors={k: v.clone() for k, v in b.items()},
+                                non_tensors={k: v.copy() for k, v in data.non_tensor_batch.items()})
+        d.batch["token_level_rewards"] = d.batch["token_level_rewards"].to(dtype)
+        with context.advantage_call(sessions=keys):
+            return compute_advantage_for_multi_trajectories(
+                d, batch_keys=keys, adv_estimator=est if est != "grpo" else core_algos.AdvantageEstimator.GRPO,
+                norm_adv_by_std_in_grpo=True, config=AlgoConfig()).batch["advantages"]
+
+    out["v1_sessions"] = (v1("oar_grpo"), v1("grpo"), v1("grpo", torch.float64))
+    return out
+
+
+def test_uniform_credit_leaves_the_rest_of_the_batch_unchanged(tiny):
+    """OAR on (oar_grpo) vs off (grpo) through verl's compute_advantage: every other field of the batch is the
+    same, tensors and non-tensors."""
+    _, tok = tiny
+    data_on, data_off = _multi_turn(_batch(tok)), _multi_turn(_batch(tok))
+    on = ray_trainer.compute_advantage(data_on, adv_estimator="oar_grpo", config=AlgoConfig())
+    off = ray_trainer.compute_advantage(data_off, adv_estimator="grpo", config=AlgoConfig())
+    assert set(on.batch.keys()) == set(off.batch.keys())
+    for k in on.batch.keys():
+        if k not in ("advantages", "returns"):
+            assert torch.equal(on.batch[k], off.batch[k]), k
+    assert set(on.non_tensor_batch) == set(off.non_tensor_batch)
+    for k in on.non_tensor_batch:
+        assert list(on.non_tensor_batch[k]) == list(off.non_tensor_batch[k]), k
+
+
+@pytest.mark.parametrize("layout", ["padded", "remove_padding"])
+def test_uniform_credit_gives_verls_policy_loss_and_gradients(tiny, layout):
+    """Parity in one place: with uniform credit (oar_grpo), the per-token advantages, verl's own vanilla policy loss
+    and its gradients w.r.t. every policy parameter equal verl's own GRPO, for each loss_agg_mode of verl 0.9.1,
+    with tool outputs masked inside the responses, in both the padded and verl's remove-padding layout of the
+    log-probs, through both of verl's advantage paths (legacy, and the v1 trainer's multi-output agent sessions).
+
+    Tolerance: oar's advantages are verl's formula in float64 rounded once to float32 (asserted against verl's
+    float64 run); verl's float32 run differs from that by float32 rounding, so the loss and gradients (linear in the
+    advantages) agree to float32 rounding of the sums they are (rtol 1e-5, atol 1e-7 x their scale)."""
+    from _tolerance import assert_close_to_rounded
+
+    model, tok = tiny
+    data = _multi_turn(_batch(tok))
+    mask = data.batch["response_mask"]
+    assert ((mask[:, :-1] == 0) & (mask[:, 1:] == 1)).any()  # holes inside responses (tool outputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    log_prob = _response_log_probs(model, data, layout)
+    noise = torch.randn(log_prob.shape, generator=torch.Generator().manual_seed(7)) * 0.3
+    old_log_prob = (log_prob.detach() + noise) * mask  # ratios away from 1: some tokens clipped
+    pairs = _advantage_pairs(data)
+    assert not torch.allclose(pairs["legacy"][1], pairs["v1_sessions"][1], atol=1e-3)  # the sessions matter here
+    for path, (ours, ref, ref64) in pairs.items():
+        assert (ref != 0).any(), path
+        assert_close_to_rounded(ours, ref64, what=f"oar_grpo vs verl ({path})")
+        torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-7)
+        for mode in LOSS_AGG_MODES:
+            l_ours = _verl_policy_loss(log_prob, old_log_prob, ours, mask, mode)
+            l_ref = _verl_policy_loss(log_prob, old_log_prob, ref, mask, mode)
+            g_ours = torch.autograd.grad(l_ours, params, retain_graph=True)
+            g_ref = torch.autograd.grad(l_ref, params, retain_graph=True)
+            scale = max(float(g.abs().max()) for g in g_ref)
+            assert scale > 0, (path, mode)
+            torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-7 * max(1.0, abs(float(l_ref.detach()))))
+            for g1, g2 in zip(g_ours, g_ref):
+                torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7 * scale)
+    # the two layouts are the same log-probs (verl's remove-padding slice lands on the response tokens)
+    if layout == "remove_padding":
+        torch.testing.assert_close(log_prob * mask, _response_log_probs(model, data, "padded") * mask)

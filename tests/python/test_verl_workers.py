@@ -173,7 +173,7 @@ def test_trainers_registered_per_mode():
     assert verl_workers.register_trainers() == names  # idempotent
 
 
-def test_use_oar_workers_swaps_only_verls_actor_class():
+def test_use_oar_workers_mixes_into_the_actor_class_only():
     import ray
     from verl.trainer.ppo.utils import Role
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
@@ -187,12 +187,22 @@ def test_use_oar_workers_swaps_only_verls_actor_class():
         pass
 
     mine = {Role.ActorRolloutRef: ray.remote(Mine)}
-    assert not verl_workers.use_oar_workers(mine) and mine[Role.ActorRolloutRef].__ray_actor_class__ is Mine
+    assert verl_workers.use_oar_workers(mine)  # a subclass gets the mixin too (once per class)
+    got = mine[Role.ActorRolloutRef].__ray_actor_class__
+    assert issubclass(got, Mine) and issubclass(got, verl_workers.OARWorkerMixin)
+    assert verl_workers.oar_worker_class(Mine) is got
 
     class MineWithOAR(verl_workers.OARWorkerMixin, Mine):
         pass
 
-    assert verl_workers.use_oar_workers({Role.Actor: ray.remote(MineWithOAR)})
+    kept = {Role.Actor: ray.remote(MineWithOAR)}
+    assert verl_workers.use_oar_workers(kept) and kept[Role.Actor].__ray_actor_class__ is MineWithOAR
+
+    class NotAWorker:
+        pass
+
+    other = {Role.ActorRollout: ray.remote(NotAWorker)}
+    assert not verl_workers.use_oar_workers(other) and other[Role.ActorRollout].__ray_actor_class__ is NotAWorker
     assert "oar_scores" in dir(verl_workers.OARActorRolloutRefWorker)
 
 
@@ -249,17 +259,21 @@ class _FakeEngine:
         self.ulysses_sequence_parallel_size = sp
 
 
-def _fake_worker(strategy="fsdp2", sp=1, actor=True):
+def _fake_worker(strategy="fsdp2", sp=1, actor=True, fused=False):
     from omegaconf import OmegaConf
 
     w = types.SimpleNamespace(config=OmegaConf.create({"actor": {"strategy": strategy}}), role="actor")
     w.actor = types.SimpleNamespace(engine=_FakeEngine(sp)) if actor else None
+    if actor:
+        w.actor.engine.engine_config = types.SimpleNamespace(use_fused_kernels=fused)
     return w
 
 
 @pytest.mark.parametrize("worker, exc, match", [
     (_fake_worker("megatron"), NotImplementedError, "actor.strategy='megatron'.*Megatron is not supported"),
     (_fake_worker(sp=2), NotImplementedError, "Ulysses sequence parallelism.*ulysses_sequence_parallel_size=2"),
+    (_fake_worker(fused=True), NotImplementedError, r"actor_rollout_ref\.model\.use_fused_kernels must be False, "
+                                                    "got True"),
     (_fake_worker(actor=False), RuntimeError, "runs on the actor"),
 ])
 def test_worker_refuses_unsupported_engines(worker, exc, match):
@@ -331,3 +345,273 @@ def test_group_without_the_method_is_a_clear_error(tiny):
     rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
     with pytest.raises(AttributeError, match="no oar_scores method: run the actor role on"):
         dispatch.group_scores(object(), rows, oar.OARConfig(method="oar_g"), torch.ones(8))
+
+
+# ---- trainer start (issue 24): the actor class each verl trainer picks, refusals before any generation, and
+# ---- verl's multi-output agent sessions ----------------------------------------------------------------------------
+
+
+def _trainer_config(adv_estimator="oar_g", *, strategy="fsdp", sp=1, fsdp_sp=1, fused=False, hybrid=True):
+    """The keys verl 0.9.1's ``PPOTrainer._init_resource_pool_mgr`` (trainer_base.py) reads, and those the OAR start
+    checks read, with verl's defaults (``_generated_ppo_trainer.yaml``) unless given."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "algorithm": {"adv_estimator": adv_estimator, "use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True},
+        "actor_rollout_ref": {"hybrid_engine": hybrid,
+                              "model": {"lora_rank": 0, "use_fused_kernels": fused},
+                              "actor": {"strategy": strategy, "use_kl_loss": False,
+                                        "ulysses_sequence_parallel_size": sp,
+                                        "fsdp_config": {"ulysses_sequence_parallel_size": fsdp_sp}},
+                              "rollout": {"n": 2}},
+        "critic": {"enable": False},
+        "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
+        "reward": {"reward_model": {"enable_resource_pool": False, "nnodes": 0, "n_gpus_per_node": 0}},
+    })
+
+
+def _trainer(mode, config):
+    """An OAR v1 trainer of verl's ``mode`` with only its config set (verl's __init__ starts Ray and data loaders)."""
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    trainer = object.__new__(get_trainer_cls(f"oar_{mode}"))
+    trainer.config = config
+    if mode == "separate_async":
+        trainer._enable_hybrid_replicas = bool(config.actor_rollout_ref.hybrid_engine)  # as its __init__ sets it
+    return trainer
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_separate_async_trainer_runs_the_actor_on_detach_worker_with_oar_scores(hybrid):
+    """verl's separate_async trainer swaps the actor class for its DetachActorWorker in its own
+    _init_resource_pool_mgr (verl/trainer/ppo/v1/trainer_separate_async.py). The OAR trainer of that mode must end
+    with that class plus oar_scores (it used to keep DetachActorWorker and fail at the first advantage call), under
+    the role verl picks (ActorRollout with hybrid replicas, Actor without), importable by name from oar."""
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+    from verl.trainer.ppo.utils import Role
+
+    trainer = _trainer("separate_async", _trainer_config(hybrid=hybrid))
+    trainer._init_resource_pool_mgr()
+    role = Role.ActorRollout if hybrid else Role.Actor
+    cls = trainer.role_worker_mapping[role].__ray_actor_class__
+    assert issubclass(cls, DetachActorWorker) and hasattr(cls, "oar_scores")
+    assert issubclass(cls, verl_workers.OARWorkerMixin)
+    assert cls.__module__ == verl_workers.__name__ and getattr(verl_workers, cls.__name__) is cls
+    assert verl_workers.oar_worker_class(DetachActorWorker) is cls  # one subclass per base class
+    # the sync trainer keeps verl's ActorRolloutRefWorker plus oar_scores
+    sync = _trainer("sync", _trainer_config(hybrid=hybrid))
+    sync._init_resource_pool_mgr()
+    assert sync.role_worker_mapping[Role.ActorRollout].__ray_actor_class__ is verl_workers.OARActorRolloutRefWorker
+
+
+def test_mixed_worker_class_unpickles_by_reference_in_a_fresh_process():
+    """Ray ships actor classes with its cloudpickle: the OAR DetachActorWorker pickles by reference and a fresh
+    process (which never ran the trainer) resolves it by name to the same kind of class."""
+    import ray.cloudpickle as cp
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+
+    from _subproc import child_env
+
+    cls = verl_workers.oar_worker_class(DetachActorWorker)
+    blob = cp.dumps(cls)
+    assert b"OARDetachActorWorker" in blob and len(blob) < 500  # by reference: a module and a name, no class body
+    code = ("import sys, ray.cloudpickle as cp; cls = cp.loads(sys.stdin.buffer.read()); "
+            "from verl.experimental.separation.engine_workers import DetachActorWorker; "
+            "from oar.integrations.verl import workers as w; "
+            "print(cls.__qualname__, cls is w.OARDetachActorWorker, issubclass(cls, DetachActorWorker), "
+            "hasattr(cls, 'oar_scores'))")
+    p = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=300, env=child_env())
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert p.stdout.decode().split() == ["OARDetachActorWorker", "True", "True", "True"]
+
+    # a user's own subclass (not importable by name in another process) travels by value
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    class UserWorker(ActorRolloutRefWorker):
+        pass
+
+    user = verl_workers.oar_worker_class(UserWorker)
+    assert not hasattr(verl_workers, user.__name__)
+    code = ("import sys, ray.cloudpickle as cp; cls = cp.loads(sys.stdin.buffer.read()); "
+            "from verl.workers.engine_workers import ActorRolloutRefWorker; "
+            "print(cls.__name__, cls.__mro__[2].__name__, issubclass(cls, ActorRolloutRefWorker), "
+            "hasattr(cls, 'oar_scores'))")
+    p = subprocess.run([sys.executable, "-c", code], input=cp.dumps(user), capture_output=True, timeout=300,
+                       env=child_env())
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert p.stdout.decode().split() == ["OARUserWorker", "UserWorker", "True", "True"]
+
+
+def test_an_actor_class_without_oar_scores_is_refused_at_start():
+    """An actor class that cannot get oar_scores (no ActorRolloutRefWorker subclass) is refused when the trainer
+    starts (v1: _init_resource_pool_mgr; legacy: init_workers before verl's own), not at the first advantage call;
+    an estimator that does not score on the workers (oar_grpo) starts."""
+    import ray
+    from verl.trainer.ppo.utils import Role
+
+    class NotAWorker:
+        pass
+
+    for est, refused in (("oar_g", True), ("oar_random", True), ("oar_grpo", False), ("grpo", False)):
+        mapping = {Role.ActorRollout: ray.remote(NotAWorker)}
+        if refused:
+            with pytest.raises(TypeError, match=rf"algorithm.adv_estimator='{est}' scores on the actor workers: the "
+                                                r"actor role runs on .*NotAWorker, which has no oar_scores"):
+                verl_workers.require_oar_workers(_trainer_config(est), mapping)
+        else:
+            assert not verl_workers.require_oar_workers(_trainer_config(est), mapping)
+    with pytest.raises(TypeError, match="scores on the actor workers, but the trainer has no actor role"):
+        verl_workers.require_oar_workers(_trainer_config("oar_g"), {Role.Critic: ray.remote(NotAWorker)})
+    called = []
+    wrapped = verl_workers.wrap_init_workers(lambda self: called.append(1))
+    me = types.SimpleNamespace(config=_trainer_config("oar_p"), role_worker_mapping={Role.ActorRollout:
+                                                                                    ray.remote(NotAWorker)})
+    with pytest.raises(TypeError, match="no oar_scores"):
+        wrapped(me)
+    assert not called  # refused before verl starts any worker
+
+
+START_REFUSALS = [
+    pytest.param(dict(strategy="megatron"), r"actor_rollout_ref\.actor\.strategy must be one of \('fsdp', 'fsdp2'\), "
+                 r"got actor\.strategy='megatron'", id="megatron"),
+    pytest.param(dict(sp=2), r"ulysses_sequence_parallel_size=2.*set actor_rollout_ref\.actor\."
+                 r"ulysses_sequence_parallel_size", id="ulysses_actor"),
+    pytest.param(dict(fsdp_sp=4), r"ulysses_sequence_parallel_size=4", id="ulysses_fsdp_config"),
+    pytest.param(dict(fused=True), r"actor_rollout_ref\.model\.use_fused_kernels must be False, got True",
+                 id="fused_kernels"),
+]
+
+
+@pytest.mark.parametrize("mode", ["sync", "separate_async"])
+@pytest.mark.parametrize("overrides, match", START_REFUSALS)
+def test_unsupported_configs_are_refused_when_the_trainer_starts(mode, overrides, match):
+    """Megatron, Ulysses SP > 1 and verl's fused-kernel forward used to be refused by the workers at the first
+    advantage call, after a whole generation; the OAR trainers refuse them in _init_resource_pool_mgr (before any
+    resource pool or worker) and the legacy init_workers wrapper before verl's own."""
+    trainer = _trainer(mode, _trainer_config("oar_g", **overrides))
+    with pytest.raises(NotImplementedError, match=match):
+        trainer._init_resource_pool_mgr()
+    assert not hasattr(trainer, "role_worker_mapping")  # refused before verl's own set-up
+    called = []
+    me = types.SimpleNamespace(config=_trainer_config("oar_p", **overrides), role_worker_mapping={})
+    with pytest.raises(NotImplementedError, match=match):
+        verl_workers.wrap_init_workers(lambda self: called.append(1))(me)
+    assert not called
+
+
+@pytest.mark.parametrize("overrides", [p.values[0] for p in START_REFUSALS])
+def test_estimators_without_worker_scores_start_on_any_engine(overrides):
+    """Uniform credit, KTAE and entropy shaping never call the workers' oar_scores: nothing to refuse. The fused
+    forward is refused only for methods that run the policy (random does not)."""
+    for est in ("oar_grpo", "oar_dr_grpo", "oar_ktae", "oar_entropy_shaping", "grpo"):
+        verl_workers.check_trainer_config(_trainer_config(est, **overrides))
+    if overrides == dict(fused=True):
+        verl_workers.check_trainer_config(_trainer_config("oar_random", **overrides))
+        with pytest.raises(NotImplementedError, match="use_fused_kernels"):
+            verl_workers.check_trainer_config(_trainer_config("oar_entropy", **overrides))
+
+
+def _sessions_batch(seed=0):
+    """Rows of verl's agent loop with multi-output sessions, as its transfer queue holds them: keys
+    "{uid}_{session}_{output index}" in shuffled order, 2 prompts (uids) x 3 sessions each with 1-3 outputs, rewards
+    differing between a session's outputs (only the final output's reward counts in verl's GRPO), tool outputs
+    (response_mask 0) inside some responses, one session whose final output is not its last row."""
+    g = torch.Generator().manual_seed(seed)
+    outputs = {("u0", 0): 3, ("u0", 1): 1, ("u0", 2): 2, ("u1", 0): 2, ("u1", 1): 3, ("u1", 2): 1}
+    rows = []
+    for (uid, sess), n in outputs.items():
+        for k in range(n):
+            L = int(torch.randint(4, 9, (1,), generator=g))
+            mask = torch.ones(L, dtype=torch.long)
+            if L > 5:
+                mask[2:4] = 0  # a tool output inside the response
+            rows.append(dict(key=f"{uid}_{sess}_{k}", uid=uid, prompt=torch.randint(3, 60, (3 + k,), generator=g),
+                             response=torch.randint(3, 60, (L,), generator=g), mask=mask,
+                             reward=float(torch.randint(0, 3, (1,), generator=g)) - 1.0))
+    order = torch.randperm(len(rows), generator=g).tolist()
+    return [rows[i] for i in order]
+
+
+def _v1_advantages(rows, mode, adv_estimator, dtype=torch.float32):
+    """verl 0.9.1's v1 ``_compute_advantage`` of trainer ``mode`` (``sync``: verl's own; ``oar_sync``: OAR's) on a
+    transfer queue stood in for by verl_worker.FakeTQ; returns the advantages written back, padded (B, R)."""
+    import transfer_queue
+    from tensordict import NonTensorStack, TensorDict
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    import verl_worker
+
+    fake = verl_worker.FakeTQ()
+    keys = [r["key"] for r in rows]
+    nest = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    rm = [torch.nn.functional.one_hot(torch.tensor(len(r["response"]) - 1), len(r["response"])).to(dtype)
+          * r["reward"] for r in rows]
+    td = TensorDict({"prompts": nest([r["prompt"] for r in rows]), "responses": nest([r["response"] for r in rows]),
+                     "response_mask": nest([r["mask"] for r in rows]), "rm_scores": nest(rm)},
+                    batch_size=[len(rows)])
+    td["uid"] = NonTensorStack(*[r["uid"] for r in rows])
+    meta = fake.put(keys, "train", td)
+    saved = (transfer_queue.kv_batch_get, transfer_queue.kv_batch_put)
+    transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = fake.get, fake.put
+    try:
+        trainer = object.__new__(get_trainer_cls(mode))
+        trainer.config = _trainer_config(adv_estimator)
+        trainer.actor_rollout_wg = None  # uniform credit: the workers are never called
+        trainer._compute_advantage(meta, metrics={})
+    finally:
+        transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = saved
+    return fake.get(keys, "train", ["advantages"])["advantages"].to_padded_tensor(0.0)
+
+
+def test_session_rows_follow_verls_key_format():
+    final, session = oar_verl.estimators.session_rows(["a_0_0", "a_0_2", "b_x_1", "a_0_1", "a_1_0", "u_v_w_3_0"])
+    assert final == [1, 2, 4, 5] and session == [0, 0, 1, 0, 2, 3]
+    with pytest.raises(ValueError, match=r"key 1 must be '\{uid\}_\{session_id\}_\{output index\}'.*got 'a_b'"):
+        oar_verl.estimators.session_rows(["a_0_0", "a_b"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_multi_output_sessions_group_as_verls_grpo(seed):
+    """EQUALITY with verl's own GRPO of the v1 trainer (compute_advantage_for_multi_trajectories: group statistics
+    over each session's final output, broadcast to the session's outputs): oar_grpo through the OAR v1 trainer
+    gives the same token advantages on multi-output sessions with tool outputs (it used to group every output by
+    uid, which biases the group mean and std)."""
+    from _tolerance import assert_close_to_rounded
+
+    rows = _sessions_batch(seed)
+    ref64 = _v1_advantages(rows, "sync", "grpo", dtype=torch.float64)  # verl's own estimator, in float64
+    ref = _v1_advantages(rows, "sync", "grpo")  # verl's own, float32 as it runs
+    ours = _v1_advantages(rows, "oar_sync", "oar_grpo")
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    assert_close_to_rounded(ours, ref64, what="oar_grpo vs verl's v1 GRPO on multi-output sessions")
+    torch.testing.assert_close(ours, ref, rtol=2e-6, atol=2e-7)
+    # the sessions matter: grouping every output by uid gives other advantages here
+    per_row = _v1_advantages([dict(r, key=f"{r['uid']}_{i}_0") for i, r in enumerate(rows)], "sync", "grpo")
+    assert not torch.allclose(per_row, ref, atol=1e-3)
+
+
+def test_verls_fused_kernel_forward_gives_the_probes_no_logits():
+    """Why use_fused_kernels is refused at start: verl's own patch (models/transformers/monkey_patch.py,
+    patch_forward_with_backends, torch backend, which runs on CPU) makes the policy's forward return log-probs and
+    entropies of the rolled labels and no logits, and raise without return_dict: OAR's probe forward
+    (HFProbeModel.tail_logits) cannot run on it. The patch replaces the class's forward, so it is applied to a
+    throwaway subclass of the tiny model's class."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    import _verl_cpu
+
+    from oar.attribution import as_probe_model
+
+    model = tiny_random_llama(**_verl_cpu.TINY)[0]  # a fresh model: its class gets patched
+    model.__class__ = type("FusedPatched", (type(model),), {})
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, return_dict=True)
+    assert getattr(out, "logits", None) is None and tuple(out.log_probs.shape) == (2, 7)
+    with pytest.raises(NotImplementedError, match="has to return_dict"):
+        as_probe_model(model).tail_logits(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          position_ids=torch.arange(7).expand(2, 7), keep=2)
+    verl_workers.check_trainer_config(_trainer_config("oar_g", fused=False))  # the refusal is the key, nothing else
+    with pytest.raises(NotImplementedError, match="use_fused_kernels"):
+        verl_workers.check_trainer_config(_trainer_config("oar_g", fused=True))

@@ -4,8 +4,9 @@
 verl passes a registered estimator only ``token_level_rewards``, ``response_mask``, ``index`` and ``config``, so
 what else it needs is made visible for the duration of the call through context variables (nothing is global
 across calls): the whole ``DataProto`` (set by the ``compute_advantage`` wrapper, :mod:`.estimators`), the
-rollouts in verl's padded layout and the scorer on the actor worker group (set by the OAR v1 trainers,
-:mod:`.workers`). The legacy trainer's worker-group scorer is recorded once per trainer (``init_workers``).
+rollouts in verl's padded layout, the scorer on the actor worker group and the rows' session keys (set by the
+OAR v1 trainers, :mod:`.workers`). The legacy trainer's worker-group scorer is recorded once per trainer
+(``init_workers``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Iterator
 _BATCH: contextvars.ContextVar = contextvars.ContextVar("oar_verl_data", default=None)
 _ROLLOUTS: contextvars.ContextVar = contextvars.ContextVar("oar_verl_rollouts", default=None)
 _SCORER: contextvars.ContextVar = contextvars.ContextVar("oar_verl_workers", default=None)
+_SESSIONS: contextvars.ContextVar = contextvars.ContextVar("oar_verl_sessions", default=None)
 _TRAINER: dict[str, Any] = {"scorer": None}
 
 
@@ -36,11 +38,20 @@ def call_scorer():
     return _SCORER.get()
 
 
+def call_sessions():
+    """The transfer-queue keys of the current call's rows (``"{uid}_{session_id}_{output index}"``, one per row, in
+    row order; set by the OAR v1 trainers: verl's GRPO takes the group statistics from each session's final output,
+    ``verl/trainer/ppo/v1/utils.py``, ``compute_advantage_for_multi_trajectories``), or None."""
+    return _SESSIONS.get()
+
+
 @contextlib.contextmanager
-def advantage_call(*, batch=None, rollouts=None, scorer=None) -> Iterator[None]:
-    """Makes ``batch`` / ``rollouts`` / ``scorer`` (those not None) the current call's for the ``with`` block (see
-    :func:`call_batch`, :func:`call_rollouts`, :func:`call_scorer`), restoring the previous values after."""
-    tokens = [(var, var.set(value)) for var, value in ((_BATCH, batch), (_ROLLOUTS, rollouts), (_SCORER, scorer))
+def advantage_call(*, batch=None, rollouts=None, scorer=None, sessions=None) -> Iterator[None]:
+    """Makes ``batch`` / ``rollouts`` / ``scorer`` / ``sessions`` (those not None) the current call's for the
+    ``with`` block (see :func:`call_batch`, :func:`call_rollouts`, :func:`call_scorer`, :func:`call_sessions`),
+    restoring the previous values after."""
+    tokens = [(var, var.set(value)) for var, value in ((_BATCH, batch), (_ROLLOUTS, rollouts), (_SCORER, scorer),
+                                                       (_SESSIONS, sessions))
               if value is not None]
     try:
         yield

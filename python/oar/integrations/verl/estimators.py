@@ -99,6 +99,45 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
     _SETTINGS[0] = _Settings(config=config, scorer=scorer, ignore_ids=ids)
 
 
+def driver_scorer():
+    """The scorer set with :func:`configure` (driver side), or None."""
+    return _SETTINGS[0].scorer
+
+
+def session_rows(keys) -> tuple[list[int], list[int]]:
+    """verl's multi-output agent sessions (``verl/trainer/ppo/v1/utils.py``,
+    ``compute_advantage_for_multi_trajectories``): each row's transfer-queue key is
+    ``"{uid}_{session_id}_{output index}"``; a session's final output is its row with the largest index.
+
+    Args:
+        keys: one key per row (B), in row order.
+
+    Returns:
+        ``(final, session)``: the row of each session's final output (sessions in order of first appearance),
+        and for each row the position in ``final`` of its session.
+
+    Raises:
+        ValueError: a key not of the form ``"{uid}_{session_id}_{int}"``.
+    """
+    final: dict[str, tuple[int, int]] = {}
+    row_session = []
+    for i, key in enumerate(keys):
+        parts = str(key).rsplit("_", 2)
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            index = int(parts[2])
+        except ValueError:
+            raise ValueError(f"transfer-queue key {i} must be '{{uid}}_{{session_id}}_{{output index}}' (verl's "
+                             f"agent loop), got {key!r}") from None
+        session = f"{parts[0]}_{parts[1]}"
+        row_session.append(session)
+        if session not in final or final[session][0] < index:
+            final[session] = (index, i)
+    pos = {session: k for k, session in enumerate(final)}
+    return [row for _, row in final.values()], [pos[session] for session in row_session]
+
+
 def _pipeline(config):
     """The driver's pipeline of ``config`` (cached: random draws advance from step to step)."""
     s = _SETTINGS[0]
@@ -160,7 +199,9 @@ def _estimator(name: str, method: str | None):
         Args:
             token_level_rewards: (bs, R) float, the outcome reward summed over the response is the sequence reward.
             response_mask: (bs, R) 0/1.
-            index: (bs,) group ids (verl's ``uid``), rows of a group in any order. Required.
+            index: (bs,) group ids (verl's ``uid``), rows of a group in any order. Required. Under an OAR v1
+                trainer, rows of one agent session share its final output's sequence advantage, and the group
+                statistics are taken over final outputs only (:func:`session_rows`), as verl's v1 GRPO does.
             epsilon: std epsilon (verl's default 1e-6). norm_adv_by_std_in_grpo: False = no std scaling.
             config: verl's AlgoConfig (read for ``norm_adv_by_std_in_grpo`` when present).
 
@@ -207,8 +248,17 @@ def _estimator(name: str, method: str | None):
         # verl's own GRPO sequence advantages over the groups of `index`, in any row order
         rewards = token_level_rewards.detach().sum(-1).float().cpu()
         estimator = "dr_grpo" if (cfg.advantages.estimator == "dr_grpo" or not norm_adv_by_std_in_grpo) else "grpo"
-        seq = ops.group_advantages(rewards, group_ids=list(index), estimator=estimator, std="unbiased",
-                                   eps=float(epsilon), singleton="verl")
+        sessions = context.call_sessions()
+        if sessions is not None and len(sessions) != B:
+            raise ValueError(f"verl estimator {name!r}: the session keys of this call hold {len(sessions)} rows, the "
+                             f"rewards {B}")
+        if sessions is None:
+            seq = ops.group_advantages(rewards, group_ids=list(index), estimator=estimator, std="unbiased",
+                                       eps=float(epsilon), singleton="verl")
+        else:  # as verl's v1 GRPO: group statistics over each session's final output, broadcast to its outputs
+            final, session = session_rows(sessions)
+            seq = ops.group_advantages(rewards[final], group_ids=[index[i] for i in final], estimator=estimator,
+                                       std="unbiased", eps=float(epsilon), singleton="verl")[torch.tensor(session)]
         completion, eligible = response_masks(src.batch if src is not None else None, R, response_mask)
         responses = get("responses")
         pipe = _pipeline(cfg)

@@ -12,15 +12,19 @@ imports it (opt-in, see docs/trainers/verl.md), nothing else in oar does.
   :func:`oar.integrations._worker_scoring.score_chunk`), and the chunks come back concatenated. The forward gate
   keeps the number of policy forwards equal on every rank of the data-parallel group (FSDP gathers parameters in
   every forward). :class:`OARActorRolloutRefWorker` is verl's ``ActorRolloutRefWorker`` with the mixin.
-* :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on
-  :class:`OARActorRolloutRefWorker` and, in ``_compute_advantage``, hands the OAR estimator the rollouts (read from
-  the transfer queue) and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group
+* :class:`OARTrainerMixin` is verl's v1 trainer extension (``register_trainer``): it runs the actor role on the
+  class verl's trainer of that mode picks plus :class:`OARWorkerMixin` (:func:`oar_worker_class`: verl's
+  ``ActorRolloutRefWorker``, or the ``separate_async`` trainer's ``DetachActorWorker``) and, in
+  ``_compute_advantage``, hands the OAR estimator the rollouts (read from the transfer queue), their session keys
+  and a :class:`oar.integrations.verl.WorkerGroupScorer` of its actor worker group
   (:func:`oar.integrations.verl.context.advantage_call`). One trainer is registered per verl trainer mode:
   ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
-* :func:`wrap_init_workers` makes the legacy ``RayPPOTrainer.init_workers`` run the actor role on
-  :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`) and record its worker-group scorer.
+* :func:`wrap_init_workers` makes the legacy ``RayPPOTrainer.init_workers`` run the actor role on its class plus
+  :class:`OARWorkerMixin` (:func:`require_oar_workers`) and record its worker-group scorer.
 
-Refused with a clear error until supported: Ulysses sequence parallelism > 1 and the Megatron engine.
+Refused when the trainer starts (:func:`check_trainer_config`, :func:`require_oar_workers`), and again by the
+workers: the Megatron engine, Ulysses sequence parallelism > 1, verl's fused-kernel forward, an actor class that
+cannot get ``oar_scores``.
 """
 
 from __future__ import annotations
@@ -36,10 +40,95 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from oar.integrations._worker_scoring import score_chunk, trainer_budget_mb
 from oar.integrations.verl import context
 from oar.integrations.verl.dispatch import WorkerGroupScorer, request_batch
-from oar.integrations.verl.estimators import ADV_ESTIMATORS, estimator_config
+from oar.integrations.verl.estimators import ADV_ESTIMATORS, driver_scorer, estimator_config
 
 #: The actor roles whose worker computes the scores (verl's ``Role`` values as strings).
 ACTOR_ROLES = ("actor", "actor_rollout", "actor_rollout_ref")
+#: verl engines ``oar_scores`` runs on (``actor_rollout_ref.actor.strategy``).
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+#: verl's own ``ActorRolloutRefWorker`` subclasses that a verl trainer picks for the actor role, by class name ->
+#: module. Their OAR subclass (:func:`oar_worker_class`) is importable from this module by name in any process
+#: (``OAR<name>``, made on first access), so Ray pickles it by reference. verl 0.9.1: the ``separate_async`` trainer
+#: runs the actor on ``DetachActorWorker`` (``PPOTrainerSeparateAsync._init_resource_pool_mgr``).
+VERL_ACTOR_WORKERS = {"DetachActorWorker": "verl.experimental.separation.engine_workers"}
+
+
+def strategy_refusal(strategy: str) -> str:
+    """The message refusing a verl engine ``oar_scores`` does not run on (driver at start, worker as backstop)."""
+    return (f"oar_scores supports verl's FSDP / FSDP2 engines: actor_rollout_ref.actor.strategy must be one of "
+            f"{SUPPORTED_STRATEGIES}, got actor.strategy={strategy!r} (Megatron is not supported yet)")
+
+
+def sequence_parallel_refusal(sp: int) -> str:
+    """The message refusing Ulysses sequence parallelism (driver at start, worker as backstop)."""
+    return (f"oar_scores does not support Ulysses sequence parallelism yet (actor ulysses_sequence_parallel_size={sp}; "
+            "each rank of a sequence-parallel group holds a slice of every sequence, OAR's probes need whole "
+            "sequences); set actor_rollout_ref.actor.ulysses_sequence_parallel_size (and actor_rollout_ref.actor."
+            "fsdp_config.ulysses_sequence_parallel_size) to 1")
+
+
+def fused_kernels_refusal() -> str:
+    """The message refusing verl's fused-kernel forward (driver at start, worker as backstop)."""
+    return ("OAR's probes need the policy's logits, which verl's fused-kernel forward does not return (it returns "
+            "log-probs and entropies only, docs/trainers/verl.md): actor_rollout_ref.model.use_fused_kernels must "
+            "be False, got True; set actor_rollout_ref.model.use_fused_kernels=False")
+
+
+def _estimator_name(config) -> str:
+    adv = config.algorithm.adv_estimator
+    return str(getattr(adv, "value", adv))
+
+
+def scores_on_workers(config) -> bool:
+    """Whether the trainer's advantage estimator (``algorithm.adv_estimator``) sends rows to the actor workers'
+    ``oar_scores``: an OAR estimator (:data:`oar.integrations.verl.ADV_ESTIMATORS`) of a method that reshapes by
+    per-token scores (``oar_p``, ``oar_g``, ``random``, ``entropy``), with no driver-side scorer set by
+    :func:`oar.integrations.verl.configure`."""
+    from oar.methods import method_spec
+
+    name = _estimator_name(config)
+    if name not in ADV_ESTIMATORS:
+        return False
+    return method_spec(estimator_config(name).method).credit == "reshape" and driver_scorer() is None
+
+
+def check_trainer_config(config) -> None:
+    """Refuses, when the trainer starts (before any worker or generation), a verl config the actor workers'
+    ``oar_scores`` cannot serve; the worker checks the same again (:func:`worker_scores`). Nothing is checked
+    when the estimator does not score on the workers (:func:`scores_on_workers`).
+
+    Args:
+        config: verl's trainer config (``DictConfig``): reads ``algorithm.adv_estimator``,
+            ``actor_rollout_ref.actor.strategy``, ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``,
+            ``actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size`` and
+            ``actor_rollout_ref.model.use_fused_kernels`` (verl's defaults when absent).
+
+    Raises:
+        NotImplementedError: ``actor.strategy`` not FSDP / FSDP2 (Megatron, ...); Ulysses sequence parallel size
+            > 1; ``model.use_fused_kernels`` True with a method that runs the policy (``oar_p``, ``oar_g``,
+            ``entropy``); each message names the key, the expected and the actual value.
+    """
+    from omegaconf import OmegaConf
+
+    from oar.methods import method_spec
+
+    if not scores_on_workers(config):
+        return
+
+    def get(key, default):
+        v = OmegaConf.select(config, key, default=default)
+        return default if v is None else v
+
+    strategy = str(get("actor_rollout_ref.actor.strategy", "fsdp"))
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise NotImplementedError(strategy_refusal(strategy))
+    sp = max(int(get("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)),
+             int(get("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 1)))
+    if sp > 1:
+        raise NotImplementedError(sequence_parallel_refusal(sp))
+    needs_model = method_spec(estimator_config(_estimator_name(config)).method).needs_model
+    if needs_model and bool(get("actor_rollout_ref.model.use_fused_kernels", False)):
+        raise NotImplementedError(fused_kernels_refusal())
 
 
 def worker_scores(worker, data: TensorDict) -> TensorDict:
@@ -55,8 +144,9 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
 
     Raises:
         RuntimeError: a worker without an actor (role ``ref`` / ``rollout``).
-        NotImplementedError: the Megatron engine, or Ulysses sequence parallelism > 1 (each rank of a sequence-
-            parallel group holds a slice of every sequence; OAR's probes need whole sequences).
+        NotImplementedError: the Megatron engine, Ulysses sequence parallelism > 1 (each rank of a sequence-
+            parallel group holds a slice of every sequence; OAR's probes need whole sequences), or verl's fused-
+            kernel forward (no logits). The driver refuses these at trainer start (:func:`check_trainer_config`).
     """
     from verl.utils import tensordict_utils as tu
 
@@ -64,14 +154,14 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
     if actor is None:
         raise RuntimeError(f"oar_scores runs on the actor: this worker's role is {getattr(worker, 'role', '?')!r}")
     strategy = str(worker.config.actor.get("strategy", "fsdp"))
-    if strategy not in ("fsdp", "fsdp2"):
-        raise NotImplementedError(f"oar_scores supports verl's FSDP / FSDP2 engines, got actor.strategy={strategy!r} "
-                                  "(Megatron is not supported yet)")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise NotImplementedError(strategy_refusal(strategy))
     engine = actor.engine
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
     if sp > 1:
-        raise NotImplementedError(f"oar_scores does not support Ulysses sequence parallelism yet "
-                                  f"(actor ulysses_sequence_parallel_size={sp}); set it to 1")
+        raise NotImplementedError(sequence_parallel_refusal(sp))
+    if bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False)):
+        raise NotImplementedError(fused_kernels_refusal())
     from oar.attribution import as_probe_model
 
     batch = request_batch(data)
@@ -125,17 +215,62 @@ class OARActorRolloutRefWorker(OARWorkerMixin, ActorRolloutRefWorker):
     """verl's ``ActorRolloutRefWorker`` with :class:`OARWorkerMixin` (nothing else changes)."""
 
 
+#: verl actor worker class -> its OAR subclass (one per base class, made by :func:`oar_worker_class`).
+_MIXED: dict[type, type] = {ActorRolloutRefWorker: OARActorRolloutRefWorker}
+
+
+def oar_worker_class(cls: type) -> type:
+    """The class of ``cls``'s actor workers with :class:`OARWorkerMixin`: ``cls`` itself when it has
+    ``oar_scores``; :class:`OARActorRolloutRefWorker` for verl's ``ActorRolloutRefWorker``; for a subclass of it,
+    ``OAR<cls name>(OARWorkerMixin, cls)``, made once per class. Those of verl's own classes
+    (:data:`VERL_ACTOR_WORKERS`) are importable from this module by name, in any process, so Ray pickles them by
+    reference; other subclasses (a user's) are pickled by value by Ray's cloudpickle.
+
+    Raises:
+        TypeError: ``cls`` is no ``ActorRolloutRefWorker`` subclass and has no ``oar_scores`` (mix
+            :class:`OARWorkerMixin` into it yourself).
+    """
+    if hasattr(cls, "oar_scores"):
+        return cls
+    if not (isinstance(cls, type) and issubclass(cls, ActorRolloutRefWorker)):
+        name = f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
+        raise TypeError(f"the actor role runs on {name}, which has no oar_scores and is no subclass of verl's "
+                        "ActorRolloutRefWorker: mix oar.integrations.verl.workers.OARWorkerMixin into it "
+                        "(class MyWorker(OARWorkerMixin, YourWorker))")
+    mixed = _MIXED.get(cls)
+    if mixed is None:
+        name = f"OAR{cls.__name__}"
+        mixed = type(name, (OARWorkerMixin, cls), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} with :class:`OARWorkerMixin` (nothing else changes)."})
+        _MIXED[cls] = mixed
+        if VERL_ACTOR_WORKERS.get(cls.__name__) == cls.__module__:
+            globals()[name] = mixed  # importable by name (Ray pickles classes by reference)
+    return mixed
+
+
+def __getattr__(name: str):
+    """``OAR<name>`` for verl's actor worker classes of :data:`VERL_ACTOR_WORKERS` (made on first access: a Ray
+    worker unpickling the class by reference imports it from here)."""
+    module = VERL_ACTOR_WORKERS.get(name[3:]) if name.startswith("OAR") else None
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return oar_worker_class(getattr(importlib.import_module(module), name[3:]))
+
+
 def use_oar_workers(role_worker_mapping: dict) -> bool:
-    """Runs the actor role of a verl trainer on :class:`OARActorRolloutRefWorker`.
+    """Runs the actor role of a verl trainer on its class with :class:`OARWorkerMixin` (:func:`oar_worker_class`:
+    whichever ``ActorRolloutRefWorker`` subclass the trainer picked, e.g. verl's ``DetachActorWorker``).
 
     Args:
-        role_worker_mapping: verl's ``{Role: ray.remote(worker class)}`` (modified in place): an actor role on
-            verl's plain ``ActorRolloutRefWorker`` gets the OAR subclass; a class that already has
-            ``oar_scores`` is kept.
+        role_worker_mapping: verl's ``{Role: ray.remote(worker class)}`` (modified in place; other roles are kept).
 
     Returns:
-        True when the actor role has ``oar_scores`` afterwards; False for a user's own worker class without it
-        (left alone: mix :class:`OARWorkerMixin` into it).
+        True when the actor role has ``oar_scores`` afterwards; False when its class has none and is no
+        ``ActorRolloutRefWorker`` subclass (left alone; the trainers refuse to start then, see
+        :func:`require_oar_workers`).
     """
     import ray
 
@@ -144,19 +279,51 @@ def use_oar_workers(role_worker_mapping: dict) -> bool:
         if str(role) not in ACTOR_ROLES:
             continue
         inner = getattr(cls, "__ray_actor_class__", cls)
-        if inner is ActorRolloutRefWorker:
-            role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
-            ok = True
-        else:
-            ok = ok or hasattr(inner, "oar_scores")
+        try:
+            mixed = oar_worker_class(inner)
+        except TypeError:
+            continue
+        if mixed is not inner:
+            role_worker_mapping[role] = ray.remote(mixed)
+        ok = True
     return ok
 
 
+def require_oar_workers(config, role_worker_mapping: dict) -> bool:
+    """:func:`use_oar_workers` at trainer start, refusing to start when the estimator scores on the workers
+    (:func:`scores_on_workers`) and the actor role cannot get ``oar_scores``.
+
+    Returns:
+        Whether the actor role has ``oar_scores``.
+
+    Raises:
+        TypeError: the estimator needs the workers' scores, and the actor class (named) has no ``oar_scores`` and
+            is no ``ActorRolloutRefWorker`` subclass.
+    """
+    if use_oar_workers(role_worker_mapping):
+        return True
+    if scores_on_workers(config):
+        actors = [getattr(c, "__ray_actor_class__", c) for r, c in role_worker_mapping.items()
+                  if str(r) in ACTOR_ROLES]
+        if not actors:
+            raise TypeError(f"algorithm.adv_estimator={_estimator_name(config)!r} scores on the actor workers, "
+                            f"but the trainer has no actor role ({ACTOR_ROLES}) in "
+                            f"{[str(r) for r in role_worker_mapping]}")
+        try:
+            oar_worker_class(actors[0])
+        except TypeError as e:
+            raise TypeError(f"algorithm.adv_estimator={_estimator_name(config)!r} scores on the actor workers: {e}") \
+                from None
+    return False
+
+
 def wrap_init_workers(orig):
-    """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: the actor role runs on
-    :class:`OARActorRolloutRefWorker`, and the estimator gets a :class:`oar.integrations.verl.WorkerGroupScorer` of
-    the trainer's actor worker group (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent:
-    returns ``orig`` when it is already wrapped."""
+    """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: first the start checks
+    (:func:`check_trainer_config`, :func:`require_oar_workers`: NotImplementedError / TypeError before verl starts
+    any worker), then the actor role runs on its class plus :class:`OARWorkerMixin`, and the estimator gets a
+    :class:`oar.integrations.verl.WorkerGroupScorer` of the trainer's actor worker group
+    (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent: returns ``orig`` when it is already
+    wrapped."""
     if getattr(orig, "__oar_wrapped__", False):
         return orig
 
@@ -165,7 +332,8 @@ def wrap_init_workers(orig):
         name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
         if name not in ADV_ESTIMATORS:
             return orig(self, *args, **kwargs)
-        has_method = use_oar_workers(self.role_worker_mapping)
+        check_trainer_config(self.config)  # before any worker starts or any generation
+        has_method = require_oar_workers(self.config, self.role_worker_mapping)
         out = orig(self, *args, **kwargs)
         if has_method:
             context.set_trainer_scorer(WorkerGroupScorer(self.actor_rollout_wg))
@@ -216,21 +384,25 @@ def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
 class OARTrainerMixin:
     """verl v1 trainer extension (``trainer.v1.trainer_mode=oar_sync``, ...): OAR scores on the actor workers.
 
-    * ``_init_resource_pool_mgr``: the actor role runs on :class:`OARActorRolloutRefWorker` (:func:`use_oar_workers`).
+    * ``_init_resource_pool_mgr``: refuses what the workers cannot serve (:func:`check_trainer_config`, before
+      verl's own), then the actor role runs on the class verl's trainer picked plus :class:`OARWorkerMixin`
+      (:func:`require_oar_workers`; TypeError when that class cannot get it).
     * ``_compute_advantage``: for an OAR advantage estimator (``algorithm.adv_estimator`` in
       :data:`oar.integrations.verl.ADV_ESTIMATORS`), reads the rollouts of the batch from the transfer queue (prompts,
       responses, response mask and, for ``oar_p`` / ``oar_g``, the answers under ``reward_model``) and runs verl's
-      own ``_compute_advantage`` with them and a :class:`oar.integrations.verl.WorkerGroupScorer` of the actor
-      worker group visible to the estimator. The old log-probs were computed before (the behaviour policy); the
-      estimator sends only the rows with a non-zero sequence advantage to the workers.
+      own ``_compute_advantage`` with them, the rows' session keys (``batch.keys``: group statistics over each
+      agent session's final output, as verl's GRPO) and a :class:`oar.integrations.verl.WorkerGroupScorer` of the
+      actor worker group visible to the estimator. The old log-probs were computed before (the behaviour policy);
+      the estimator sends only the rows with a non-zero sequence advantage to the workers.
     """
 
     #: where the reference answers are (``reward_model.ground_truth``, verl's RL datasets)
     oar_answer_key: tuple[str, str] = ("reward_model", "ground_truth")
 
     def _init_resource_pool_mgr(self):
-        super()._init_resource_pool_mgr()
-        use_oar_workers(self.role_worker_mapping)
+        check_trainer_config(self.config)  # before any worker starts or any generation
+        super()._init_resource_pool_mgr()  # verl's trainer of the mode picks the actor class (separate_async: its own)
+        require_oar_workers(self.config, self.role_worker_mapping)
 
     def _compute_advantage(self, batch, metrics: dict):
         name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
@@ -254,7 +426,8 @@ class OARTrainerMixin:
                              f"[{self.oar_answer_key[1]!r}]): {e}") from e
         rollouts = _v1_rollouts(fields, self.oar_answer_key)
         scorer = WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
-        with context.advantage_call(rollouts=rollouts, scorer=scorer):
+        # verl's v1 GRPO takes the group statistics from each agent session's final output (the keys say which)
+        with context.advantage_call(rollouts=rollouts, scorer=scorer, sessions=list(batch.keys)):
             return super()._compute_advantage(batch, metrics)
 
 
