@@ -1,4 +1,4 @@
-"""Command line: ``oar train | compare | attribute | eval-attribution | info`` (see README)."""
+"""Command line: ``oar train | compare | diagnose | attribute | eval-attribution | info`` (see README)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,26 @@ def _compare(a) -> int:
     return 1 if res["failed"] else 0
 
 
+def _diagnose(a) -> int:
+    import os
+
+    from oar.app.config import load_config
+    from oar.app.diagnose import diagnose_main
+
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        a.parser.error(f"--out must be a folder, got the file {a.out!r}")
+    flags = {k: getattr(a, k) for k in ("methods", "batches", "prompts", "group", "ref_prompts", "ref_group",
+                                        "micro_batch", "sketch_dim", "reward_batches", "reward_prompts",
+                                        "reward_samples", "step_norm")}
+    try:
+        _task_problems(dict(load_config(a.config, a.set).task), "train")  # missing data fails before the model loads
+        summary = diagnose_main(a.config, a.set, a.out, flags, progress=not a.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        a.parser.error(str(e))
+    print(open(os.path.join(a.out, "diagnose.md")).read())
+    return 0 if summary["rows"] else 1
+
+
 def _info(a) -> int:
     import oar
 
@@ -213,6 +233,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true", help="no live progress display")
     c.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs, run nothing")
     c.set_defaults(func=_compare, parser=c)
+
+    d = sub.add_parser("diagnose", help="which credit points the update the right way: every method's update on the "
+                                        "same rollouts against a held-out reward gradient (resumable)")
+    d.add_argument("--config", default=None, help="YAML path or shipped name (default: default): model, task, sampling")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, e.g. --set model.name=runs/default/model (a checkpoint)")
+    d.add_argument("--out", default="runs/diagnose", help="output folder (resumable: finished batches are kept)")
+    d.add_argument("--methods", nargs="+", default=None,
+                   help="credit settings, the first is the baseline: grpo oar_g oar_p:screen=window ... "
+                        "oar_g:sign=positive entropy_top:quantile=0.2 (default: docs/diagnose.md)")
+    d.add_argument("--batches", type=int, default=None, help="training batches (the paired units; default 24)")
+    d.add_argument("--prompts", type=int, default=None, help="prompts per batch (default: the config's step)")
+    d.add_argument("--group", type=int, default=None, help="rollouts per prompt (default: grpo.num_generations)")
+    d.add_argument("--ref-prompts", type=int, default=None, help="held-out prompts of the reference gradient (96)")
+    d.add_argument("--ref-group", type=int, default=None, help="rollouts per reference prompt (8)")
+    d.add_argument("--micro-batch", type=int, default=None, help="rows per forward of the updates (0: whole batch)")
+    d.add_argument("--sketch-dim", type=int, default=None, help="count-sketch size per update (65536)")
+    d.add_argument("--reward-batches", type=int, default=None,
+                   help="batches whose held-out reward after one step is sampled (default 0: none)")
+    d.add_argument("--reward-prompts", type=int, default=None, help="held-out prompts of the reward check (64)")
+    d.add_argument("--reward-samples", type=int, default=None, help="samples per prompt of the reward check (4)")
+    d.add_argument("--step-norm", type=float, default=None,
+                   help="length of the reward check's step along u/|u| (default: 4 x lr x sqrt(#params))")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d.set_defaults(func=_diagnose, parser=d)
 
     i = sub.add_parser("info", help="print build information (CUDA kernels, torch versions)")
     i.set_defaults(func=_info)

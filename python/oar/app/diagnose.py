@@ -1,0 +1,543 @@
+"""``oar diagnose``: which credit points the policy-gradient update the right way, on the same rollouts
+(docs/diagnose.md).
+
+From one policy (the config's model, or a checkpoint folder), the command
+
+1. estimates the gradient of held-out reward, grad E[R], from ``ref_prompts`` held-out prompts x ``ref_group``
+   rollouts each (leave-one-out baseline: unbiased), in two independent halves (their agreement says how noisy
+   the reference is);
+2. draws ``batches`` training batches as training would (``prompts`` x ``group`` rollouts, the config's temperature
+   and completion length) and, on each, computes every credit setting's token advantages and its update
+   direction u_m (:mod:`oar.app.diagnose_core`);
+3. reports per setting, paired across batches: the cosine of u_m with the reference gradient, its difference to
+   grpo's (paired t interval and sign-flip test), the first-order reward gain per unit step, and the
+   signal-to-noise ratio of u_m across batches (count sketches of the updates); optionally the held-out reward
+   after one normalized step along u_m, sampled with the same seeds for every setting (common random numbers).
+
+Output folder: ``state.json`` (the settings; a resume must match them), ``reference.pt`` (the reference gradient),
+``batches.jsonl`` (one line per finished batch, appended: a killed run resumes at the next batch),
+``sketches/batch_NNNN.pt``, and the report ``diagnose.md``, ``diagnose.csv``, ``diagnose.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from oar.app._extras import require
+
+require("train", "oar.app.diagnose")
+
+from oar.app import diagnose_core as core  # noqa: E402
+
+DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2", "oar_g:sign=positive",
+                   "oar_g:q=0.5", "oar_g:beta=2"]
+
+
+@dataclass
+class DiagnoseSettings:
+    """What one diagnostic measures (``state.json``; every field is a command-line flag of ``oar diagnose``).
+
+    Attributes:
+        methods: credit settings (:func:`oar.app.diagnose_core.parse_credit` specs); the first is the baseline of
+            the paired differences (``grpo`` by default).
+        batches: B training batches (the paired units).
+        prompts: prompts per batch; group: rollouts per prompt (the GRPO group).
+        ref_prompts, ref_group: the reference sample (held-out prompts x rollouts each).
+        temperature, max_new_tokens: sampling, as in training (default: the config's grpo section).
+        micro_batch: rows per forward of the update directions (0: the whole batch in one forward).
+        sketch_dim: count-sketch size of each update (the signal-to-noise ratio).
+        reward_batches: batches whose held-out reward after one step is measured (0: none).
+        reward_prompts, reward_samples: that evaluation's held-out prompts and samples per prompt.
+        step_norm: length of that step along u / |u| (parameter units; 0: 4 x lr x sqrt(#params), about four
+            Adam steps at the config's learning rate).
+        seed: the seed of everything (prompt draws, sampling, random credit, OAR-G noise, the sketch).
+    """
+
+    methods: list = field(default_factory=lambda: list(DEFAULT_METHODS))
+    batches: int = 24
+    prompts: int = 4
+    group: int = 4
+    ref_prompts: int = 96
+    ref_group: int = 8
+    temperature: float = 0.9
+    max_new_tokens: int = 48
+    micro_batch: int = 0
+    sketch_dim: int = 65536
+    reward_batches: int = 0
+    reward_prompts: int = 64
+    reward_samples: int = 4
+    step_norm: float = 0.0
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        for k in ("batches", "prompts", "group", "ref_prompts", "ref_group", "max_new_tokens", "sketch_dim",
+                  "reward_prompts", "reward_samples"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        if self.ref_group < 2:
+            raise ValueError(f"ref_group must be >= 2 (leave-one-out baseline), got {self.ref_group}")
+        if self.batches < 2:
+            raise ValueError(f"batches must be >= 2 (paired intervals), got {self.batches}")
+        for k in ("micro_batch", "reward_batches"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{k} must be an integer >= 0, got {v!r}")
+        if self.reward_batches > self.batches:
+            raise ValueError(f"reward_batches ({self.reward_batches}) must be <= batches ({self.batches})")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not self.step_norm >= 0:
+            raise ValueError(f"step_norm must be >= 0, got {self.step_norm!r}")
+        if not self.methods:
+            raise ValueError("methods must name at least one credit setting")
+        labels = [core.parse_credit(m).label for m in self.methods]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"methods lists {dup} more than once")
+
+
+class TaskSource:
+    """Prompts and rewards of a task for the diagnostic: training prompts for the batches, held-out prompts for the
+    reference gradient and the reward check (the task's test split: disjoint from training as the task defines it).
+
+    Args:
+        task: an ``oar.app.tasks`` task; tokenizer: the policy's; train_problems / heldout_problems: Problem lists.
+    """
+
+    def __init__(self, task, tokenizer, train_problems, heldout_problems):
+        self.task, self.tok = task, tokenizer
+        self.train, self.heldout = list(train_problems), list(heldout_problems)
+
+    def prompt_ids(self, problems) -> list:
+        out = []
+        for p in problems:
+            text = self.tok.apply_chat_template(self.task.prompt(p), tokenize=False, add_generation_prompt=True)
+            out.append(self.tok(text, add_special_tokens=False)["input_ids"])
+        return out
+
+    def rollouts(self, model, problems, *, group: int, temperature: float, max_new_tokens: int, seed: int):
+        """:func:`oar.app.diagnose_core.sample_rollouts` on ``problems`` with the task's verifier as reward."""
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        return core.sample_rollouts(
+            model, self.prompt_ids(problems), lambda i, ids, text: float(self.task.reward(text, problems[i])),
+            group_size=group, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, pad_id=int(pad),
+            eos_id=int(self.tok.eos_token_id), tokenizer=self.tok, answers=[p.answer for p in problems])
+
+
+def _params(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _pad_id(tok) -> int:
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _batch_problems(source: TaskSource, s: DiagnoseSettings, b: int) -> list:
+    rng = np.random.default_rng([s.seed, 1, b])
+    idx = rng.choice(len(source.train), size=min(s.prompts, len(source.train)), replace=False)
+    return [source.train[int(i)] for i in idx]
+
+
+def compute_reference(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, progress=None) -> dict:
+    """The reference gradient (``reference.pt``, loaded when present): two halves of ``ref_prompts`` held-out
+    prompts, their mean, and the statistics that say how noisy it is.
+
+    Returns:
+        ``{"grad": [per-parameter float32], "norm", "half_cos", "signal_sq", "attenuation", "mean_reward",
+        "mixed_groups", "rollouts"}``; ``signal_sq`` = <g_A, g_B> (an unbiased estimate of |grad E[R]|^2),
+        ``attenuation`` = sqrt(signal_sq) / |g_ref| (cosines with g_ref times 1 / attenuation estimate cosines with
+        the true gradient; None when signal_sq <= 0: the reference is dominated by its noise).
+    """
+    path = os.path.join(out_dir, "reference.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    params = _params(model)
+    probs = source.heldout[: s.ref_prompts]
+    halves, rewards, mixed = [], [], 0
+    for h, part in enumerate((probs[0::2], probs[1::2])):
+        acc = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        n = 0
+        for c in range(0, len(part), 8):
+            chunk = part[c:c + 8]
+            r = source.rollouts(model, chunk, group=s.ref_group, temperature=s.temperature,
+                                max_new_tokens=s.max_new_tokens, seed=s.seed * 7919 + 100_000 + h * 10_000 + c)
+            g = core.reference_gradient(model, r, params, _pad_id(tok))
+            for a, x in zip(acc, g):
+                a += x * r.batch_size
+            n += r.batch_size
+            rewards += r.rewards.tolist()
+            rg = r.rewards.view(-1, s.ref_group)
+            mixed += int(((rg.max(1).values - rg.min(1).values) > 0).sum())
+            if progress is not None:
+                progress(len(chunk))
+        halves.append([a / max(1, n) for a in acc])
+    g = [(a + b) / 2 for a, b in zip(*halves)]
+    signal = core.grad_dot(halves[0], halves[1])
+    norm = core.grad_norm(g)
+    ref = {"grad": g, "norm": norm,
+           "half_cos": signal / max(1e-30, core.grad_norm(halves[0]) * core.grad_norm(halves[1])),
+           "signal_sq": signal, "attenuation": (math.sqrt(signal) / norm) if signal > 0 and norm > 0 else None,
+           "mean_reward": float(np.mean(rewards)), "mixed_groups": mixed / max(1, len(probs)),
+           "rollouts": len(rewards)}
+    torch.save(ref, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return ref
+
+
+def _heldout_reward(model, source: TaskSource, s: DiagnoseSettings) -> float:
+    probs = source.heldout[s.ref_prompts: s.ref_prompts + s.reward_prompts]
+    if not probs:
+        raise ValueError(f"no held-out prompts left for the reward check: the task's test split has "
+                         f"{len(source.heldout)} problems, ref_prompts uses {s.ref_prompts}")
+    r = source.rollouts(model, probs, group=s.reward_samples, temperature=s.temperature,
+                        max_new_tokens=s.max_new_tokens, seed=s.seed * 7919 + 900_001)  # the same seed for all
+    return float(r.rewards.mean())
+
+
+def _step_along(model, params, u: list, length: float):
+    """Context: parameters moved by ``length`` * u / |u| inside, restored after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        n = core.grad_norm(u)
+        saved = [p.detach().clone() for p in params]
+        try:
+            with torch.no_grad():
+                if n > 0:
+                    for p, x in zip(params, u):
+                        p.add_((length / n) * x.to(p.dtype))
+            yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(params, saved):
+                    p.copy_(x)
+
+    return ctx()
+
+
+def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, ref: dict, b: int,
+              sketch: core.CountSketch, base_config, base_reward: float | None, step_norm: float) -> tuple[dict, dict]:
+    """One batch: rollouts, every setting's advantages and update, its statistics. Returns ``(record, sketches)``."""
+    t0 = time.perf_counter()
+    params = _params(model)
+    r = source.rollouts(model, _batch_problems(source, s, b), group=s.group, temperature=s.temperature,
+                        max_new_tokens=s.max_new_tokens, seed=s.seed * 7919 + b)
+    t_gen = time.perf_counter() - t0
+    with torch.no_grad():
+        _, ent = core.token_logprobs(model, r, list(range(r.batch_size)), _pad_id(tok), with_entropy=True)
+    advs, metrics, seq = {}, {}, None
+    for k, spec in enumerate(specs):
+        adv, seq, m = core.method_advantages(spec, r, model=model, tokenizer=tok, base_config=base_config,
+                                             seed=s.seed * 1_000_003 + b * 101 + k, entropies=ent.cpu())
+        advs[spec.label], metrics[spec.label] = adv, m
+    t_adv = time.perf_counter() - t0 - t_gen
+    dirs = core.update_directions(model, r, advs, params, _pad_id(tok), micro_batch=s.micro_batch or None)
+    rec = {"batch": b, "mean_reward": float(r.rewards.mean()), "active_rows": int((seq != 0).sum()),
+           "tokens": int(r.completion_mask.sum()), "methods": {}}
+    sk = {}
+    for spec in specs:
+        u = dirs[spec.label]
+        dot, norm = core.grad_dot(u, ref["grad"]), core.grad_norm(u)
+        entry = {"dot": dot, "norm": norm, "cos": dot / (norm * ref["norm"]) if norm > 0 and ref["norm"] > 0 else 0.0,
+                 "gain_per_unit_step": dot / norm if norm > 0 else 0.0,
+                 "ess_ratio": metrics[spec.label].get("oar/ess_ratio"),
+                 "attribution_seconds": metrics[spec.label].get("oar/attribution_seconds")}
+        sk[spec.label] = sketch(u)
+        if base_reward is not None:
+            with _step_along(model, params, u, step_norm):
+                entry["reward_after_step"] = _heldout_reward(model, source, s)
+            entry["reward_change"] = entry["reward_after_step"] - base_reward
+        rec["methods"][spec.label] = entry
+    rec["seconds"] = {"generation": t_gen, "advantages": t_adv, "total": time.perf_counter() - t0}
+    return rec, sk
+
+
+def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, base_config=None, lr: float = 2e-5,
+        progress: bool = True) -> dict:
+    """Runs (or resumes) the diagnostic into ``out_dir`` and writes the report.
+
+    Args:
+        model, tok: the policy (put in eval mode; its weights are restored after every reward-check step) and its
+            tokenizer.
+        source: prompts and rewards (:class:`TaskSource`).
+        s: the settings (checked; on resume they must equal ``state.json``'s).
+        out_dir: the output folder (created).
+        base_config: ``oar.OARConfig`` every setting's overrides apply to (default: OAR's defaults).
+        lr: the learning rate that sets the default ``step_norm``.
+
+    Returns:
+        The report's summary (also in ``diagnose.json``).
+
+    Raises:
+        ValueError: bad settings, or settings that differ from an earlier run in ``out_dir`` (naming the fields).
+    """
+    from oar.schema import OARConfig
+
+    s.check()
+    specs = [core.parse_credit(m) for m in s.methods]
+    base_config = base_config if base_config is not None else OARConfig()
+    for spec in specs:  # every setting's config is valid before anything is sampled
+        core.config_for(base_config, spec, s.seed)
+    os.makedirs(os.path.join(out_dir, "sketches"), exist_ok=True)
+    state_path = os.path.join(out_dir, "state.json")
+    state = {"settings": asdict(s), "base_config": json.loads(base_config.to_json())}
+    if os.path.exists(state_path):
+        with open(state_path) as f:
+            old = json.load(f)
+        diff = sorted(k for k in set(old["settings"]) | set(state["settings"])
+                      if old["settings"].get(k) != state["settings"].get(k))
+        if diff or old.get("base_config") != state["base_config"]:
+            raise ValueError(f"{out_dir} holds a diagnostic with other settings ({diff or ['base_config']}): pass "
+                             "the same settings to resume, or another output folder")
+    else:
+        _write_json(state_path, state)
+    model.eval()
+    params = _params(model)
+    n_params = sum(p.numel() for p in params)
+    step_norm = s.step_norm or 4.0 * lr * math.sqrt(n_params)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=s.ref_prompts, desc="reference gradient (prompts)", disable=not progress, dynamic_ncols=True)
+    ref = compute_reference(model, tok, source, s, out_dir, progress=bar.update)
+    bar.close()
+    done = _load_batches(out_dir)
+    base_reward = None
+    if s.reward_batches:
+        bpath = os.path.join(out_dir, "base_reward.json")
+        if os.path.exists(bpath):
+            with open(bpath) as f:
+                base_reward = json.load(f)["reward"]
+        else:
+            base_reward = _heldout_reward(model, source, s)
+            _write_json(bpath, {"reward": base_reward})
+    sketch = core.CountSketch([p.numel() for p in params], s.sketch_dim, seed=s.seed)
+    todo = [b for b in range(s.batches) if b not in done]
+    with tqdm(total=s.batches, initial=len(done), desc="batches", disable=not progress, dynamic_ncols=True) as bar:
+        for b in todo:
+            rec, sk = run_batch(model, tok, source, s, specs, ref, b, sketch, base_config,
+                                base_reward if b < s.reward_batches else None, step_norm)
+            torch.save(sk, os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))
+            with open(os.path.join(out_dir, "batches.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            done[b] = rec
+            bar.update(1)
+    summary = summarize(done, ref, [sp.label for sp in specs], out_dir, step_norm=step_norm, base_reward=base_reward,
+                        n_params=n_params)
+    write_report(summary, out_dir)
+    return summary
+
+
+def _load_batches(out_dir: str) -> dict:
+    path = os.path.join(out_dir, "batches.jsonl")
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill: that batch runs again
+                    continue
+                if os.path.exists(os.path.join(out_dir, "sketches", f"batch_{rec['batch']:04d}.pt")):
+                    done[int(rec["batch"])] = rec
+    return done
+
+
+def snr_from_sketches(sketches: np.ndarray, sq_norms: np.ndarray) -> tuple[float, float]:
+    """Signal-to-noise ratio of B update directions: |E u|^2 / E|u - E u|^2.
+
+    |E u|^2 is estimated without bias from the cross products of different batches (sketched:
+    (|sum S_b|^2 - sum |S_b|^2) / (B (B - 1))), E|u|^2 from the exact squared norms.
+
+    Args:
+        sketches: (B, dim) count sketches of the updates; sq_norms: (B,) their exact squared norms.
+
+    Returns:
+        ``(snr, mean cosine between different batches' updates)``; the SNR is NaN-free (0 when the signal estimate
+        is <= 0).
+    """
+    B = sketches.shape[0]
+    S = sketches.astype(np.float64)
+    tot = S.sum(0)
+    cross = (tot @ tot - (S * S).sum()) / (B * (B - 1))
+    mean_sq = float(np.mean(sq_norms))
+    noise = mean_sq - cross
+    snr = max(0.0, cross) / noise if noise > 0 else 0.0
+    return float(snr), float(cross / mean_sq) if mean_sq > 0 else 0.0
+
+
+def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward, n_params: int) -> dict:
+    """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``)."""
+    from oar.app.stats import paired_t, sign_flip_pvalue
+
+    bs = sorted(done)
+    base = labels[0]
+    rows = []
+    att = ref.get("attenuation")
+    for lab in labels:
+        cos = np.array([done[b]["methods"][lab]["cos"] for b in bs])
+        gain = np.array([done[b]["methods"][lab]["gain_per_unit_step"] for b in bs])
+        row = {"method": lab, "batches": len(bs), "cos": float(cos.mean()) if len(bs) else float("nan")}
+        if len(bs) >= 2:
+            row["cos_ci"] = paired_t(cos).as_dict()
+            row["gain_per_unit_step"] = float(gain.mean())
+            row["cos_true_est"] = float(cos.mean() / att) if att else None
+            sk = np.stack([torch.load(os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))[lab].numpy() for b in bs])
+            sq = np.array([done[b]["methods"][lab]["norm"] ** 2 for b in bs])
+            row["snr"], row["cross_batch_cos"] = snr_from_sketches(sk, sq)
+            if lab != base:
+                d = cos - np.array([done[b]["methods"][base]["cos"] for b in bs])
+                row["dcos"] = paired_t(d).as_dict() if np.any(d != 0) else {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+                row["dcos_p_signflip"] = sign_flip_pvalue(d) if np.any(d != 0) else 1.0
+            rc = [done[b]["methods"][lab].get("reward_change") for b in bs]
+            rc = [x for x in rc if x is not None]
+            if rc:
+                row["reward_change"] = float(np.mean(rc))
+                row["reward_batches"] = len(rc)
+                if lab != base:
+                    rb = [done[b]["methods"][base].get("reward_change") for b in bs]
+                    dd = [x - y for x, y in zip(rc, [v for v in rb if v is not None])]
+                    row["dreward"] = float(np.mean(dd))
+                    if len(dd) >= 2 and any(dd):
+                        row["dreward_ci"] = paired_t(dd).as_dict()
+        ess = [done[b]["methods"][lab].get("ess_ratio") for b in bs]
+        ess = [e for e in ess if e is not None]
+        row["ess_ratio"] = float(np.mean(ess)) if ess else None
+        rows.append(row)
+    secs = [done[b]["seconds"]["total"] for b in bs]
+    return {"baseline": base, "rows": rows, "reference": {k: v for k, v in ref.items() if k != "grad"},
+            "step_norm": step_norm, "base_reward": base_reward, "n_params": n_params,
+            "median_batch_seconds": float(np.median(secs)) if secs else None,
+            "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in bs])) if bs else None}
+
+
+def _fmt(x, spec="+.4f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_report(summary: dict, out_dir: str) -> None:
+    """``diagnose.md`` (how to read it: docs/diagnose.md), ``diagnose.csv`` (one row per setting), ``diagnose.json``
+    and ``diagnose.png`` (cosine difference to the baseline with its interval)."""
+    import csv
+
+    _write_json(os.path.join(out_dir, "diagnose.json"), summary)
+    ref, base = summary["reference"], summary["baseline"]
+    lines = ["# oar diagnose", "",
+             f"Reference gradient: {ref['rollouts']} held-out rollouts, mean reward {ref['mean_reward']:.3f}, "
+             f"groups with both rewards {ref['mixed_groups']:.2f}; cosine of its two halves "
+             f"{ref['half_cos']:+.3f} (attenuation {_fmt(ref.get('attenuation'), '.3f')}: a cosine with the reference "
+             "divided by it estimates the cosine with the true gradient; '-' means the reference is mostly noise).",
+             f"Batches: {summary['rows'][0]['batches']}, mean reward {_fmt(summary['mean_batch_reward'], '.3f')}, "
+             f"median {_fmt(summary['median_batch_seconds'], '.1f')} s per batch; {summary['n_params']} parameters.",
+             "", f"| setting | cos(u, g_ref) [95% CI] | est. cos(u, g) | Δcos vs {base} [95% CI] | sign-flip p | "
+             "gain per unit step | SNR | cross-batch cos | ESS ratio | Δreward (1 step) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        ci = r.get("cos_ci")
+        d = r.get("dcos")
+        lines.append(
+            f"| {r['method']} | {_fmt(r['cos'])}" + (f" [{ci['lo']:+.4f}, {ci['hi']:+.4f}]" if ci else "") +
+            f" | {_fmt(r.get('cos_true_est'))} | " +
+            (f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else "(baseline)") +
+            f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('gain_per_unit_step'), '.3g')} | "
+            f"{_fmt(r.get('snr'), '.3f')} | {_fmt(r.get('cross_batch_cos'), '+.4f')} | {_fmt(r.get('ess_ratio'), '.3f')} | "
+            f"{_fmt(r.get('reward_change'), '+.4f')} |")
+    if summary.get("base_reward") is not None:
+        lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is the "
+                  f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)."]
+    lines += ["", "How to read this and what it cannot tell: docs/diagnose.md."]
+    with open(os.path.join(out_dir, "diagnose.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    keys = ["method", "batches", "cos", "cos_true_est", "gain_per_unit_step", "snr", "cross_batch_cos", "ess_ratio",
+            "dcos_p_signflip", "reward_change"]
+    with open(os.path.join(out_dir, "diagnose.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(keys + ["cos_lo", "cos_hi", "dcos", "dcos_lo", "dcos_hi"])
+        for r in summary["rows"]:
+            ci, d = r.get("cos_ci") or {}, r.get("dcos") or {}
+            w.writerow([r.get(k) for k in keys] + [ci.get("lo"), ci.get("hi"), d.get("mean"), d.get("lo"), d.get("hi")])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    rows = [r for r in summary["rows"] if r.get("dcos")]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * max(3, len(rows)) + 1))
+    for i, r in enumerate(rows):
+        d = r["dcos"]
+        ax.errorbar(d["mean"], i, xerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]], fmt="o", color="C0", capsize=3)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(rows)), [r["method"] for r in rows])
+    ax.set_xlabel(f"cos(u, g_ref) - cos(u_{base}, g_ref), paired over batches (95% t interval)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "diagnose.png"), dpi=120)
+    plt.close(fig)
+
+
+def settings_from(cfg, **flags) -> DiagnoseSettings:
+    """:class:`DiagnoseSettings` from a run config (group, temperature, completion length and seed of its ``grpo`` /
+    ``run`` sections) and the command line's ``flags`` (None values are left at the defaults)."""
+    g = cfg.grpo
+    base = {"group": int(g.get("num_generations", 4)), "temperature": float(g.get("temperature", 0.9)),
+            "max_new_tokens": int(g.get("max_completion_length", 48)), "seed": int(cfg.run.get("seed", 0))}
+    per_step = int(g.get("per_device_train_batch_size", 2)) * int(g.get("gradient_accumulation_steps", 8))
+    base["prompts"] = max(1, per_step // max(1, base["group"]))
+    base.update({k: v for k, v in flags.items() if v is not None})
+    return DiagnoseSettings(**base)
+
+
+def diagnose_main(config: str | None, overrides: list, out_dir: str, flags: dict, *, progress: bool = True) -> dict:
+    """``oar diagnose``: the config's model and task (``oar train``'s config; ``--set model.name=<folder>`` for a
+    checkpoint), its ``oar`` section as the base of every setting, then :func:`run`.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad config or flag (naming it), too few held-out problems.
+    """
+    from oar.app.config import load_config
+    from oar.app.models import load_by_name
+    from oar.app.train import build_task
+
+    cfg = load_config(config, overrides)
+    s = settings_from(cfg, **flags)
+    s.check()
+    task, train = build_task(cfg)
+    need = s.ref_prompts + (s.reward_prompts if s.reward_batches else 0)
+    try:
+        heldout = task.problems("test", n=need, seed=int(cfg.eval.get("seed", 0)))
+    except ValueError as e:
+        raise ValueError(f"--ref-prompts/--reward-prompts ask {need} held-out problems: {e}") from None
+    if len(heldout) < need:
+        raise ValueError(f"--ref-prompts/--reward-prompts ask {need} held-out problems; the {task.name} test split "
+                         f"has {len(heldout)}")
+    seen = {p.question for p in train}
+    heldout = [p for p in heldout if p.question not in seen]
+    mcfg = dict(cfg.model)
+    dtype = getattr(torch, str(mcfg.pop("dtype", "float32")))
+    torch.manual_seed(s.seed)
+    model, tok = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=s.seed, **mcfg)
+    lr = float(cfg.grpo.get("learning_rate", 2e-5))
+    return run(model, tok, TaskSource(task, tok, train, heldout), s, out_dir, base_config=cfg.oar, lr=lr,
+               progress=progress)

@@ -1,0 +1,399 @@
+"""The pieces of ``oar diagnose`` that need no task and no files: rollouts, credit settings, update directions,
+the reference gradient and a count sketch (docs/diagnose.md).
+
+The diagnostic compares credit-assignment methods on the same rollouts (common random numbers): for each batch
+of rollouts every method's token advantages give one policy-gradient update direction,
+
+    u_m = (1 / N_tok) * sum_{i, t} A^m_{i,t} * grad log pi(y_{i,t} | x_i, y_{i,<t})      (token-mean, TRL's dapo)
+
+and each u_m is compared with a reference gradient of expected reward estimated from an independent sample
+(leave-one-out baseline per prompt: an unbiased estimate of grad E[R]). Everything here works on any causal LM
+whose forward takes ``input_ids``, ``attention_mask``, ``position_ids`` and returns ``logits``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Rollouts", "CreditSpec", "parse_credit", "sample_rollouts", "method_advantages", "token_logprobs",
+           "update_directions", "reference_gradient", "config_for", "CountSketch", "grad_dot", "grad_norm"]
+
+
+@dataclass
+class Rollouts:
+    """B sampled rollouts, groups of ``group_size`` consecutive rows sharing a prompt.
+
+    Attributes:
+        prompt_ids: B unpadded prompts, 1-D int64 tensors.
+        completion_ids: (B, C) int64, right-padded completions (pad 0 after the mask).
+        completion_mask: (B, C) bool, True on completion tokens (through the EOS token when one was sampled).
+        rewards: (B,) float32 rewards.
+        group_size: rollouts per prompt (rows [g * G, (g + 1) * G) share prompt g).
+        answers: B reference answers (str) or None.
+    """
+
+    prompt_ids: list
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    rewards: torch.Tensor
+    group_size: int
+    answers: list | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class CreditSpec:
+    """One credit setting of the diagnostic, parsed from ``name[:key=value,...]`` (:func:`parse_credit`).
+
+    Attributes:
+        label: the spec as given (the report's row name).
+        method: an oar method (``oar.schema.METHODS``) or ``entropy_top`` (TRL's ``top_entropy_quantile``: the
+            sequence advantage on the tokens whose policy entropy is in the batch's top ``quantile``, 0 elsewhere;
+            not mass-preserving, as in TRL).
+        overrides: ``oar.OARConfig`` keys set for this setting (e.g. ``q``, ``beta``, ``screen``, ``mask_unit``).
+        sign: ``both`` (the method on every row), ``positive`` (the method's credit on rows with A > 0, uniform
+            GRPO credit on rows with A < 0) or ``negative`` (the reverse).
+        quantile: ``entropy_top`` only: the kept fraction (TRL's ``top_entropy_quantile``; default 0.2).
+        credit: a callable ``(rollouts, sequence_advantages (B,), entropies (B, C)) -> (B, C)`` token advantages used
+            instead of ``method`` (tests, planted credit).
+    """
+
+    label: str
+    method: str
+    overrides: tuple = ()
+    sign: str = "both"
+    quantile: float = 0.2
+    credit: Callable | None = field(default=None, compare=False)
+
+
+SIGNS = ("both", "positive", "negative")
+
+
+def parse_credit(spec: str) -> CreditSpec:
+    """``"oar_g"``, ``"oar_g:beta=2,q=0.5"``, ``"oar_g:sign=positive"``, ``"entropy_top:quantile=0.2"`` -> CreditSpec.
+
+    Values are parsed as YAML scalars; ``sign`` and ``quantile`` are the diagnostic's own keys, every other key must
+    be an ``oar.OARConfig`` key (checked when the config is built: :func:`method_advantages`).
+
+    Raises:
+        ValueError: empty spec, unknown method, a ``key=value`` item without ``=``, a bad ``sign`` or ``quantile``.
+    """
+    from oar.schema import METHODS, yaml_load
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method spec must be a non-empty string like 'oar_g' or 'oar_g:beta=2', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    known = list(METHODS) + ["entropy_top"]
+    if name not in known:
+        raise ValueError(f"method spec {spec!r}: unknown method {name!r}; known: {known}")
+    over, sign, quantile = {}, "both", 0.2
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        if "=" not in item:
+            raise ValueError(f"method spec {spec!r}: item {item!r} must look like key=value")
+        k, v = (s.strip() for s in item.split("=", 1))
+        val = yaml_load(v, f"the value of {k!r} in method spec {spec!r}")
+        if k == "sign":
+            if val not in SIGNS:
+                raise ValueError(f"method spec {spec!r}: sign must be one of {list(SIGNS)}, got {val!r}")
+            sign = val
+        elif k == "quantile":
+            if name != "entropy_top":
+                raise ValueError(f"method spec {spec!r}: quantile is a key of entropy_top only")
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 < float(val) <= 1.0:
+                raise ValueError(f"method spec {spec!r}: quantile must be in (0, 1], got {val!r}")
+            quantile = float(val)
+        else:
+            over[k] = val
+    if name == "entropy_top" and over:
+        raise ValueError(f"method spec {spec!r}: entropy_top takes only quantile= and sign=, got {sorted(over)}")
+    return CreditSpec(spec.strip(), name, tuple(sorted(over.items())), sign, quantile)
+
+
+def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Callable[[int, list, str], float], *,
+                    group_size: int, temperature: float, max_new_tokens: int, seed: int, pad_id: int, eos_id: int,
+                    tokenizer=None, answers: Sequence[str] | None = None, batch_size: int = 64) -> Rollouts:
+    """Samples ``group_size`` completions per prompt with ``model.generate`` (top-k off, as GRPO trainers sample).
+
+    Args:
+        model: a Hugging Face causal LM.
+        prompt_ids: P prompts as token id lists (unpadded).
+        reward_fn: ``(prompt index, completion token ids up to the EOS, decoded text) -> reward``.
+        group_size, temperature, max_new_tokens: as in training (temperature > 0).
+        seed: the sampling seed (the global RNG is restored after the call).
+        pad_id, eos_id: token ids; the completion mask ends after the first EOS.
+        tokenizer: decodes the completions for ``reward_fn`` (None: the text is "").
+        answers: P reference answers, repeated per rollout into :attr:`Rollouts.answers`.
+        batch_size: sequences per ``generate`` call.
+
+    Returns:
+        :class:`Rollouts` with B = P * group_size rows (prompt-major).
+
+    Raises:
+        ValueError: no prompts, ``group_size`` < 1, ``temperature`` <= 0, ``max_new_tokens`` < 1.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    if group_size < 1 or max_new_tokens < 1 or not temperature > 0:
+        raise ValueError(f"group_size and max_new_tokens must be >= 1 and temperature > 0, got {group_size}, "
+                         f"{max_new_tokens}, {temperature}")
+    device = next(model.parameters()).device
+    flat = [(i, list(map(int, p))) for i, p in enumerate(prompt_ids) for _ in range(group_size)]
+    comps: list[list[int]] = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        for s in range(0, len(flat), batch_size):
+            chunk = [p for _, p in flat[s:s + batch_size]]
+            P = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), P), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(chunk), P), dtype=torch.long)
+            for r, p in enumerate(chunk):
+                ids[r, P - len(p):] = torch.tensor(p)
+                attn[r, P - len(p):] = 1
+            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True,
+                                 temperature=float(temperature), top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 pad_token_id=pad_id, eos_token_id=eos_id)
+            for row in out[:, P:].cpu().tolist():
+                comps.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+    C = max(1, max(len(c) for c in comps))
+    cids = torch.full((len(comps), C), 0, dtype=torch.long)
+    cmask = torch.zeros((len(comps), C), dtype=torch.bool)
+    rewards = torch.empty(len(comps), dtype=torch.float32)
+    for r, ((pi, _), c) in enumerate(zip(flat, comps)):
+        cids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask[r, :len(c)] = True
+        text = tokenizer.decode(c, skip_special_tokens=True) if tokenizer is not None else ""
+        rewards[r] = float(reward_fn(pi, c, text))
+    ans = [answers[pi] for pi, _ in flat] if answers is not None else None
+    return Rollouts([torch.tensor(p, dtype=torch.long) for _, p in flat], cids, cmask, rewards, group_size, ans)
+
+
+def _layout(r: Rollouts, rows: Sequence[int], pad_id: int):
+    """Left-padded prompt + completion of ``rows``: (input_ids, attention_mask, position_ids, P)."""
+    P = max(int(r.prompt_ids[i].numel()) for i in rows)
+    C = int(r.completion_ids.shape[1])
+    n = len(rows)
+    ids = torch.full((n, P + C), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, P + C), dtype=torch.long)
+    for k, i in enumerate(rows):
+        p = r.prompt_ids[i]
+        ids[k, P - p.numel():P] = p
+        attn[k, P - p.numel():P] = 1
+        ids[k, P:] = torch.where(r.completion_mask[i], r.completion_ids[i], torch.full_like(r.completion_ids[i], pad_id))
+        attn[k, P:] = r.completion_mask[i].long()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return ids, attn, pos, P
+
+
+def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with_entropy: bool = False):
+    """log pi(y_t | x, y_<t) of the completion tokens of ``rows`` (with autograd when grad is enabled).
+
+    Returns:
+        (n, C) float32 log-probs (0 off the mask), and with ``with_entropy`` also (n, C) float32 full-vocabulary
+        entropies (detached; 0 off the mask).
+    """
+    dev = next(model.parameters()).device
+    ids, attn, pos, P = _layout(r, rows, pad_id)
+    C = int(r.completion_ids.shape[1])
+    logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev)).logits
+    logits = logits[:, P - 1:P - 1 + C].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    tgt = r.completion_ids[list(rows)].to(dev)
+    mask = r.completion_mask[list(rows)].to(dev)
+    lp = logp_all.gather(-1, tgt[..., None]).squeeze(-1) * mask
+    if not with_entropy:
+        return lp
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1) * mask
+    return lp, ent.detach()
+
+
+def config_for(base_config, spec: CreditSpec, seed: int):
+    """The ``oar.OARConfig`` of ``spec``: ``base_config`` with its method, overrides and ``seed``. Raises ValueError
+    naming the spec for a bad override."""
+    import json
+
+    from oar.schema import OARConfig, with_method
+
+    cfg = with_method(base_config, "grpo" if spec.method == "entropy_top" else spec.method)
+    obj = json.loads(cfg.to_json())
+    obj.update(dict(spec.overrides))
+    obj["seed"] = int(seed)
+    try:
+        return OARConfig(**obj)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"method spec {spec.label!r}: {e}") from None
+
+
+def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_config, seed: int,
+                      entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token advantages of one credit setting on ``r``.
+
+    Args:
+        spec: the setting (:func:`parse_credit`).
+        r: the rollouts.
+        model, tokenizer: the policy (methods that run it) and its tokenizer.
+        base_config: ``oar.OARConfig`` the setting's overrides apply to (estimator, probe, q, beta, ...).
+        seed: the setting's random seed for this batch (random credit, OAR-G noise).
+        entropies: (B, C) policy entropies (``entropy_top``).
+
+    Returns:
+        ``(advantages (B, C) float32, sequence_advantages (B,) float32, metrics)``; the sequence advantages are the
+        base config's estimator with TRL's conventions (the same for every setting).
+
+    Raises:
+        ValueError: a bad override (naming the spec), ``entropy_top`` without ``entropies``.
+    """
+    from oar.batch import RolloutBatch
+    from oar.pipeline import Pipeline
+
+    cfg = config_for(base_config, spec, seed)
+    batch = RolloutBatch(r.completion_ids, r.completion_mask, prompt_ids=r.prompt_ids, rewards=r.rewards,
+                         group_ids=[i // r.group_size for i in range(r.batch_size)], answers=r.answers)
+    if spec.credit is not None or spec.method == "entropy_top" or spec.method == "grpo":
+        res = Pipeline(config_for(base_config, CreditSpec("grpo", "grpo"), seed), tokenizer).compute(batch, None,
+                                                                                                      preset="trl")
+    else:
+        res = Pipeline(cfg, tokenizer).compute(batch, model, preset="trl")
+    seq = res.sequence_advantages.float()
+    adv = res.advantages.float()
+    if spec.credit is not None:
+        adv = spec.credit(r, seq, entropies).float()
+    elif spec.method == "entropy_top":
+        if entropies is None:
+            raise ValueError("entropy_top needs the policy entropies")
+        mask = r.completion_mask
+        vals = entropies[mask].float()
+        keep = torch.zeros_like(mask)
+        if vals.numel():
+            thr = torch.quantile(vals, 1.0 - spec.quantile)
+            keep = (entropies >= thr) & mask
+        adv = seq[:, None] * keep.float()
+    if spec.sign != "both":
+        uniform = seq[:, None] * r.completion_mask.float()
+        use = seq > 0 if spec.sign == "positive" else seq < 0
+        adv = torch.where(use[:, None], adv, uniform)
+    return adv, seq, dict(res.metrics)
+
+
+def update_directions(model, r: Rollouts, advantages: dict, params: list, pad_id: int, *,
+                      micro_batch: int | None = None) -> dict:
+    """Each setting's update direction u_m = grad of (1 / N_tok) * sum_{i,t} A^m_{i,t} log pi(y_{i,t}) (ascent).
+
+    Args:
+        model: the policy (its parameter ``.grad`` is not touched: ``torch.autograd.grad``).
+        r: the rollouts.
+        advantages: ``{label: (B, C) token advantages}``.
+        params: the parameters the directions are taken over (a list of tensors requiring grad).
+        pad_id: token id of the padding.
+        micro_batch: rows per forward (None: the whole batch in one forward, shared by every setting).
+
+    Returns:
+        ``{label: [per-parameter float32 gradients]}``, with N_tok = the batch's completion tokens.
+    """
+    B = r.batch_size
+    n_tok = max(1.0, float(r.completion_mask.sum()))
+    labels = list(advantages)
+    mb = B if micro_batch is None or micro_batch >= B else int(micro_batch)
+    out: dict = {}
+    if mb == B:
+        lp = token_logprobs(model, r, list(range(B)), pad_id)
+        for k, lab in enumerate(labels):
+            obj = (advantages[lab].to(lp.device) * lp).sum() / n_tok
+            g = torch.autograd.grad(obj, params, retain_graph=k < len(labels) - 1, allow_unused=True)
+            out[lab] = [torch.zeros_like(p, dtype=torch.float32) if x is None else x.float() for x, p in zip(g, params)]
+        return out
+    for lab in labels:
+        acc = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        for s in range(0, B, mb):
+            rows = list(range(s, min(B, s + mb)))
+            lp = token_logprobs(model, r, rows, pad_id)
+            obj = (advantages[lab][rows].to(lp.device) * lp).sum() / n_tok
+            g = torch.autograd.grad(obj, params, allow_unused=True)
+            for a, x in zip(acc, g):
+                if x is not None:
+                    a += x.float()
+        out[lab] = acc
+    return out
+
+
+def reference_gradient(model, r: Rollouts, params: list, pad_id: int, *, micro_batch: int = 16) -> list:
+    """Unbiased estimate of grad E[R] from ``r``: (1 / B) * sum_i (R_i - mean of the other rewards of its group) *
+    grad log pi(y_i | x_i) (leave-one-out baseline; groups need >= 2 rollouts).
+
+    Returns:
+        per-parameter float32 tensors (the parameters' shapes).
+
+    Raises:
+        ValueError: ``group_size`` < 2.
+    """
+    G = r.group_size
+    if G < 2:
+        raise ValueError(f"the reference gradient needs >= 2 rollouts per prompt (leave-one-out), got {G}")
+    rew = r.rewards.double().view(-1, G)
+    loo = (rew - (rew.sum(1, keepdim=True) - rew) / (G - 1)).view(-1).float()
+    acc = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    B = r.batch_size
+    for s in range(0, B, micro_batch):
+        rows = [i for i in range(s, min(B, s + micro_batch)) if loo[i] != 0]
+        if not rows:
+            continue
+        lp = token_logprobs(model, r, rows, pad_id)
+        obj = (loo[rows].to(lp.device)[:, None] * lp).sum() / B
+        g = torch.autograd.grad(obj, params, allow_unused=True)
+        for a, x in zip(acc, g):
+            if x is not None:
+                a += x.float()
+    return acc
+
+
+def grad_dot(a: list, b: list) -> float:
+    """Inner product of two gradients given as per-parameter tensors (float64 accumulation)."""
+    return float(sum(torch.dot(x.reshape(-1).double(), y.reshape(-1).double()) for x, y in zip(a, b)))
+
+
+def grad_norm(a: list) -> float:
+    """Euclidean norm of a gradient given as per-parameter tensors."""
+    return math.sqrt(max(0.0, grad_dot(a, a)))
+
+
+class CountSketch:
+    """A count sketch of gradients: S(u)[k] = sum_{j: h(j) = k} s(j) u_j with random buckets h and signs s drawn once
+    per parameter chunk from ``seed`` (regenerated on each call, so nothing of the parameters' size is stored).
+
+    E[<S(u), S(v)>] = <u, v>, with variance about (|u|^2 |v|^2 + <u, v>^2) / dim: inner products between batches'
+    updates (the signal term of the signal-to-noise ratio) from ``dim`` floats per update.
+
+    Args:
+        numels: the parameters' sizes, in order.
+        dim: sketch size (>= 1).
+        seed: the hash seed (the same for every update that is compared).
+    """
+
+    CHUNK = 1 << 22
+
+    def __init__(self, numels: Sequence[int], dim: int = 65536, seed: int = 0):
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        self.numels, self.dim, self.seed = [int(n) for n in numels], int(dim), int(seed)
+
+    def __call__(self, grads: list) -> torch.Tensor:
+        out = torch.zeros(self.dim, dtype=torch.float64)
+        gen = torch.Generator()
+        for pi, (g, n) in enumerate(zip(grads, self.numels)):
+            flat = g.reshape(-1).double().cpu()
+            if flat.numel() != n:
+                raise ValueError(f"gradient {pi} has {flat.numel()} elements, expected {n}")
+            for ci, s in enumerate(range(0, n, self.CHUNK)):
+                e = min(n, s + self.CHUNK)
+                gen.manual_seed((self.seed * 1_000_003 + pi * 7919 + ci) % (2 ** 63))
+                idx = torch.randint(0, self.dim, (e - s,), generator=gen)
+                sign = torch.randint(0, 2, (e - s,), generator=gen).double() * 2 - 1
+                out.index_add_(0, idx, flat[s:e] * sign)
+        return out.float()
