@@ -10,7 +10,8 @@
 #   oar's (B, C) uniform advantages and on TRL's own (B,) advantages of the same batch (the parity check of
 #   tests/python/test_trl.py::test_uniform_credit_is_trl_grpo, here under FSDP2 + bf16 on the GPU).
 # Prints "[trl-gpu] OK" (exit 0) when every step finished with finite losses and the parity holds (difference
-# <= 1e-6 of the loss with |advantages|: the loss itself nearly cancels), else "[trl-gpu] FAILED" (exit 1); exit 3 when the environment lacks something (printed).
+# <= 1e-6 of the loss with |advantages|: the loss itself nearly cancels), else "[trl-gpu] FAILED" (exit 1); exit 3
+# when the environment lacks something (printed).
 #
 # Time budget on paper (one H200, device call timeout_s 300; the script stops itself at OAR_TRL_BUDGET_S = 270 s):
 #   wheel install (only when trl / datasets are missing; .gpu-wheels)   <= 20 s
@@ -53,7 +54,8 @@ SITE=/tmp/oar-gpu-site
 mkdir -p "$OUT_DIR"
 if [ -z "${PY:-}" ]; then
   PY=python3
-  if [ -x .venv/bin/python ] && { [ "$MODE" = cpu ] || .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }; then
+  if [ -x .venv/bin/python ] && { [ "$MODE" = cpu ] \
+       || .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }; then
     PY=.venv/bin/python
   fi
 fi
@@ -219,7 +221,8 @@ print(" ".join(m for m in ("trl", "datasets") if importlib.util.find_spec(m) is 
 EOF
 )
 if [ -n "$missing" ]; then
-  ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "[trl-gpu] missing $missing and no wheels in $WHEELS (benchmarks/gpu/prepare_carry.sh)"; exit 3; }
+  ls "$WHEELS"/*.whl >/dev/null 2>&1 \
+    || { echo "[trl-gpu] missing $missing and no wheels in $WHEELS (benchmarks/gpu/prepare_carry.sh)"; exit 3; }
   echo "[trl-gpu] installing $WHEELS/*.whl into $SITE (missing: $missing)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl || exit 3
   export PYTHONPATH="$PYTHONPATH:$SITE"
@@ -237,7 +240,8 @@ if sys.argv[1] == "gpu" and not torch.cuda.is_available():
     sys.exit(3)
 EOF
 
-"${CMD[@]}" 2>&1 | tee "$OUT_DIR/trl.log" | grep -v "Warning\|warnings.warn\|return func" | grep "\[trl-gpu\]\|Error\|error" | tail -n 30
+"${CMD[@]}" 2>&1 | tee "$OUT_DIR/trl.log" | grep -v "Warning\|warnings.warn\|return func" \
+  | grep "\[trl-gpu\]\|Error\|error" | tail -n 30
 rc=${PIPESTATUS[0]}
 [ "$rc" = 124 ] && echo "[trl-gpu] stopped at the budget (${BUDGET} s): $OUT_DIR/trl.log"
 [ "$rc" = 0 ] || { echo "[trl-gpu] FAILED (rc=$rc): $OUT_DIR/trl.log"; exit 1; }

@@ -1,6 +1,7 @@
 """OARGRPOTrainer under FSDP1, FSDP2 and DeepSpeed ZeRO-3 (when deepspeed is installed: trl_zero3_process.py, with
-DeepSpeed's CPU accelerator): 2 processes (accelerate launch, gloo, CPU), the real trl / accelerate / torch FSDP code, accelerate's FSDP plugin enabled on CPU by the test scaffold ``_cpu_fsdp`` (accelerate offers
-FSDP on accelerator devices only; the wrapping is the one GPUs get).
+DeepSpeed's CPU accelerator): 2 processes (accelerate launch, gloo, CPU), the real trl / accelerate / torch FSDP code,
+accelerate's FSDP plugin enabled on CPU by the test scaffold ``_cpu_fsdp`` (accelerate offers FSDP on accelerator
+devices only; the wrapping is the one GPUs get).
 
 Per FSDP version and method (oar_g, oar_p), checked on each rank (the worker is ``trl_fsdp_process.py``):
 - TRL's step finishes on both ranks although one rank has nothing to attribute and the other up to four rows;

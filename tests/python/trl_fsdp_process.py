@@ -53,10 +53,10 @@ def run(method: str, version: int | None, out_dir: str, deepspeed: dict | None =
                           max_completion_length=12, max_steps=1, learning_rate=1e-3, report_to="none",
                           save_strategy="no", logging_steps=1, use_cpu=True, seed=0, temperature=1.0,
                           disable_tqdm=True, bf16=False, gradient_checkpointing=False,
-                          **(dict(fsdp="full_shard auto_wrap",
-                                  fsdp_config={"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                               "sync_module_states": "false"})
-                             if deepspeed is None else dict(deepspeed=deepspeed)))
+                          **(dict(deepspeed=deepspeed) if deepspeed is not None else dict(
+                              fsdp="full_shard auto_wrap",
+                              fsdp_config={"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                           "sync_module_states": "false"})))
     trainer = OARGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds,
                              processing_class=tok, oar_config=config(method))
     rec: dict = {"forwards": 0}

@@ -21,8 +21,11 @@ Multi-process (accelerate, DDP / DeepSpeed / FSDP1 / FSDP2): attribution runs on
 advantages TRL normalized over the gathered batch, on the policy being trained (the FSDP1 wrapper itself, else the
 unwrapped model: :meth:`OARTrainerMixin._oar_policy`). Every model call is a root forward on ids (OAR-G takes the
 embeddings through a hook inside the forward) and the forwards are kept in step across ranks
-(:mod:`oar.distributed`), which ZeRO-3 / FSDP require. KTAE needs whole groups, which may span processes: its
-token tables are built on the gathered completions and sliced back.
+(:mod:`oar.distributed`, over the replica's shard group: :func:`oar.distributed.replica_group`), which ZeRO-3 / FSDP
+require. KTAE needs whole groups, which may span processes: its token tables are built on the gathered completions
+and sliced back. An error on some ranks only (a row without its answer, a malformed batch, an engine error) is
+raised on every rank as one :class:`oar.distributed.RankError` instead of leaving the others in a collective
+(docs/trainers/trl.md, "Errors").
 """
 
 from __future__ import annotations
@@ -300,6 +303,9 @@ def _make_trainer_class(base=None):
                 shape than the completions.
             KeyError: method oar_p / oar_g and a ``train_dataset`` without ``answer_column`` (checked here; rows
                 whose answer is missing or None are refused at the step that samples them).
+            oar.distributed.RankError: at a step with several processes, in place of any of the step's errors
+                above (or of the scoring) raised on some rank: on every rank, naming each failed rank and its
+                message.
         """
 
         def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
