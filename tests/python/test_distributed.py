@@ -414,3 +414,19 @@ def test_gate_synchronises_the_replica_group_only_under_hsdp(tmp_path):
                 continue
             exact = pipeline_scores_estimate(_hsdp_config(method), tok, batch, model)
             assert_within_error_model(res[k][method]["scores"], exact, what=f"HSDP {method} rank {k}")
+
+
+def test_error_agreement_without_distributed_is_plain_python():
+    """One process: no collective; the original error propagates as it is, results pass through."""
+    from oar.distributed import RankError, agree_on_errors, agreed_call
+
+    assert not distributed_world()
+    agree_on_errors(None)
+    with pytest.raises(KeyError, match="answer"):
+        agree_on_errors(KeyError("answer"))
+    assert agreed_call(lambda: 7) == 7
+    with pytest.raises(ValueError, match="bad"):
+        agreed_call(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    e = RankError({3: "ValueError: b", 1: "KeyError: 'a'"})
+    assert e.failures == {1: "KeyError: 'a'", 3: "ValueError: b"}
+    assert str(e).endswith("rank 1: KeyError: 'a'; rank 3: ValueError: b")
