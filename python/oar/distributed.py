@@ -23,6 +23,18 @@ forwarded as they are, and nothing else is reachable through the gate (an ungate
 the ranks). With a model that takes its embeddings inside the forward (``HFProbeModel``), OAR-P and OAR-G never
 call ``embed``: every call is a root forward, as FSDP1/FSDP2 (root-module parameter gathering) and ZeRO-3 need.
 
+Group: the gate synchronises the ranks that gather one replica's parameters together, not the whole world
+(:func:`replica_group`: the sharding dimension of an FSDP2 / HSDP device mesh, FSDP1's process group, DeepSpeed
+ZeRO-3's partition group; the world otherwise). Under HSDP the replica groups then run their own numbers of forwards.
+
+Errors: a rank that fails (an exception in the engines between two gated calls, or before its gate) would leave
+the others waiting in a collective. Every agreement is therefore also an error report: a failing rank contributes
+``KIND_ERROR`` (-1, the minimum) to the next round; the ranks of the group then exchange their messages
+(``all_gather_object``) and all raise the same :class:`RankError`, naming every failed rank and its original error.
+:func:`agreed_call` runs a whole scoring pass that way (one round on the gate's group, then one on the world), and
+:func:`agree_on_errors` is one round, for the checks before it. An error inside a model forward itself (out of memory
+mid-forward) leaves the forward's own collectives unmatched and is not covered.
+
 Cost: one scalar all-reduce per model call, plus the dummy calls (each a one-token lookup or forward).
 Without ``torch.distributed`` (or with a world of one process) nothing is wrapped: :func:`gate_model`
 returns the model unchanged and :func:`distributed_world` returns False.
@@ -37,8 +49,10 @@ import torch
 
 from oar.attribution.model import NoisedEmbeddings, probe_capabilities
 
-__all__ = ["distributed_world", "ForwardGate", "gate_model"]
+__all__ = ["distributed_world", "ForwardGate", "gate_model", "replica_group", "RankError", "agree_on_errors",
+           "agreed_call"]
 
+KIND_ERROR = -1
 KIND_EMBED = 0
 KIND_FORWARD = 1
 KIND_FORWARD_BACKWARD = 2
@@ -50,6 +64,150 @@ def distributed_world() -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _world_or(group):
+    """``group``, or None (the world) when it spans every rank (one communicator less, and the same one as a caller
+    that passes no group)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        return None
+    return group
+
+
+def replica_group(model):
+    """The process group whose ranks gather the parameters of one replica of ``model`` together: the ranks that must
+    run the same forwards. None means the whole world (also without torch.distributed).
+
+    Found, in order: the shard dimension of the device mesh of a DTensor parameter (FSDP2 ``fully_shard``, and its
+    HSDP 2-D mesh ``(dp_replicate, dp_shard)``: the ``Shard`` placement's dimension); FSDP1's ``process_group``
+    (HYBRID_SHARD: the intra-node shard group); DeepSpeed ZeRO-3's ``ds_process_group`` of a partitioned parameter;
+    else the world. A group that spans every rank is returned as None.
+
+    Args:
+        model: the policy module (FSDP1 wrapper, FSDP2 / DeepSpeed module, plain module) or an
+            :class:`oar.attribution.HFProbeModel` (its ``.model`` is read); anything else gives None.
+    """
+    if not distributed_world():
+        return None
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    pg = getattr(module, "process_group", None)  # FSDP1 (FullyShardedDataParallel.process_group)
+    if pg is not None and not isinstance(pg, (int, str)):
+        return _world_or(pg)
+    for p in module.parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if mesh is not None and placements is not None:  # a DTensor (FSDP2)
+            dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
+            if len(dims) == 1:
+                return _world_or(mesh.get_group(dims[0]))
+            return None
+        ds = getattr(p, "ds_process_group", None)  # DeepSpeed ZeRO-3 partitioned parameter
+        if ds is not None:
+            return _world_or(ds)
+    return None
+
+
+class RankError(RuntimeError):
+    """Raised on every rank of a group when one or more of its ranks failed during a synchronised pass.
+
+    Attributes:
+        failures: {global rank: "ExceptionType: message"} of every rank that failed, sorted by rank.
+    """
+
+    def __init__(self, failures: dict):
+        self.failures = dict(sorted(failures.items()))
+        what = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
+        super().__init__(f"oar: {len(self.failures)} rank(s) failed during attribution, so every rank stops here "
+                         f"(the others would wait in a collective): {what}")
+
+
+def _own_failures(error) -> dict:
+    import torch.distributed as dist
+
+    if error is None:
+        return {}
+    if isinstance(error, RankError):
+        return dict(error.failures)
+    return {dist.get_rank(): f"{type(error).__name__}: {error}"}
+
+
+def _min_round(kind: int, group) -> int:
+    """One agreement round: ``all_reduce(MIN)`` of ``kind`` over ``group`` (the gate's rounds and the error rounds
+    are the same collective, so a failing rank's report meets whatever round its peers are in)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([kind], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def _gathered_error(own: dict, group) -> RankError:
+    """Second step of a round that agreed on an error: every rank's known failures, merged (a collective)."""
+    import torch.distributed as dist
+
+    objs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objs, own, group=group)
+    merged = {}
+    for d in objs:
+        merged.update(d or {})
+    return RankError(merged)
+
+
+def _error_round(error, group) -> RankError | None:
+    """One error round over ``group``: None when no rank of it failed, else the agreed :class:`RankError`."""
+    own = _own_failures(error)
+    if _min_round(KIND_ERROR if own else KIND_DONE, group) != KIND_ERROR:
+        return None
+    return _gathered_error(own, group)
+
+
+def agree_on_errors(error: BaseException | None = None, group=None) -> None:
+    """One error round (a collective over ``group``, default the world; every rank calls it): raises the same
+    :class:`RankError` on every rank when any rank passed an ``error`` (chained to it on that rank), else returns.
+    Without a distributed world, ``error`` (when given) is raised as it is.
+
+    Raises:
+        RankError: some rank of the group passed an error.
+    """
+    if not distributed_world():
+        if error is not None:
+            raise error
+        return
+    agreed = _error_round(error, group)
+    if agreed is not None:
+        raise agreed from error
+
+
+def agreed_call(fn, *, group=None):
+    """``fn()``, with its error or another rank's raised on every rank as one :class:`RankError`.
+
+    Two error rounds follow ``fn``: one over ``group`` (the group of the :class:`ForwardGate` that ``fn`` may open:
+    a rank failing before its gate meets the gate's rounds of its peers there; a gate that already agreed on an
+    error counts as that round), then one over the world (the other replica groups). Every rank must call it.
+    Without a distributed world it is ``fn()``.
+
+    Raises:
+        RankError: ``fn`` raised on some rank (the failing rank's original error is its ``__cause__``).
+    """
+    if not distributed_world():
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except RankError as e:  # a gate over ``group`` agreed on it: that was this group's round
+        error = e
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
+        error = _error_round(e, group)
+        error.__cause__ = e
+    else:
+        error = _error_round(None, group)
+    agreed = _error_round(error, None)
+    if agreed is not None:
+        raise agreed from (error.__cause__ if error is not None else None)
+    return result
 
 
 def _collective_device() -> torch.device:
@@ -86,7 +244,8 @@ class ForwardGate:
     Args:
         model: the ProbeModel (``oar.attribution.as_probe_model(policy)``).
         pad_id: token id of the dummy one-token calls.
-        group: torch.distributed process group (default: the world).
+        group: torch.distributed process group of the ranks kept in step (default: :func:`replica_group` of the
+            wrapped model, the world when it has none; ``torch.distributed.group.WORLD`` forces the world).
 
     Attributes:
         real_calls, dummy_calls: model forwards per kind ({1: n, 2: n}).
@@ -94,6 +253,8 @@ class ForwardGate:
 
     Raises:
         TypeError: ``model`` is not a ProbeModel (names every missing member).
+        RankError: from a model call, :meth:`finish` or the ``eval_mode`` scope, when a rank of the group failed
+            (an exception inside ``eval_mode`` is reported to the group that way instead of propagating alone).
     """
 
     supports_prefix_grad = False
@@ -102,7 +263,7 @@ class ForwardGate:
         self._caps = probe_capabilities(model)
         self._model = model
         self._pad_id = int(pad_id)
-        self._group = group
+        self._group = replica_group(model) if group is None else _world_or(group)
         self._finished = False
         self._one_embedding = None  # (1, 1, H) embedding of one token: the input of kind-2 dummies
         self._noise = None  # (perturb, record) of an open noised_embeddings context, until its forward runs
@@ -142,8 +303,20 @@ class ForwardGate:
         f = getattr(self._model, "cache_key_element_size", None)
         return int(f()) if callable(f) else 4
 
+    @contextlib.contextmanager
     def eval_mode(self):
-        return self._model.eval_mode()
+        """The wrapped model's ``eval_mode``; also the scope of the gated work: an exception raised inside it on
+        this rank is reported to the group at the next agreement, and every rank of the group raises the same
+        :class:`RankError` (chained to the original here)."""
+        with self._model.eval_mode():
+            try:
+                yield
+            except Exception as e:
+                if isinstance(e, RankError) or self._finished:
+                    raise
+                self._finished = True
+                _min_round(KIND_ERROR, self._group)  # the MIN with this rank's -1: every rank sees the error
+                raise _gathered_error(_own_failures(e), self._group) from e
 
     # ---- ProbeModel: gated ------------------------------------------------------------------------------
     def embed(self, input_ids):
@@ -232,11 +405,11 @@ class ForwardGate:
         self.real_calls[kind] += 1
 
     def _agree(self, kind: int) -> int:
-        import torch.distributed as dist
-
-        t = torch.tensor([kind], dtype=torch.int64, device=_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
-        return int(t.item())
+        agreed = _min_round(kind, self._group)
+        if agreed == KIND_ERROR:  # a rank of the group failed: all stop with its message
+            self._finished = True
+            raise _gathered_error({}, self._group)
+        return agreed
 
     def _wait_turn(self, kind: int) -> None:
         if self._finished:

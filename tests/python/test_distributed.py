@@ -327,3 +327,106 @@ def test_pipeline_runs_equal_forwards_on_every_rank(tmp_path):
             # float32 rounding level of the divergence, so they differ by O(1) between float32 and float64.)
             same = (got == alone).all(dim=1)
             torch.testing.assert_close(r[k]["synced_advantages"][same], r[k]["alone_advantages"][same], rtol=0, atol=0)
+
+
+# ---- the gate over the replica group under HSDP (issue 24, item 2) ---------------------------------------------
+
+HSDP_TEXTS = {0: ["so 2 and 3 make 5 \\boxed{5}", "hmm 9 and 9 \\boxed{9}", "1 1 1 1 2 \\boxed{4}"],
+              1: ["5 \\boxed{5}", "x", "y"], 2: ["7 \\boxed{7}", "x", "y"], 3: ["x", "y", "z"]}
+# Sequence advantages per method and rank. OAR-P: replica 0 = a rank with three active rows and one with one,
+# replica 1 = one active row and none. OAR-G fits every row in one chunk here: only rank 0 has active rows, so rank
+# 1 pads it and replica 1 has nothing to run.
+HSDP_ADV = {"oar_p": {0: [0.5, -1.0, 0.7], 1: [1.0, 0.0, 0.0], 2: [1.0, 0.0, 0.0], 3: [0.0, 0.0, 0.0]},
+            "oar_g": {0: [0.5, -1.0, 0.7], 1: [0.0, 0.0, 0.0], 2: [0.0, 0.0, 0.0], 3: [0.0, 0.0, 0.0]}}
+HSDP_MODEL = dict(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0, initializer_range=0.12)
+
+
+def _hsdp_config(method):
+    # A 1 MB budget: one OAR-G row / four OAR-P variants per forward, so the work differs between the ranks.
+    return oar.OARConfig.from_json(json.dumps({"method": method, "max_variants_per_chunk": 4, "seed": 5,
+                                               "memory_budget_mb": 1, "sigma": 0.05}))
+
+
+def _hsdp_batch(tok, rank, method):
+    from oar.batch import RolloutBatch
+
+    C = 32
+    ids = torch.full((3, C), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((3, C), dtype=torch.long)
+    for i, t in enumerate(HSDP_TEXTS[rank]):
+        e = tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+        ids[i, : len(e)] = torch.tensor(e)
+        mask[i, : len(e)] = 1
+    return RolloutBatch(ids, mask, prompt_ids=[tok.encode("Q?", add_special_tokens=False)] * 3, answers=["5"] * 3,
+                        sequence_advantages=torch.tensor(HSDP_ADV[method][rank]))
+
+
+def _hsdp_worker(rank, world, port, out_dir):
+    _init(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from oar.app.models import tiny_random_llama
+    from oar.distributed import replica_group
+    from oar.pipeline import Pipeline
+
+    # HSDP: 2 replicas (dp_replicate) of 2 shards (dp_shard): ranks {0, 1} gather one replica, {2, 3} the other.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model, tok = tiny_random_llama(**HSDP_MODEL)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls = {"n": 0}
+    model.register_forward_pre_hook(lambda m, a, k: calls.__setitem__("n", calls["n"] + 1), with_kwargs=True)
+    res = {"group": dist.get_process_group_ranks(replica_group(model))}
+    for method in ("oar_p", "oar_g"):
+        calls["n"] = 0
+        out = Pipeline(_hsdp_config(method), tok).compute(_hsdp_batch(tok, rank, method), model)
+        res[method] = {"calls": calls["n"], "scores": out.scores, "advantages": out.advantages,
+                       "padding": out.metrics["oar/padding_forwards"]}
+        dist.barrier()
+    torch.save(res, os.path.join(out_dir, f"hsdp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_gate_synchronises_the_replica_group_only_under_hsdp(tmp_path):
+    """4 gloo ranks, FSDP2 ``fully_shard`` on a 2x2 HSDP mesh: the gate's group is the replica's shard group, the
+    ranks of one replica run equal numbers of forwards (padding each other), the two replicas run their own numbers
+    (the world is not synchronised), and the scores are the single-process ones (rule 1 of _tolerance.py)."""
+    from oar.app.models import tiny_random_llama
+
+    from _error_model import pipeline_scores_estimate
+
+    mp.spawn(_hsdp_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
+    res = [torch.load(tmp_path / f"hsdp{k}.pt", weights_only=False) for k in range(4)]
+    assert [r["group"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for method in ("oar_p", "oar_g"):
+        calls = [r[method]["calls"] for r in res]
+        # Under a world-wide gate all four would be equal.
+        assert calls[0] == calls[1] > calls[2] == calls[3], (method, calls)
+        assert res[1][method]["padding"] > 0, method  # the replica's ranks did keep each other in step
+        assert res[3][method]["padding"] == (calls[3] if method == "oar_p" else 0), method
+        model, tok = tiny_random_llama(**HSDP_MODEL)
+        for k in range(4):
+            batch = _hsdp_batch(tok, k, method)
+            if not batch.sequence_advantages.any():  # nothing scored: zeros
+                assert (res[k][method]["scores"] == 0).all() and (res[k][method]["advantages"] == 0).all()
+                continue
+            exact = pipeline_scores_estimate(_hsdp_config(method), tok, batch, model)
+            assert_within_error_model(res[k][method]["scores"], exact, what=f"HSDP {method} rank {k}")
+
+
+def test_error_agreement_without_distributed_is_plain_python():
+    """One process: no collective; the original error propagates as it is, results pass through."""
+    from oar.distributed import RankError, agree_on_errors, agreed_call
+
+    assert not distributed_world()
+    agree_on_errors(None)
+    with pytest.raises(KeyError, match="answer"):
+        agree_on_errors(KeyError("answer"))
+    assert agreed_call(lambda: 7) == 7
+    with pytest.raises(ValueError, match="bad"):
+        agreed_call(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    e = RankError({3: "ValueError: b", 1: "KeyError: 'a'"})
+    assert e.failures == {1: "KeyError: 'a'", 3: "ValueError: b"}
+    assert str(e).endswith("rank 1: KeyError: 'a'; rank 3: ValueError: b")

@@ -228,13 +228,23 @@ def test_every_baseline_runs_in_trl(tmp_path, recording_trainer_cls, method):
 @pytest.mark.parametrize("setting, match", [({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
                                              ({"top_entropy_quantile": 0.5}, "top_entropy_quantile")])
 def test_warns_on_pointless_settings(tmp_path, setting, match):
+    """A reshaping method warns at start (uniform credit is TRL's GRPO and does not: test_uniform_credit_is_trl_grpo;
+    with loss_type='cispo' the sequence-level ratio still multiplies each token's log-probability: no warning)."""
+    import warnings
+
     from oar.integrations.trl import OARGRPOTrainer
 
     model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
     with pytest.warns(UserWarning, match=match):
         OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=_args(tmp_path, **setting),
                        train_dataset=_dataset(), processing_class=tok,
-                       oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))
+                       oar_config=oar.OARConfig.from_json('{"method": "oar_p"}'))
+    if "importance_sampling_level" in setting:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit],
+                           args=_args(tmp_path, loss_type="cispo", **setting), train_dataset=_dataset(),
+                           processing_class=tok, oar_config=oar.OARConfig.from_json('{"method": "oar_p"}'))
 
 
 def test_mixin_in_a_user_subclass(tmp_path):
@@ -402,3 +412,123 @@ def test_trl_versions_are_accepted_by_their_hook_points():
     with pytest.raises(RuntimeError, match=r"_generate_and_score_completions\('self', 'batch', 'mode'\) is not "
                                            r"_generate_and_score_completions\('self', 'inputs'\)"):
         _make_trainer_class(Changed)
+
+
+# ---- an error on one rank is the same error on every rank (issue 24, item 1) ----------------------------------
+
+@pytest.mark.parametrize("scenario, original", [
+    ("answer", "KeyError: \"OAR needs the reference answer in dataset column 'answer'"),  # before the gate
+    ("vocab", "ValueError: "),  # inside the gate's scope (token id outside the vocabulary)
+    ("tool_mask", "ValueError: tool_mask must be (B, C)"),  # grpo: no model pass, no gate
+])
+def test_error_on_one_rank_is_raised_on_every_rank(tmp_path, scenario, original):
+    """2 gloo ranks (trl_error_ranks.py), rank 1's batch broken: both ranks raise the same RankError naming rank 1
+    and its original error, without waiting for a collective timeout (the worker's gloo timeout is 30 s, the
+    subprocess's 300 s: a rank left waiting ends with a gloo error, never a hang)."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, os.path.join(here, "trl_error_ranks.py"), scenario, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = [(tmp_path / f"rank{k}.txt").read_text() for k in range(2)]
+    assert got[0] == got[1], got
+    assert got[0].startswith("RankError: oar: 1 rank(s) failed during attribution"), got[0]
+    assert "rank 1: " + original in got[0], got[0]
+    assert "rank 0:" not in got[0], got[0]
+
+
+# ---- parity with TRL's own GRPO loss under uniform credit (issue 24, item 3) ----------------------------------
+
+#: every loss_type of trl 1.13's GRPOConfig (grpo_config.py, ``loss_type``) but luspo, which oar refuses at init
+PARITY_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo"]
+
+
+def _parity_out(tok, with_tool_mask: bool):
+    """What TRL's ``_generate_and_score_completions`` returns for 2 groups of 2 (grpo_trainer.py:2923-2960), with
+    old log-probs that make the importance ratios and their clipping non-trivial."""
+    out = _standin_out(tok, [tok.encode("Q?", add_special_tokens=False)] * 4, TEXTS4, C=16)
+    g = torch.Generator().manual_seed(0)
+    out["old_per_token_logps"] = -4.6 + 0.4 * torch.randn(out["completion_ids"].shape, generator=g)
+    out["num_items_in_batch"] = out["completion_mask"].sum()
+    if with_tool_mask:  # a tool output inside row 0 and at the start of row 2 (0 = not the model's tokens)
+        tm = torch.ones_like(out["completion_mask"])
+        tm[0, 2:5] = 0
+        tm[2, :2] = 0
+        out["tool_mask"] = tm
+    return out
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("setting", [{}, {"tool_mask": True}, {"top_entropy_quantile": 0.2},
+                                     {"importance_sampling_level": "sequence"}, {"scale_rewards": "batch"}])
+@pytest.mark.parametrize("loss_type", PARITY_LOSS_TYPES)
+def test_uniform_credit_is_trl_grpo(tmp_path, monkeypatch, loss_type, setting):
+    """oar on (method grpo: uniform credit) and off give the same per-token advantages on TRL's loss mask, and TRL's
+    own compute_loss gives the same loss and gradients, bit for bit (the same float operations on every token the
+    loss keeps; the (B, C) advantages are 0 where (B,) ones are masked out), for every loss_type of trl 1.13, with
+    tool-output masks, the 80/20 entropy selection, sequence-level importance sampling and batch reward scaling;
+    and the trainer emits no warning about these settings."""
+    import copy
+    import warnings
+
+    from trl import GRPOTrainer
+
+    from oar.integrations.trl import OARGRPOTrainer
+
+    setting = dict(setting)
+    with_tool_mask = setting.pop("tool_mask", False)
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    args = _args(tmp_path, loss_type=loss_type, per_device_train_batch_size=4, num_generations=2, **setting)
+    plain = GRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=args, train_dataset=_dataset(),
+                        processing_class=tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "served unchanged": no warning at start either
+        on = OARGRPOTrainer(model=copy.deepcopy(model), reward_funcs=[reward_has_digit], args=args,
+                            train_dataset=_dataset(), processing_class=tok,
+                            oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))
+    out = _parity_out(tok, with_tool_mask)
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: dict(out))
+    on.model.train()
+    inputs_on = on._generate_and_score_completions([{"answer": "5"}] * 4)
+    adv = inputs_on["advantages"]
+    mask = (out["completion_mask"] * out.get("tool_mask", 1)).bool()
+    assert adv.shape == mask.shape
+    assert torch.equal(adv, torch.where(mask, out["advantages"][:, None], torch.zeros(())))
+    loss_off, grads_off = _loss_and_grads(plain, dict(out))
+    loss_on, grads_on = _loss_and_grads(on, inputs_on)
+    assert loss_off != 0 and grads_off
+    assert grads_on.keys() == grads_off.keys()
+    if loss_type == "sapo" and setting.get("importance_sampling_level") == "sequence":
+        # Not bit for bit here (measured: 5e-7 relative on the loss): float rounding only, bounded by the first-order
+        # error of the loss's sums of n = |mask| terms (gamma(n) = n u of the summed magnitudes).
+        tol = mask.sum().item() * torch.finfo(torch.float32).eps
+        torch.testing.assert_close(loss_on, loss_off, rtol=tol, atol=0)
+        for n in grads_off:
+            torch.testing.assert_close(grads_on[n], grads_off[n], rtol=tol, atol=tol * grads_off[n].abs().max().item())
+        return
+    assert torch.equal(loss_on, loss_off), (loss_type, setting, float(loss_on), float(loss_off))
+    for n in grads_off:
+        assert torch.equal(grads_on[n], grads_off[n]), (loss_type, setting, n)
+
+
+def test_luspo_is_refused_at_start(tmp_path):
+    from oar.integrations.trl import OARGRPOTrainer
+
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    with pytest.raises(ValueError, match="loss_type='luspo'"):
+        OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit],
+                       args=_args(tmp_path, loss_type="luspo", importance_sampling_level="sequence"),
+                       train_dataset=_dataset(), processing_class=tok,
+                       oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))

@@ -43,7 +43,9 @@ def config(method: str) -> "oar.OARConfig":
                                    f'"max_variants_per_chunk": 4}}')
 
 
-def run(method: str, version: int, out_dir: str) -> dict:
+def run(method: str, version: int | None, out_dir: str, deepspeed: dict | None = None) -> dict:
+    """One step of ``method`` under FSDP ``version`` (1 or 2), or under the DeepSpeed config ``deepspeed``
+    (``version`` None; trl_zero3_process.py)."""
     model, tok = tiny_random_llama(**MODEL)
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
                             for a, b in PROMPTS])
@@ -51,9 +53,10 @@ def run(method: str, version: int, out_dir: str) -> dict:
                           max_completion_length=12, max_steps=1, learning_rate=1e-3, report_to="none",
                           save_strategy="no", logging_steps=1, use_cpu=True, seed=0, temperature=1.0,
                           disable_tqdm=True, bf16=False, gradient_checkpointing=False,
-                          fsdp="full_shard auto_wrap",
-                          fsdp_config={"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                       "sync_module_states": "false"})
+                          **(dict(deepspeed=deepspeed) if deepspeed is not None else dict(
+                              fsdp="full_shard auto_wrap",
+                              fsdp_config={"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                           "sync_module_states": "false"})))
     trainer = OARGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds,
                              processing_class=tok, oar_config=config(method))
     rec: dict = {"forwards": 0}
@@ -79,6 +82,8 @@ def run(method: str, version: int, out_dir: str) -> dict:
 
     trainer.oar_pipeline.compute = compute
     trainer.train()
+    params = list(model.parameters())
+    rec.update(ds_partitioned=sum(hasattr(p, "ds_id") and p.data.numel() == 0 for p in params), n_params=len(params))
     rec.update(process_index=trainer.accelerator.process_index,
                distributed_type=str(trainer.accelerator.distributed_type),
                wrapped=type(trainer.model_wrapped).__name__, finished=trainer.state.global_step == 1)

@@ -21,8 +21,11 @@ Multi-process (accelerate, DDP / DeepSpeed / FSDP1 / FSDP2): attribution runs on
 advantages TRL normalized over the gathered batch, on the policy being trained (the FSDP1 wrapper itself, else the
 unwrapped model: :meth:`OARTrainerMixin._oar_policy`). Every model call is a root forward on ids (OAR-G takes the
 embeddings through a hook inside the forward) and the forwards are kept in step across ranks
-(:mod:`oar.distributed`), which ZeRO-3 / FSDP require. KTAE needs whole groups, which may span processes: its
-token tables are built on the gathered completions and sliced back.
+(:mod:`oar.distributed`, over the replica's shard group: :func:`oar.distributed.replica_group`), which ZeRO-3 / FSDP
+require. KTAE needs whole groups, which may span processes: its token tables are built on the gathered completions
+and sliced back. An error on some ranks only (a row without its answer, a malformed batch, an engine error) is
+raised on every rank as one :class:`oar.distributed.RankError` instead of leaving the others in a collective
+(docs/trainers/trl.md, "Errors").
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ import warnings
 import torch
 
 from oar.batch import RolloutBatch
+from oar.distributed import agree_on_errors, agreed_call, replica_group
 from oar.pipeline import Pipeline
 from oar.groups import group_ids_from
 from oar.schema import OARConfig, config_arg
 
 #: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
 TESTED_TRL = ("1.13.0",)
-SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+#: TRL's loss types whose loss and gradients are TRL's own under uniform credit (tests/python/test_trl.py,
+#: test_uniform_credit_is_trl_grpo): every loss_type of trl 1.13 but "luspo".
+SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "vespo")
+#: Loss types whose per-token term is the importance ratio times the advantage only: under
+#: importance_sampling_level="sequence" the ratio is one number per row, so a row's loss depends on its advantage
+#: mass alone, which OAR's reshaping keeps (cispo and vespo also multiply by each token's log-probability).
+RATIO_TIMES_ADVANTAGE = ("grpo", "dr_grpo", "dapo", "bnpo", "sapo")
 #: GRPOTrainer methods we override, with the parameters we rely on.
 HOOK_POINTS = {
     "_generate_and_score_completions": ("self", "inputs"),
@@ -90,8 +100,13 @@ def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
                        f"train_dataset has columns {list(columns)} (set answer_column=... to the right column)")
 
 
-def _check_args(args) -> None:
-    """Refuses trainer settings under which per-token advantages are wrong, warns where pointless."""
+def _check_args(args, method: str | None = None) -> None:
+    """Refuses trainer settings under which per-token advantages are wrong, warns where OAR's credit is pointless
+    (``method``: the oar method, default the OARConfig default; uniform-credit methods are TRL's GRPO and get no
+    warning). docs/trainers/trl.md lists what is refused and served."""
+    from oar.methods import method_spec
+
+    credit = method_spec(method if method is not None else OARConfig().method).credit
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("OAR needs per-token advantages, but use_liger_kernel=True: the Liger GRPO loss always "
                          "unsqueezes advantages to (B, 1). Set use_liger_kernel=False.")
@@ -101,10 +116,13 @@ def _check_args(args) -> None:
                          f"{SUPPORTED_LOSS_TYPES}")
     if loss_type not in SUPPORTED_LOSS_TYPES:
         warnings.warn(f"OAR is tested with loss_type in {SUPPORTED_LOSS_TYPES}, got {loss_type!r}", stacklevel=3)
-    if getattr(args, "importance_sampling_level", "token") == "sequence":
-        warnings.warn("importance_sampling_level='sequence' averages the ratio over the sequence: per-token "
-                      "advantages still weight tokens, but OAR's credit assignment is partly pointless there",
-                      stacklevel=3)
+    if credit != "reshape":
+        return
+    if getattr(args, "importance_sampling_level", "token") == "sequence" and loss_type in RATIO_TIMES_ADVANTAGE:
+        warnings.warn(f"importance_sampling_level='sequence' with loss_type={loss_type!r}: the importance ratio is one "
+                      "number per sequence, so each sequence's loss depends only on the sum of its token advantages, "
+                      "which OAR's reshaping keeps: OAR's credit assignment has no effect on the gradient here (except "
+                      "on tokens top_entropy_quantile drops); use importance_sampling_level='token'", stacklevel=3)
     if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
         warnings.warn("top_entropy_quantile < 1 drops low-entropy tokens from the loss, which breaks OAR's "
                       "sum preservation of the advantage mass", stacklevel=3)
@@ -137,7 +155,7 @@ class OARTrainerMixin:
         check_trl_features(type(self))
         if oar_config is None:
             oar_config = OARConfig()
-        _check_args(self.args)
+        _check_args(self.args, oar_config.method)
         self.oar_config = oar_config
         self.oar_answer_column = answer_column
         if oar_config.advantages.estimator == "dr_grpo" and getattr(self, "scale_rewards", "none") != "none":
@@ -230,15 +248,28 @@ class OARTrainerMixin:
         mode = "train" if self.model.training else "eval"
         if mode != "train":
             return out
-        batch = self._oar_batch(inputs, out)
-        if self.oar_pipeline.method.needs_groups:  # KTAE: whole groups, gathered, then this process's slice
-            res = self.oar_pipeline.compute(self._oar_gathered(batch))
-            B, C = batch.completion_ids.shape
-            rows = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
-            tok = res.advantages[rows, :C]
-        else:
-            res = self.oar_pipeline.compute(batch, self._oar_policy())
-            tok = res.advantages
+        needs_groups = self.oar_pipeline.method.needs_groups
+        policy = None if needs_groups else self._oar_policy()
+        # A check that fails on some ranks only (a row without its answer, a malformed batch) must stop every rank:
+        # one error round over the world before any collective of the scoring, then agreed_call around it (one
+        # round over the forward gate's group, then one over the world): docs/trainers/trl.md, "Errors".
+        error = None
+        try:
+            batch = self._oar_batch(inputs, out)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by agree_on_errors
+            error = e
+        agree_on_errors(error)
+
+        def score():
+            if needs_groups:  # KTAE: whole groups, gathered, then this process's slice
+                res = self.oar_pipeline.compute(self._oar_gathered(batch))
+                B, C = batch.completion_ids.shape
+                rows = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
+                return res, res.advantages[rows, :C]
+            res = self.oar_pipeline.compute(batch, policy)
+            return res, res.advantages
+
+        res, tok = agreed_call(score, group=None if policy is None else replica_group(policy))
         out["advantages"] = tok.to(out["advantages"].device)
         t2 = time.perf_counter()
         for k, v in res.metrics.items():
@@ -272,6 +303,9 @@ def _make_trainer_class(base=None):
                 shape than the completions.
             KeyError: method oar_p / oar_g and a ``train_dataset`` without ``answer_column`` (checked here; rows
                 whose answer is missing or None are refused at the step that samples them).
+            oar.distributed.RankError: at a step with several processes, in place of any of the step's errors
+                above (or of the scoring) raised on some rank: on every rank, naming each failed rank and its
+                message.
         """
 
         def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
@@ -279,7 +313,7 @@ def _make_trainer_class(base=None):
             _check_oar_args(oar_config, answer_column, kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
             grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
             if grpo_args is not None:
-                _check_args(grpo_args)
+                _check_args(grpo_args, oar_config.method if oar_config is not None else None)
             super().__init__(*args, **kwargs)
             self._oar_setup(oar_config, answer_column)
 
