@@ -115,13 +115,11 @@ def test_settings_took_effect(run):
         assert all(x["param_offload"] is want and x["gradient_checkpointing"] is want for x in ranks), (name, ranks)
 
 
-@pytest.mark.parametrize("name", FLOAT32)
-@pytest.mark.parametrize("method", ["oar_g", "oar_p"])
-def test_float32_scores_equal_the_single_process_pipeline(run, tiny, name, method):
-    """float32 settings: each rank's scores are within the float32 error model (rule 1 of _tolerance.py) of the
-    float64 pipeline on its chunk, as the single-process pipeline's are; the reasoning masks are equal; both ranks
-    ran the same number of policy forwards in float32."""
-    model, tok = tiny
+def check_float32_scores(run, model, tok, name, method):
+    """float32 setting ``name``: each rank's ``method`` scores are within the float32 error model (rule 1 of
+    _tolerance.py) of the float64 pipeline on its chunk, as the single-process pipeline's are; the reasoning masks
+    are equal; both ranks ran the same number of policy forwards, in float32. Also used by test_install.py on the
+    workers of the install venv (transformers 5.10.4)."""
     v = run["variants"][name]
     assert "error" not in v, v.get("error")
     _check_ranks(v, method, torch.float32)
@@ -134,6 +132,14 @@ def test_float32_scores_equal_the_single_process_pipeline(run, tiny, name, metho
         assert torch.equal(r["reasoning_mask"][rows], alone.reasoning_mask[:n])
         assert_within_error_model(got, exact[:n], what=f"{name} {method} rank {k}")
         assert_within_error_model(alone.scores[:n], exact[:n], what=f"{name} {method} alone {k}")
+
+
+@pytest.mark.parametrize("name", FLOAT32)
+@pytest.mark.parametrize("method", ["oar_g", "oar_p"])
+def test_float32_scores_equal_the_single_process_pipeline(run, tiny, name, method):
+    """float32 settings: :func:`check_float32_scores`."""
+    model, tok = tiny
+    check_float32_scores(run, model, tok, name, method)
 
 
 @pytest.mark.parametrize("name", BF16)
@@ -157,8 +163,8 @@ def test_bf16_scores_as_close_as_the_single_process_under_bf16(run, tiny, name, 
         ref_err = float((alone.scores[:n].double() - exact).abs().max())
         assert 2 * ref_err < 0.25 * float(exact.abs().max()), (ref_err, float(exact.abs().max()))
         # rule for bf16 (_tolerance.py): |worker - truth| <= 2 |single process in bf16 - truth| + one bf16 ulp
-        assert_close_to_reference(got, exact, alone.scores[:n], atol=float(ulp(float(exact.abs().max()), torch.bfloat16)),
-                                  what=f"{name} {method} rank {k}")
+        atol = float(ulp(float(exact.abs().max()), torch.bfloat16))
+        assert_close_to_reference(got, exact, alone.scores[:n], atol=atol, what=f"{name} {method} rank {k}")
 
 
 def test_remove_padding_log_probs_equal_a_float32_forward(run, tiny):

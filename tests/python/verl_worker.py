@@ -305,13 +305,16 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
         ray.shutdown()
 
 
-#: verl's FSDP engine's mixed precision when ``fsdp_config.mixed_precision`` is unset (``FSDPEngine._build_fsdp_module``:
-#: ``param_dtype`` bf16, ``reduce_dtype`` / ``buffer_dtype`` fp32): the forward computes in bf16 over fp32 weights.
+#: verl's FSDP engine's mixed precision when ``fsdp_config.mixed_precision`` leaves it unset (``_build_fsdp_module``,
+#: verl/workers/engine/fsdp/transformer_impl.py:393-399: ``param_dtype`` bf16, ``reduce_dtype`` / ``buffer_dtype``
+#: fp32): the forward computes in bf16 over fp32 weights.
 BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 #: Settings of verl's defaults on the CPU scaffold (tests/python/test_verl_defaults.py), as ``actor_config``
 #: overrides: name -> dotted keys under ``actor_rollout_ref``.
 VARIANTS = {
+    # the scaffold's own settings (FSDP2, float32, eager attention): the install test's check (test_install.py)
+    "fsdp2": {},
     # verl's default engine (FSDP1) with its default mixed precision
     "fsdp1": {"actor.strategy": "fsdp", "actor.fsdp_config.mixed_precision": BF16},
     # FSDP2 in float32 with parameter offload and gradient checkpointing
@@ -320,7 +323,21 @@ VARIANTS = {
     "fsdp2_bf16": {"actor.fsdp_config.mixed_precision": BF16},
     # verl's remove-padding forward (packed sequences), float32
     "remove_padding": {"model.use_remove_padding": True},
+    # verl's defaults together (GPU only, benchmarks/gpu/run_verl_defaults.sh; FSDP1 does not build on CPU):
+    # FSDP1, bf16 compute, remove-padding, gradient checkpointing (flash_attention_2: variants_main's attn)
+    "verl_defaults": {"actor.strategy": "fsdp", "actor.fsdp_config.mixed_precision": BF16,
+                      "model.use_remove_padding": True, "model.enable_gradient_checkpointing": True},
 }
+
+
+def grpo_parity(rows) -> dict:
+    """verl's ``compute_advantage`` of the same batch with ``grpo`` and with oar's uniform credit (``oar_grpo``):
+    ``{"grpo": (B, R), "oar_grpo": (B, R)}`` token advantages, which must be equal."""
+    from verl.trainer.ppo import ray_trainer
+
+    return {est: ray_trainer.compute_advantage(data_proto(rows), adv_estimator=est, num_repeat=N,
+                                               norm_adv_by_std_in_grpo=True).batch["advantages"].clone()
+            for est in ("grpo", "oar_grpo")}
 
 
 def variants_main(out_dir, names, device: str = "cpu", model: str = "tiny", ranks: int = 2, steps: int = 1,
@@ -330,18 +347,25 @@ def variants_main(out_dir, names, device: str = "cpu", model: str = "tiny", rank
     same rows as :func:`main`), the forward counts and compute dtypes per rank, and stage times; or the error
     ``init_model`` / the first call raised (``"error"``: type, message and the innermost frame). Saves
     ``OUT_DIR/variants.pt``. ``device="cuda"`` (benchmarks/gpu/run_verl_defaults.sh): GPU worker groups, peak CUDA
-    memory per rank, ``attn`` the attention implementation (default: verl's own, flash_attention_2)."""
+    memory per rank, ``attn`` the attention implementation (default: verl's own, flash_attention_2). ``model``:
+    ``"tiny"`` (saved here), a directory holding a saved model and tokenizer, or a name of
+    ``oar.app.models.load_by_name``."""
     import time
     import traceback
 
     import ray
 
-    out = {"rows": None, "variants": {}}
+    import transformers
+
+    out = {"rows": None, "variants": {}, "versions": {"oar": oar.__file__, "transformers": transformers.__version__,
+                                                      "python": sys.executable}}
     ray.init(num_cpus=ranks if device == "cpu" else None, include_dashboard=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             if model == "tiny":
                 path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
+            elif os.path.isdir(model):  # a saved model (and tokenizer), used as it is
+                path = model
             else:
                 from oar.app.models import load_by_name
 
@@ -355,6 +379,7 @@ def variants_main(out_dir, names, device: str = "cpu", model: str = "tiny", rank
             rows = rollouts(tok)
             data = data_proto(rows)
             out["rows"] = rows
+            out["parity"] = grpo_parity(rows)
             seq = torch.tensor([1.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0])[torch.tensor(ORDER)]
             for name in names:
                 overrides = dict(VARIANTS[name])
@@ -411,8 +436,8 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.app.models.load_by_name (GPU runs)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA actor (verl's model.lora_rank)")
-    ap.add_argument("--variants", default="", help=f"comma-separated names of {sorted(VARIANTS)}: run those "
-                    "settings of verl's defaults instead (variants_main)")
+    ap.add_argument("--variants", default="",
+                    help=f"comma-separated names of {sorted(VARIANTS)}: run those settings instead (variants_main)")
     ap.add_argument("--steps", type=int, default=1, help="with --variants: scoring steps per setting")
     ap.add_argument("--attn", default=None, help="with --variants on cuda: attn_implementation (flash_attention_2)")
     a = ap.parse_args()
