@@ -31,7 +31,8 @@ def test_oar_installs_beside_verl_without_moving_its_packages():
     wheel = os.environ.get("OAR_WHEEL") or next(iter(sorted(glob.glob(os.path.join(build, "dist", "oar-*.whl")))), None)
     assert wheel is not None, f"no oar wheel in {build}/dist: ./setup.sh builds one (or set OAR_WHEEL)"
     p = subprocess.run(["bash", SCRIPT, wheel], capture_output=True, text=True, timeout=1800, cwd=ROOT,
-                       env=dict(os.environ, OAR_INSTALL_TEST_KEEP="1"))  # the venv is kept for the scoring check
+                       env=dict({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OAR_BUILD_DIR")},
+                                OAR_INSTALL_TEST_KEEP="1"))  # the venv imports its own oar; kept for the scoring check
     kept = re.search(r"\[install-test\] keeping (\S+)", p.stdout)
     try:
         out = p.stdout + p.stderr
