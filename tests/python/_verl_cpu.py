@@ -64,7 +64,9 @@ vllm/sglang is imported); use_remove_padding, use_dynamic_bsz, gradient checkpoi
 In the driver, ``RayWorkerGroup(device_name="cpu")`` only logs "Requested device cpu does not match current platform
 device cuda" (the driver keeps verl's auto-detected platform; ``use_gpu=False`` asks Ray for CPU bundles only).
 Not covered: ``ulysses_sequence_parallel_size > 1`` (``transformer_impl.device_name`` is read at import time, before
-the cpu platform exists) and FSDP1 (``strategy=fsdp``), neither tried.
+the cpu platform exists), not tried; FSDP1 (``strategy=fsdp``), which fails in ``init_model``: verl builds
+``FSDP(..., sync_module_states=True)`` and torch's FSDP1 refuses CPU parameters (``ValueError: The module has CPU
+parameters or buffers when `sync_module_states=True` ...``; tests/python/test_verl_defaults.py pins it).
 """
 
 from __future__ import annotations

@@ -54,7 +54,26 @@ class Worker(verl_workers.OARActorRolloutRefWorker):
             self._forwards[0] = 0
         grads = all(p.grad is None for p in module.parameters())
         return {"forwards": n, "no_grads": grads, "fsdp2": type(module).__name__,
-                "peft": any("lora_" in name for name, _ in module.named_parameters())}
+                "peft": any("lora_" in name for name, _ in module.named_parameters()),
+                "lm_head_dtypes": sorted(self._lm_head_dtypes) if hasattr(self, "_lm_head_dtypes") else [],
+                "param_offload": bool(getattr(self.actor.engine, "_is_offload_param", False)),
+                "gradient_checkpointing": any(getattr(m, "gradient_checkpointing", False)
+                                              for m in module.modules())}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def peak_memory_gib(self):
+        """Peak CUDA memory allocated on this rank since its start, GiB (0 without CUDA)."""
+        return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def watch_compute_dtype(self):
+        """Records the dtype of every input of the policy's ``lm_head`` from now on (the compute dtype under
+        verl's mixed precision: FSDP casts the parameters to ``param_dtype`` for the forward)."""
+        self._lm_head_dtypes = set()
+        for name, mod in self.actor.engine.module.named_modules():
+            if name.endswith("lm_head"):
+                mod.register_forward_pre_hook(lambda m, args: self._lm_head_dtypes.add(str(args[0].dtype)))
+        return True
 
 
 def config(method):
@@ -286,6 +305,128 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
         ray.shutdown()
 
 
+#: verl's FSDP engine's mixed precision when ``fsdp_config.mixed_precision`` leaves it unset (``_build_fsdp_module``,
+#: verl/workers/engine/fsdp/transformer_impl.py:393-399: ``param_dtype`` bf16, ``reduce_dtype`` / ``buffer_dtype``
+#: fp32): the forward computes in bf16 over fp32 weights.
+BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+#: Settings of verl's defaults on the CPU scaffold (tests/python/test_verl_defaults.py), as ``actor_config``
+#: overrides: name -> dotted keys under ``actor_rollout_ref``.
+VARIANTS = {
+    # the scaffold's own settings (FSDP2, float32, eager attention): the install test's check (test_install.py)
+    "fsdp2": {},
+    # verl's default engine (FSDP1) with its default mixed precision
+    "fsdp1": {"actor.strategy": "fsdp", "actor.fsdp_config.mixed_precision": BF16},
+    # FSDP2 in float32 with parameter offload and gradient checkpointing
+    "fsdp2_offload_ckpt": {"actor.fsdp_config.param_offload": True, "model.enable_gradient_checkpointing": True},
+    # verl's default mixed precision (bf16 compute) on FSDP2
+    "fsdp2_bf16": {"actor.fsdp_config.mixed_precision": BF16},
+    # verl's remove-padding forward (packed sequences), float32
+    "remove_padding": {"model.use_remove_padding": True},
+    # verl's defaults together (GPU only, benchmarks/gpu/run_verl_defaults.sh; FSDP1 does not build on CPU):
+    # FSDP1, bf16 compute, remove-padding, gradient checkpointing (flash_attention_2: variants_main's attn)
+    "verl_defaults": {"actor.strategy": "fsdp", "actor.fsdp_config.mixed_precision": BF16,
+                      "model.use_remove_padding": True, "model.enable_gradient_checkpointing": True},
+}
+
+
+def grpo_parity(rows) -> dict:
+    """verl's ``compute_advantage`` of the same batch with ``grpo`` and with oar's uniform credit (``oar_grpo``):
+    ``{"grpo": (B, R), "oar_grpo": (B, R)}`` token advantages, which must be equal."""
+    from verl.trainer.ppo import ray_trainer
+
+    return {est: ray_trainer.compute_advantage(data_proto(rows), adv_estimator=est, num_repeat=N,
+                                               norm_adv_by_std_in_grpo=True).batch["advantages"].clone()
+            for est in ("grpo", "oar_grpo")}
+
+
+def variants_main(out_dir, names, device: str = "cpu", model: str = "tiny", ranks: int = 2, steps: int = 1,
+                  attn: str | None = None):
+    """One worker group per setting of :data:`VARIANTS` (``names``), one after the other in one Ray session: for
+    each, verl's ``compute_log_prob`` and ``WorkerGroupScorer`` scores for oar_g and oar_p (``steps`` times; the
+    same rows as :func:`main`), the forward counts and compute dtypes per rank, and stage times; or the error
+    ``init_model`` / the first call raised (``"error"``: type, message and the innermost frame). Saves
+    ``OUT_DIR/variants.pt``. ``device="cuda"`` (benchmarks/gpu/run_verl_defaults.sh): GPU worker groups, peak CUDA
+    memory per rank, ``attn`` the attention implementation (default: verl's own, flash_attention_2). ``model``:
+    ``"tiny"`` (saved here), a directory holding a saved model and tokenizer, or a name of
+    ``oar.app.models.load_by_name``."""
+    import time
+    import traceback
+
+    import ray
+
+    import transformers
+
+    out = {"rows": None, "variants": {}, "versions": {"oar": oar.__file__, "transformers": transformers.__version__,
+                                                      "python": sys.executable}}
+    ray.init(num_cpus=ranks if device == "cpu" else None, include_dashboard=False)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if model == "tiny":
+                path = _verl_cpu.save_tiny_model(os.path.join(tmp, "tiny"))
+            elif os.path.isdir(model):  # a saved model (and tokenizer), used as it is
+                path = model
+            else:
+                from oar.app.models import load_by_name
+
+                m, t = load_by_name(model)
+                path = os.path.join(tmp, "model")
+                m.save_pretrained(path)
+                t.save_pretrained(path)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            rows = rollouts(tok)
+            data = data_proto(rows)
+            out["rows"] = rows
+            out["parity"] = grpo_parity(rows)
+            seq = torch.tensor([1.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0])[torch.tensor(ORDER)]
+            for name in names:
+                overrides = dict(VARIANTS[name])
+                if device == "cuda":
+                    overrides.setdefault("model.override_config", {"attn_implementation": attn or "flash_attention_2"})
+                cfg_node = _verl_cpu.actor_config(path, **overrides)
+                res = {"overrides": overrides, "times": {}, "scores": {}}
+                wg = None
+                try:
+                    t0 = time.perf_counter()
+                    wg = (_verl_cpu.worker_group(Worker, cfg_node, n=ranks) if device == "cpu"
+                          else gpu_worker_group(cfg_node, ranks))
+                    wg.init_model()
+                    wg.watch_compute_dtype()
+                    res["times"]["init_model"] = time.perf_counter() - t0
+                    for step in range(steps):
+                        t0 = time.perf_counter()
+                        res["log_probs"] = old_log_probs(wg, data)
+                        res["times"].setdefault("compute_log_prob", []).append(time.perf_counter() - t0)
+                        for method in ("oar_g", "oar_p"):
+                            wg.count_forwards()
+                            cfg = config(method)
+                            scorer = oar_verl.WorkerGroupScorer(wg)
+                            t0 = time.perf_counter()
+                            scores, mask = scorer(data, cfg, seq)
+                            res["times"].setdefault(f"oar_scores {method}", []).append(time.perf_counter() - t0)
+                            res["scores"][method] = dict(scores=scores, reasoning_mask=mask, seq=seq,
+                                                         config=cfg.to_json(), ranks=wg.count_forwards(),
+                                                         **scorer.last_info)
+                    if device == "cuda":
+                        res["peak_memory_gib"] = wg.peak_memory_gib()
+                except Exception as e:  # recorded: the test checks what fails and how
+                    tb = traceback.extract_tb(e.__traceback__)
+                    res["error"] = dict(type=type(e).__name__, message=str(e)[-3000:],
+                                        frame=f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "")
+                finally:
+                    if wg is not None:
+                        for w in wg.workers:
+                            ray.kill(w)
+                        for pg in wg.resource_pool.pgs or []:
+                            ray.util.remove_placement_group(pg)
+                out["variants"][name] = res
+            torch.save(out, os.path.join(out_dir, "variants.pt"))
+    finally:
+        ray.shutdown()
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -295,5 +436,12 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="tiny", help="tiny, or a model name of oar.app.models.load_by_name (GPU runs)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA actor (verl's model.lora_rank)")
+    ap.add_argument("--variants", default="",
+                    help=f"comma-separated names of {sorted(VARIANTS)}: run those settings instead (variants_main)")
+    ap.add_argument("--steps", type=int, default=1, help="with --variants: scoring steps per setting")
+    ap.add_argument("--attn", default=None, help="with --variants on cuda: attn_implementation (flash_attention_2)")
     a = ap.parse_args()
-    main(a.out_dir, a.device, a.model, a.ranks, a.lora_rank)
+    if a.variants:
+        variants_main(a.out_dir, a.variants.split(","), a.device, a.model, a.ranks, a.steps, a.attn)
+    else:
+        main(a.out_dir, a.device, a.model, a.ranks, a.lora_rank)
