@@ -19,6 +19,8 @@ import types
 from types import SimpleNamespace as NS
 
 STUBS = {"flash_attn", "deepspeed", "vllm", "aiohttp"}
+if sys.argv[1:2] == ["zero3"]:  # the ZeRO-3 run uses the real deepspeed (CPU accelerator)
+    STUBS.discard("deepspeed")
 #: Left missing (ImportError): openrlhf/models/utils.py log_probs_from_logits falls back to its torch path then.
 NOT_STUBBED = ("flash_attn.ops",)
 
@@ -498,6 +500,57 @@ def ray_actors(out_dir):
         ray.shutdown()
 
 
+def zero3_rank(rank, world, port, out_dir):
+    """One policy actor of a 2-actor group whose policy is a DeepSpeed ZeRO-3 engine, as OpenRLHF builds it
+    (openrlhf/utils/deepspeed/deepspeed.py: ``deepspeed.initialize`` of ``Actor.model`` with
+    ``get_train_ds_config(stage=3)``, the engine put back in ``Actor.model``), float32, on gloo with DeepSpeed's
+    CPU accelerator. OpenRLHF's own ``BaseModelActor.execute_batch`` calls the attached ``oar_scores`` under
+    ``torch.no_grad``; rank 0 has 4 rows to score and rank 1 none (ZeRO-3 gathers each layer's parameters from
+    every rank in every forward: the forward gate keeps rank 1 in step)."""
+    import datetime
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    from openrlhf.models.actor import Actor
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+    from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
+    numel = sum(p.numel() for p in model.parameters())
+    actor = Actor(model)
+    ds_config = get_train_ds_config(offload=False, adam_offload=False, stage=3, param_dtype="fp32",
+                                     zpg=1)  # --ds.zpg default 1 (0.19.8: zpg > 1 without optimizer fails)
+    ds_config.update(train_micro_batch_size_per_gpu=1, train_batch_size=world)
+    engine, *_ = deepspeed.initialize(model=actor.model, config=ds_config,
+                                      model_parameters=[p for p in actor.model.parameters() if p.requires_grad])
+    actor.model = engine
+    me = object.__new__(BaseModelActor)
+    me.actor = actor
+    me.strategy = NS(is_rank_0=lambda: rank == 0, args=None)
+    me.actor.train()
+    local = sum(p.numel() for p in engine.module.parameters())  # ZeRO-3: this rank's partition only
+    counter = {"n": 0}
+    engine.module.register_forward_pre_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
+    out = {"numel": numel, "local_numel": local,
+           "partitioned": all(hasattr(p, "ds_id") for p in engine.module.parameters())}
+    for method in ("oar_p", "oar_g"):
+        counter["n"] = 0
+        req = actor_request(tok, 4 * rank, 4 * rank + 4, method)
+        with torch.no_grad():
+            (res,) = BaseModelActor.execute_batch(me, oar_orl.ACTOR_METHOD, {"request": [req]}, 0, 1)
+        out[method] = dict(res, forwards=counter["n"], batch=req["batch"], config=req["config"],
+                           training=me.actor.training)
+    torch.save(out, os.path.join(out_dir, f"zero3_{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 #: train_ppo_ray arguments of the launcher runs (:func:`launch_runs`): valid for oar_p, then one refused change each.
 LAUNCH_OK = ["--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--rollout.n_samples_per_prompt", "4",
              "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "2", "--data.label_key", "answer"]
@@ -550,6 +603,15 @@ if __name__ == "__main__":
         launch_runs(sys.argv[2])
     elif sys.argv[1] == "ray":  # openrlhf_worker.py ray OUT_DIR
         ray_actors(sys.argv[2])
+    elif sys.argv[1] == "zero3":  # openrlhf_worker.py zero3 OUT_DIR (needs deepspeed)
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            free = sk.getsockname()[1]
+        mp.spawn(zero3_rank, args=(2, free, sys.argv[2]), nprocs=2, join=True)
     elif sys.argv[1] == "actor":  # openrlhf_worker.py actor OUT_DIR
         import socket
 

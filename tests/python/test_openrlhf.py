@@ -437,3 +437,46 @@ def test_uniform_credit_is_openrlhf_grpo(res, estimator):
         assert per["off"]["grad"].abs().max() > 0 and per["on"]["clip_ratio"] == per["off"]["clip_ratio"], name
     losses = {name: float(per["off"]["loss"].sum()) for name, per in r["losses"].items()}
     assert len({round(v, 7) for v in losses.values()}) >= 6  # the options do differ on these log-probs
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed (pip install deepspeed hjson py-cpuinfo einops; runs with "
+                    "DS_ACCELERATOR=cpu)")
+    out = tmp_path_factory.mktemp("orl_zero3")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "openrlhf_worker.py"), "zero3", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return [torch.load(out / f"zero3_{k}.pt", weights_only=False) for k in range(2)]
+
+
+@pytest.mark.parametrize("method", ["oar_p", "oar_g"])
+def test_actor_method_on_deepspeed_zero3(zero3, method):
+    """``oar_scores`` on two policy actors whose policy is a real DeepSpeed ZeRO-3 engine built as OpenRLHF builds
+    it (CPU accelerator, gloo; each rank holds only its parameter partition), called by OpenRLHF's own
+    ``BaseModelActor.execute_batch`` under ``no_grad``, rank 0 with 4 rows to score and rank 1 with none: both ran
+    the same number of forwards (every ZeRO-3 forward gathers from both ranks), the actors stay in training mode,
+    and the scores are the single-process pipeline's on the unwrapped tiny model (rule 1 of _tolerance.py)."""
+    import oar
+    from oar.app.models import tiny_random_llama
+    from oar.pipeline import Pipeline
+
+    assert all(z["partitioned"] and z["local_numel"] < z["numel"] for z in zero3)
+    r = [zero3[0][method], zero3[1][method]]
+    assert r[0]["forwards"] == r[1]["forwards"] > 0
+    assert int((r[0]["batch"].sequence_advantages != 0).sum()) == 4
+    assert int((r[1]["batch"].sequence_advantages != 0).sum()) == 0
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
+    for k in range(2):
+        assert r[k]["training"]
+        cfg = oar.OARConfig.from_json(r[k]["config"])
+        alone = Pipeline(cfg, tok).scores(r[k]["batch"], model)
+        assert torch.equal(r[k]["reasoning_mask"], alone.reasoning_mask)
+        if k == 1:
+            assert not r[k]["reasoning_mask"].any() and (r[k]["scores"] == 0).all()
+        else:
+            assert r[k]["scores"].abs().max() > 0
+        exact = pipeline_scores_estimate(cfg, tok, r[k]["batch"], model)  # rule 1: float32 error estimate
+        assert_within_error_model(r[k]["scores"], exact, what=f"{method} ZeRO-3 rank {k}")
