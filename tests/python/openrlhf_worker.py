@@ -179,9 +179,9 @@ def main(out_path):
                                        train=dict(colocate_all=False, colocate_actor_ref=False))
     for flag in ("colocate_all", "colocate_actor_ref"):
         res[f"remote_{flag}"] = remote_scores(tok, model, real, equal_groups=(1,),
-                                              train=dict(dict(colocate_all=False, colocate_actor_ref=False), **{flag: True}))
+                                              train={"colocate_all": False, "colocate_actor_ref": False, flag: True})
     res["remote_nothing"] = remote_scores(tok, model, real, equal_groups=(0, 1), train=dict(colocate_all=True))
-    res["parity"] = parity(tok, model, base)
+    res["parity"] = parity(tok, model, {"padded": base, "real": real_layout(tok)[0]})
     # in-process use (no launcher): ring attention is refused by the patched method before any policy forward
     oar_orl.install(oar.OARConfig.from_json('{"method": "oar_p"}'), model=model)
     m = maker(tok)
@@ -295,23 +295,31 @@ LOSS_VARIANTS = {
     "is-token-mask": ({"is_correction_level": "token"}, {}),
     "is-seq-mask": ({"is_correction_level": "seq"}, {}),
     "is-token-clip": ({"is_correction_level": "token", "is_correction_mode": "clip"}, {}),
-    "is-token-tv": ({"is_correction_level": "token", "is_correction_gating": "tv", "is_correction_threshold": [0.0, 0.005]},
-                    {}),
+    "is-token-tv": ({"is_correction_level": "token", "is_correction_gating": "tv",
+                     "is_correction_threshold": [0.0, 0.005]}, {}),
     "global-token-mean": ({}, {"dp_size": 2, "batch_num_tokens": "tokens"}),
     "global-seq-mean": ({"token_level_loss": False}, {"dp_size": 2, "global_batch_size": "rows"}),
 }
 
 
-def parity(tok, model, base):
+def parity(tok, model, layouts):
     """OpenRLHF's GRPO with oar off (unpatched ``compute_advantages_and_returns``) and on (method oar_p, the actor
     group giving uniform credit), for each supported advantage estimator: every experience field after the
     advantage step, and OpenRLHF's own policy loss (``PolicyLoss`` of each :data:`LOSS_VARIANTS`) and its gradients
     w.r.t. the tiny policy's parameters, its log-probs computed by OpenRLHF's own ``Actor.forward``."""
     from openrlhf.models.actor import Actor
-    from openrlhf.models.loss import PolicyLoss
 
     actor = Actor(model)
     actor.packing_samples = False  # Actor(model) leaves it unset (openrlhf/models/actor.py, the else branch)
+    out = {}
+    for layout, base in layouts.items():
+        out[layout] = _parity_layout(tok, model, actor, base)
+    return out
+
+
+def _parity_layout(tok, model, actor, base):
+    from openrlhf.models.loss import PolicyLoss
+
     g = torch.Generator().manual_seed(11)
     old_lp, roll_lp = [], []
     with torch.no_grad():
@@ -360,6 +368,7 @@ def parity(tok, model, base):
             losses[name] = per
         out[est] = {"fields": fields, "losses": losses, "received": group.received}
     model.zero_grad(set_to_none=True)
+    oar_orl.uninstall()
     return out
 
 

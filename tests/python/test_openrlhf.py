@@ -416,20 +416,31 @@ def _equal(a, b):
     return a == b
 
 
+@pytest.mark.parametrize("layout", ["padded", "real"])
 @pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo"])
-def test_uniform_credit_is_openrlhf_grpo(res, estimator):
-    """Parity: oar_p with uniform credit (the actor group gives every token the same score) leaves every field of
-    OpenRLHF's experiences as OpenRLHF's own advantage step makes them (advantages, returns, masks, log-probs, info:
-    bit for bit), so OpenRLHF's own ``PolicyLoss`` on the tiny policy's log-probs (``Actor.forward``) and its
-    gradients are unchanged, for every loss option of openrlhf 0.11.2 (token / sequence mean, dual clip, clip
-    higher, GSPO, the train/rollout correction levels, modes and gatings, the dp-global normalizations)."""
+def test_uniform_credit_is_openrlhf_grpo(res, estimator, layout):
+    """Parity: oar_p with uniform credit (the actor group gives every token the same score) leaves OpenRLHF's
+    experiences as OpenRLHF's own advantage step makes them: every field but the advantages bit for bit
+    (returns, masks, log-probs, info), the advantages bit for bit on the action mask. Off the mask oar writes 0
+    where OpenRLHF's cumulative returns carry the value back over the prompt columns (its 0.11 layout, "real");
+    ``PolicyLoss`` masks both out. So OpenRLHF's own ``PolicyLoss`` on the tiny policy's log-probs
+    (``Actor.forward``) and its gradients are unchanged, bit for bit, for every loss option of openrlhf 0.11.2
+    (token / sequence mean, dual clip, clip higher, GSPO, the train/rollout correction levels, modes and gatings,
+    the dp-global normalizations), on hand-made left-padded experiences ("padded") and on experiences made by
+    OpenRLHF's own SamplesGenerator, multi-turn rows included ("real")."""
     from openrlhf_worker import LOSS_VARIANTS
 
-    r = res["parity"][estimator]
+    r = res["parity"][layout][estimator]
     assert [b.batch_size for b in r["received"]] == [N, N]  # every row has an advantage here: all were scored
     for field, (off, on) in r["fields"].items():
-        assert _equal(off, on), field
-    assert any(float(a.abs().max()) > 0 for a in r["fields"]["advantages"][0])
+        if field != "advantages":
+            assert _equal(off, on), field
+    masks = r["fields"]["action_mask"][0]
+    for a_off, a_on, m in zip(*r["fields"]["advantages"], masks):
+        m = m.bool()
+        assert a_off.dtype == a_on.dtype == torch.float32 and a_off.shape == a_on.shape
+        assert torch.equal(a_off[m], a_on[m]) and (a_on[~m] == 0).all()
+        assert a_off[m].abs().max() > 0
     assert set(r["losses"]) == set(LOSS_VARIANTS)
     for name, per in r["losses"].items():
         assert torch.equal(per["on"]["loss"], per["off"]["loss"]), name
@@ -437,6 +448,15 @@ def test_uniform_credit_is_openrlhf_grpo(res, estimator):
         assert per["off"]["grad"].abs().max() > 0 and per["on"]["clip_ratio"] == per["off"]["clip_ratio"], name
     losses = {name: float(per["off"]["loss"].sum()) for name, per in r["losses"].items()}
     assert len({round(v, 7) for v in losses.values()}) >= 6  # the options do differ on these log-probs
+
+
+def test_openrlhf_advantages_off_the_mask_are_carried_returns(res):
+    """What the parity test allows for, seen: on OpenRLHF 0.11's own layout its advantages are non-zero on prompt
+    columns (outside the action mask), where oar's are 0."""
+    off, on = res["parity"]["real"]["group_norm"]["fields"]["advantages"]
+    masks = res["parity"]["real"]["group_norm"]["fields"]["action_mask"][0]
+    assert any(bool(a[~m.bool()].any()) for a, m in zip(off, masks))
+    assert not any(bool(a[~m.bool()].any()) for a, m in zip(on, masks))
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ r - mean, ``rloo``; returns = advantages, constant over each response) and then 
 ``experience.advantages`` (B, A) by OAR per-token advantages of the configured method. The policy loss consumes
 them elementwise.
 
-Requirements, checked with a clear error: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be
-mixed into the returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in
-:data:`SUPPORTED_ADVANTAGE_ESTIMATORS`; method ``dr_grpo`` with estimator ``dr_grpo``.
+Requirements, checked with a clear error by :func:`check_args` when the trainer starts (the launcher) and again
+before each step's scoring: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be mixed into the
+returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in :data:`SUPPORTED_ADVANTAGE_ESTIMATORS`;
+method ``dr_grpo`` with estimator ``dr_grpo``; for the methods that run the policy, no ring attention
+(``--ds.ring_attn_size`` 1) and text-only rollouts; ``--data.label_key`` for the methods that read the answers.
 
 The experience maker lives in the ``PPOTrainer`` Ray actor, not in the driver. :func:`launch` (``python -m
 oar.integrations.openrlhf <train_ppo_ray arguments>``) therefore runs OpenRLHF's ``train_ppo_ray`` with
@@ -132,9 +134,10 @@ def check_args(args, config=None) -> None:
                              "model (grpo, dr_grpo, random, ktae)")
         images = _arg(args, "data.max_images_per_prompt", 0)
         if images is not None and int(images) > 0:
-            raise ValueError(f"oar method {cfg.method!r} runs the policy on text only, but --data.max_images_per_prompt "
-                             f"is {images} (vision-language rollouts): set --data.max_images_per_prompt 0, or use a "
-                             "method that runs no model (grpo, dr_grpo, random, ktae)")
+            raise ValueError(f"oar method {cfg.method!r} runs the policy on text only, but "
+                             f"--data.max_images_per_prompt is {images} (vision-language rollouts): set "
+                             "--data.max_images_per_prompt 0, or use a method that runs no model (grpo, dr_grpo, "
+                             "random, ktae)")
     if spec.needs_answers and hasattr(_arg(args, "data"), "label_key") and not _arg(args, "data.label_key"):
         raise ValueError(f"oar method {cfg.method!r} needs the reference answers: pass --data.label_key (the "
                          "dataset key of the answers, read into experience.labels), got --data.label_key None")
