@@ -303,14 +303,15 @@ def _take_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of ``batch`` computed on OpenRLHF's policy actor group. Only the rows with a non-zero sequence
-    advantage are sent (their token advantages are 0 whatever the scores), in contiguous equal chunks, one per
-    data-parallel actor (:func:`oar.integrations._worker_scoring.split_rows` with ``only_scored``: the last chunk is
-    padded with advantage-0 copies of a sent row, which are not scored); ring-attention / tensor-parallel duplicates
-    get the same chunk, as in OpenRLHF's own dispatch. Each chunk is one call of :func:`actor_scores` on its actor.
-    With ``--train.colocate_all`` or ``--train.colocate_actor_ref`` the actors then empty their CUDA cache
-    (``BaseModelActor.empty_cache``), as OpenRLHF does after the actors' own forwards
-    (openrlhf/trainer/ppo_utils/experience_maker.py:100-106, 154-158). No call at all when no row has a non-zero
-    advantage. Returns ((B, C) float32 scores, (B, C) bool reasoning mask) on the CPU, zeros on the rows not sent.
+    advantage are sent (a row with advantage 0 gets token advantages 0 whatever its scores), in contiguous equal
+    chunks, one per data-parallel actor (:func:`oar.integrations._worker_scoring.split_rows` with ``only_scored``:
+    the last chunk is padded with advantage-0 copies of a sent row, which are not scored); tensor-parallel
+    duplicates get the same chunk, as in OpenRLHF's own dispatch (ring attention is refused by :func:`check_args`).
+    Each chunk is one call of :func:`actor_scores` on its actor. With ``--train.colocate_all`` or
+    ``--train.colocate_actor_ref`` the actors then empty their CUDA cache (``BaseModelActor.empty_cache``), as
+    OpenRLHF does after the actors' own forwards (openrlhf/trainer/ppo_utils/experience_maker.py:100-106, 154-158).
+    No call at all when no row has a non-zero advantage. Returns ((B, C) float32 scores, (B, C) bool reasoning
+    mask) on the CPU, zeros on the rows not sent.
     """
     import ray
 
