@@ -19,6 +19,10 @@ import types
 from types import SimpleNamespace as NS
 
 STUBS = {"flash_attn", "deepspeed", "vllm", "aiohttp"}
+if sys.argv[1:2] == ["zero3"]:  # the ZeRO-3 run uses the real deepspeed (CPU accelerator)
+    STUBS.discard("deepspeed")
+#: Left missing (ImportError): openrlhf/models/utils.py log_probs_from_logits falls back to its torch path then.
+NOT_STUBBED = ("flash_attn.ops",)
 
 
 class _Anything(types.ModuleType):
@@ -36,7 +40,7 @@ class _Anything(types.ModuleType):
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STUBS:
+        if name.split(".")[0] in STUBS and not name.startswith(NOT_STUBBED):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -171,6 +175,26 @@ def main(out_path):
         oar_orl.install(oar.OARConfig.from_json(json.dumps({"method": method, "seed": 2})), model=model)
         res["real"][method] = [e.advantages for e in maker(tok).compute_advantages_and_returns(copy.deepcopy(real))]
     res["remote"] = remote_scores(tok, model, real)
+    res["remote_zero"] = remote_scores(tok, model, real, equal_groups=(1,),
+                                       train=dict(colocate_all=False, colocate_actor_ref=False))
+    for flag in ("colocate_all", "colocate_actor_ref"):
+        res[f"remote_{flag}"] = remote_scores(tok, model, real, equal_groups=(1,),
+                                              train={"colocate_all": False, "colocate_actor_ref": False, flag: True})
+    res["remote_nothing"] = remote_scores(tok, model, real, equal_groups=(0, 1), train=dict(colocate_all=True))
+    res["parity"] = parity(tok, model, {"padded": base, "real": real_layout(tok)[0]})
+    # in-process use (no launcher): ring attention is refused by the patched method before any policy forward
+    oar_orl.install(oar.OARConfig.from_json('{"method": "oar_p"}'), model=model)
+    m = maker(tok)
+    m.strategy.args.ds = NS(ring_attn_size=2, tensor_parallel_size=1)
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        m.compute_advantages_and_returns(copy.deepcopy(base))
+        res["errors"]["ring_in_process"] = None
+    except ValueError as e:
+        res["errors"]["ring_in_process"] = str(e)
+    hook.remove()
+    res["ring_in_process_forwards"] = forwards[0]
     oar_orl.install(oar.OARConfig.from_json('{"method": "oar_g"}'), model=None)
     try:
         maker(tok).compute_advantages_and_returns(copy.deepcopy(base))
@@ -187,10 +211,13 @@ def main(out_path):
     torch.save(res, out_path)
 
 
-def remote_scores(tok, model, real):
+def remote_scores(tok, model, real, *, train=None, equal_groups=()):
     """The experience maker's side of the actor-group path, in one process: no model installed, an actor group of
     two policy actors (``args.actor``: 1 node x 2) whose ``async_run_method_batch`` runs OpenRLHF's own
-    ``BaseModelActor.execute_batch`` on in-process actors (``ray.get`` of the results is the identity here)."""
+    ``BaseModelActor.execute_batch`` on in-process actors (``ray.get`` of the results is the identity here).
+    ``train``: the ``--train.*`` arguments (colocation flags); ``equal_groups``: prompt groups whose rewards are
+    made equal (all 1: OpenRLHF's advantages are 0 on their rows). Records every ``async_run_method_batch`` call
+    (method, request batches) and every ``async_run_method`` call (method name) in call order."""
     import ray
     from openrlhf.trainer.ray.launcher import BaseModelActor
 
@@ -204,25 +231,145 @@ def remote_scores(tok, model, real):
         a = object.__new__(BaseModelActor)
         a.actor, a.strategy = Actor(model), NS(is_rank_0=lambda: True)
         actors.append(a)
-    seen = []
+    seen, events = [], []
 
     class Group:
         def async_run_method_batch(self, method_name, **kwargs):
             seen.append((method_name, [r["batch"] for r in kwargs["request"]]))
+            events.append(("batch", method_name))
             return [BaseModelActor.execute_batch(a, method_name, {"request": [r]}, 0, 1)
                     for a, r in zip(actors, kwargs["request"])]
+
+        def async_run_method(self, method_name, *args, **kwargs):
+            events.append(("all", method_name))  # BaseModelActor.empty_cache needs CUDA: recorded, not run
+            return [None for _ in actors]
 
     m = maker(tok)
     m.strategy.args.ds = NS(ring_attn_size=1, tensor_parallel_size=1)
     m.strategy.args.actor = NS(num_nodes=1, num_gpus_per_node=2)
+    if train is not None:
+        m.strategy.args.train = NS(dynamic_batch_enable=False, **train)
     m.actor_model_group = Group()
+    exps = copy.deepcopy(real)
+    for e in exps:
+        e.rewards = torch.tensor([1.0 if i // N in equal_groups else float(r) for i, r in zip(e.index, e.rewards)])
     oar_orl.install(oar.OARConfig.from_json('{"method": "oar_p", "seed": 2}'))  # no model: the actors score
     get, ray.get = ray.get, (lambda refs: refs)
     try:
-        adv = [e.advantages for e in m.compute_advantages_and_returns(copy.deepcopy(real))]
+        adv = [e.advantages for e in m.compute_advantages_and_returns(exps)]
     finally:
         ray.get = get
-    return {"advantages": adv, "calls": seen}
+    return {"advantages": adv, "calls": seen, "events": events}
+
+
+class UniformActorGroup:
+    """A policy actor group whose policy gives every token the same importance: ``oar_scores`` answers each chunk
+    with score 1 on every eligible token of the rows it scores (sequence advantage != 0) and a reasoning mask over
+    them (uniform credit). Records the rows it received."""
+
+    def __init__(self):
+        self.received = []
+
+    def async_run_method_batch(self, method_name, request):
+        out = []
+        for r in request:
+            b = r["batch"]
+            self.received.append(b)
+            elig = (b.eligible_mask if b.eligible_mask is not None else b.completion_mask).bool()
+            scored = elig & (b.sequence_advantages != 0)[:, None]
+            out.append([{"scores": scored.float(), "reasoning_mask": scored}])
+        return out
+
+    def async_run_method(self, method_name, *args, **kwargs):
+        return []
+
+
+#: OpenRLHF 0.11.2's policy-loss options (openrlhf/models/loss.py PolicyLoss and aggregate_loss, as
+#: openrlhf/trainer/ray/ppo_actor.py builds and calls it): name -> (PolicyLoss kwargs, loss_batch_info).
+LOSS_VARIANTS = {
+    "token-mean": ({}, {}),
+    "seq-mean-token-mean": ({"token_level_loss": False}, {}),
+    "dual-clip": ({"dual_clip": 3.0}, {}),
+    "clip-higher": ({"clip_eps_low": 0.2, "clip_eps_high": 0.28}, {}),
+    "gspo": ({"policy_loss_type": "gspo"}, {}),
+    "is-token-mask": ({"is_correction_level": "token"}, {}),
+    "is-seq-mask": ({"is_correction_level": "seq"}, {}),
+    "is-token-clip": ({"is_correction_level": "token", "is_correction_mode": "clip"}, {}),
+    "is-token-tv": ({"is_correction_level": "token", "is_correction_gating": "tv",
+                     "is_correction_threshold": [0.0, 0.005]}, {}),
+    "global-token-mean": ({}, {"dp_size": 2, "batch_num_tokens": "tokens"}),
+    "global-seq-mean": ({"token_level_loss": False}, {"dp_size": 2, "global_batch_size": "rows"}),
+}
+
+
+def parity(tok, model, layouts):
+    """OpenRLHF's GRPO with oar off (unpatched ``compute_advantages_and_returns``) and on (method oar_p, the actor
+    group giving uniform credit), for each supported advantage estimator: every experience field after the
+    advantage step, and OpenRLHF's own policy loss (``PolicyLoss`` of each :data:`LOSS_VARIANTS`) and its gradients
+    w.r.t. the tiny policy's parameters, its log-probs computed by OpenRLHF's own ``Actor.forward``."""
+    from openrlhf.models.actor import Actor
+
+    actor = Actor(model)
+    actor.packing_samples = False  # Actor(model) leaves it unset (openrlhf/models/actor.py, the else branch)
+    out = {}
+    for layout, base in layouts.items():
+        out[layout] = _parity_layout(tok, model, actor, base)
+    return out
+
+
+def _parity_layout(tok, model, actor, base):
+    from openrlhf.models.loss import PolicyLoss
+
+    g = torch.Generator().manual_seed(11)
+    old_lp, roll_lp = [], []
+    with torch.no_grad():
+        for e in base:  # the rollout's log-probs: the policy's, moved so that the ratios clip
+            lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask)
+            old_lp.append(lp + 0.3 * torch.randn(lp.shape, generator=g))
+            roll_lp.append(old_lp[-1] + 1.0 * torch.randn(lp.shape, generator=g))  # some leave IS bands
+    out = {}
+    for est in ("group_norm", "dr_grpo", "rloo"):
+        oar_orl.uninstall()
+        off = maker(tok, est).compute_advantages_and_returns(copy.deepcopy(base))
+        oar_orl.install(oar.OARConfig.from_json('{"method": "oar_p"}'))  # no model: the actor group scores
+        m = maker(tok, est)
+        m.strategy.args.ds = NS(ring_attn_size=1, tensor_parallel_size=1)
+        m.strategy.args.actor = NS(num_nodes=1, num_gpus_per_node=2)
+        m.actor_model_group = group = UniformActorGroup()
+        import ray
+
+        get, ray.get = ray.get, (lambda refs: refs)
+        try:
+            on = m.compute_advantages_and_returns(copy.deepcopy(base))
+        finally:
+            ray.get = get
+        fields = {}
+        for k in vars(off[0]):
+            a, b = [getattr(e, k) for e in off], [getattr(e, k) for e in on]
+            fields[k] = (a, b)
+        losses = {}
+        for name, (kw, info) in LOSS_VARIANTS.items():
+            loss_fn = PolicyLoss(**kw)
+            per = {}
+            for mode, exps in (("off", off), ("on", on)):
+                model.zero_grad(set_to_none=True)
+                total, clip = [], []
+                batch_info = {k: (sum(float(e.action_mask.sum()) for e in exps) if v == "tokens" else
+                                  sum(len(e.index) for e in exps) if v == "rows" else v) for k, v in info.items()}
+                for e, old, roll in zip(exps, old_lp, roll_lp):
+                    lp = actor(e.sequences, e.action_mask, attention_mask=e.attention_mask)
+                    loss, clip_ratio, *_ = loss_fn(lp, old, e.advantages, action_mask=e.action_mask,
+                                                   rollout_log_probs=roll, **batch_info)
+                    loss.backward()
+                    total.append(loss.detach())
+                    clip.append(float(clip_ratio))
+                grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+                per[mode] = {"loss": torch.stack(total), "grad": grads.clone(), "clip_ratio": clip}
+            losses[name] = per
+        out[est] = {"fields": fields, "losses": losses, "received": group.received}
+    model.zero_grad(set_to_none=True)
+    oar_orl.uninstall()
+    return out
 
 
 def actor_request(tok, lo, hi, method):
@@ -341,6 +488,13 @@ def ray_actors(out_dir):
                               num_gpus_per_actor=0)
         assert all(ray.get(group.async_init_model_from_pretrained()))
         _, tok = tiny_random_llama(**OPENRLHF_TINY)
+        sent, run = [], group.async_run_method_batch
+
+        def recording(method_name, **kwargs):  # the chunks the experience maker sends, as sent
+            sent.append([r["batch"] for r in kwargs["request"]])
+            return run(method_name=method_name, **kwargs)
+
+        group.async_run_method_batch = recording
         out = {}
         for method in ("oar_p", "oar_g"):
             req = actor_request(tok, 0, 2 * N, method)  # the whole batch: the maker splits it per actor
@@ -349,15 +503,124 @@ def ray_actors(out_dir):
             cfg = oar.OARConfig.from_json(req["config"])
             scores, mask = oar_orl._actor_group_scores(maker_stub, req["batch"], cfg, tok)
             out[method] = dict(scores=scores, reasoning_mask=mask, batch=req["batch"], config=req["config"],
-                               actors=ray.get(group.async_run_method("probe_state")))
+                               chunks=sent[-1], actors=ray.get(group.async_run_method("probe_state")))
         torch.save(out, os.path.join(out_dir, "ray.pt"))
     finally:
         ray.shutdown()
 
 
+def zero3_rank(rank, world, port, out_dir):
+    """One policy actor of a 2-actor group whose policy is a DeepSpeed ZeRO-3 engine, as OpenRLHF builds it
+    (openrlhf/utils/deepspeed/deepspeed.py: ``deepspeed.initialize`` of ``Actor.model`` with
+    ``get_train_ds_config(stage=3)``, the engine put back in ``Actor.model``), float32, on gloo with DeepSpeed's
+    CPU accelerator. OpenRLHF's own ``BaseModelActor.execute_batch`` calls the attached ``oar_scores`` under
+    ``torch.no_grad``; rank 0 has 4 rows to score and rank 1 none (ZeRO-3 gathers each layer's parameters from
+    every rank in every forward: the forward gate keeps rank 1 in step)."""
+    import datetime
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    from openrlhf.models.actor import Actor
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+    from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
+    model, tok = tiny_random_llama(**OPENRLHF_TINY)
+    numel = sum(p.numel() for p in model.parameters())
+    actor = Actor(model)
+    ds_config = get_train_ds_config(offload=False, adam_offload=False, stage=3, param_dtype="fp32",
+                                     zpg=1)  # --ds.zpg default 1 (0.19.8: zpg > 1 without optimizer fails)
+    ds_config.update(train_micro_batch_size_per_gpu=1, train_batch_size=world)
+    engine, *_ = deepspeed.initialize(model=actor.model, config=ds_config,
+                                      model_parameters=[p for p in actor.model.parameters() if p.requires_grad])
+    actor.model = engine
+    me = object.__new__(BaseModelActor)
+    me.actor = actor
+    me.strategy = NS(is_rank_0=lambda: rank == 0, args=None)
+    me.actor.train()
+    local = sum(p.numel() for p in engine.module.parameters())  # ZeRO-3: this rank's partition only
+    counter = {"n": 0}
+    engine.module.register_forward_pre_hook(lambda *a: counter.__setitem__("n", counter["n"] + 1))
+    out = {"numel": numel, "local_numel": local,
+           "partitioned": all(hasattr(p, "ds_id") for p in engine.module.parameters())}
+    for method in ("oar_p", "oar_g"):
+        counter["n"] = 0
+        req = actor_request(tok, 4 * rank, 4 * rank + 4, method)
+        with torch.no_grad():
+            (res,) = BaseModelActor.execute_batch(me, oar_orl.ACTOR_METHOD, {"request": [req]}, 0, 1)
+        out[method] = dict(res, forwards=counter["n"], batch=req["batch"], config=req["config"],
+                           training=me.actor.training)
+    torch.save(out, os.path.join(out_dir, f"zero3_{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+#: train_ppo_ray arguments of the launcher runs (:func:`launch_runs`): valid for oar_p, then one refused change each.
+LAUNCH_OK = ["--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--rollout.n_samples_per_prompt", "4",
+             "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "2", "--data.label_key", "answer"]
+LAUNCH_RUNS = {
+    "ok": ("oar_p", []),
+    "ring_attention": ("oar_p", ["--ds.ring_attn_size", "2"]),
+    "ring_attention_model_free": ("ktae", ["--ds.ring_attn_size", "2"]),
+    "images": ("oar_g", ["--data.max_images_per_prompt", "1"]),
+    "kl_in_reward": ("ktae", ["--algo.kl.init_coef", "0.01", "--no-algo.kl.use_loss"]),
+    "estimator": ("oar_p", ["--algo.advantage.estimator", "reinforce"]),
+    "no_labels": ("oar_p", ["--no-data.label_key"]),
+}
+
+
+def launch_runs(out_path):
+    """``python -m oar.integrations.openrlhf`` (:func:`oar.integrations.openrlhf.launch`) on real train_ppo_ray
+    arguments (OpenRLHF's own parser and fix-ups), up to the start of ``train(args)``: Ray counts as initialized and
+    ``openrlhf.utils.get_strategy`` (what train(args) calls before it creates any vLLM engine or model actor) is
+    replaced by a stand-in that raises ``REACHED``. Saves, per :data:`LAUNCH_RUNS` case, the exception's type and
+    message."""
+    import ray
+
+    import openrlhf.utils
+
+    class Reached(Exception):
+        pass
+
+    def reached(args, *a, **k):
+        raise Reached(f"REACHED get_strategy with ring_attn_size {args.ds.ring_attn_size}")
+
+    ray.is_initialized = lambda: True
+    out = {}
+    for name, (method, extra) in LAUNCH_RUNS.items():
+        openrlhf.utils.get_strategy = reached
+        argv = list(LAUNCH_OK)
+        for flag in [x[len("--no-"):] for x in extra if x.startswith("--no-")]:  # "--no-X": drop --X (and value)
+            i = argv.index("--" + flag)
+            del argv[i: i + (2 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1)]
+        extra = [x for x in extra if not x.startswith("--no-")]
+        try:
+            oar_orl.launch(argv + extra, config=oar.OARConfig(method=method))
+            out[name] = (None, "")
+        except BaseException as e:  # noqa: BLE001 (argparse exits with SystemExit)
+            out[name] = (type(e).__name__, str(e))
+    torch.save(out, out_path)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "ray":  # openrlhf_worker.py ray OUT_DIR
+    if sys.argv[1] == "launch":  # openrlhf_worker.py launch OUT
+        launch_runs(sys.argv[2])
+    elif sys.argv[1] == "ray":  # openrlhf_worker.py ray OUT_DIR
         ray_actors(sys.argv[2])
+    elif sys.argv[1] == "zero3":  # openrlhf_worker.py zero3 OUT_DIR (needs deepspeed)
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            free = sk.getsockname()[1]
+        mp.spawn(zero3_rank, args=(2, free, sys.argv[2]), nprocs=2, join=True)
     elif sys.argv[1] == "actor":  # openrlhf_worker.py actor OUT_DIR
         import socket
 

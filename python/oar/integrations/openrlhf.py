@@ -8,9 +8,11 @@ r - mean, ``rloo``; returns = advantages, constant over each response) and then 
 ``experience.advantages`` (B, A) by OAR per-token advantages of the configured method. The policy loss consumes
 them elementwise.
 
-Requirements, checked with a clear error: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be
-mixed into the returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in
-:data:`SUPPORTED_ADVANTAGE_ESTIMATORS`; method ``dr_grpo`` with estimator ``dr_grpo``.
+Requirements, checked with a clear error by :func:`check_args` when the trainer starts (the launcher) and again
+before each step's scoring: KL as a loss (``--algo.kl.use_loss``, else per-token KL would be mixed into the
+returns) or a zero KL coefficient; ``--algo.advantage.estimator`` in :data:`SUPPORTED_ADVANTAGE_ESTIMATORS`;
+method ``dr_grpo`` with estimator ``dr_grpo``; for the methods that run the policy, no ring attention
+(``--ds.ring_attn_size`` 1) and text-only rollouts; ``--data.label_key`` for the methods that read the answers.
 
 The experience maker lives in the ``PPOTrainer`` Ray actor, not in the driver. :func:`launch` (``python -m
 oar.integrations.openrlhf <train_ppo_ray arguments>``) therefore runs OpenRLHF's ``train_ppo_ray`` with
@@ -74,6 +76,71 @@ def _check_signature(fn) -> None:
 def _check_config(config) -> None:
 
     config_arg(config)
+
+
+def _arg(args, path: str, default=None):
+    """``args.<path>`` of OpenRLHF's hierarchical arguments (``"ds.ring_attn_size"``), ``default`` when a level is
+    missing (in-process callers hand a partial namespace)."""
+    node = args
+    for key in path.split("."):
+        if node is None or not hasattr(node, key):
+            return default
+        node = getattr(node, key)
+    return node
+
+
+def check_args(args, config=None) -> None:
+    """Refuses OpenRLHF arguments that oar cannot serve, before anything is generated: the launcher
+    (:func:`launch`) runs it on ``train_ppo_ray``'s final arguments (after OpenRLHF's own fix-ups) when the trainer
+    builds its strategy, before any Ray actor or vLLM engine exists; the patched
+    ``compute_advantages_and_returns`` runs it again at each step, before scoring (in-process use).
+
+    Refused (ValueError naming the argument, its value and what to set; docs/trainers/openrlhf.md):
+    ``--algo.advantage.estimator`` outside :data:`SUPPORTED_ADVANTAGE_ESTIMATORS`; oar method ``dr_grpo`` without
+    estimator ``dr_grpo``; KL in the reward (``--algo.kl.init_coef`` != 0 without ``--algo.kl.use_loss``); and for
+    the methods that run the policy (oar_p, oar_g, entropy, entropy_shaping): ``--ds.ring_attn_size`` > 1
+    (OpenRLHF swaps transformers' flash attention for ring attention process-wide, so oar's padded forwards
+    would run through it), ``--data.max_images_per_prompt`` > 0 (oar's forwards are text-only); methods that need
+    the reference answers without ``--data.label_key``. Arguments missing from ``args`` are not checked.
+
+    Args:
+        args: OpenRLHF's hierarchical arguments (``strategy.args``). config: ``oar.OARConfig`` (None:
+            ``$OAR_CONFIG`` or the defaults).
+
+    Raises:
+        ValueError: one of the arguments above, named with its value and what to set.
+    """
+    cfg = config if config is not None else config_from_env()
+    spec = method_spec(cfg.method)
+    estimator = _arg(args, "algo.advantage.estimator")
+    if estimator is not None and estimator not in SUPPORTED_ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"OAR reshapes one advantage per response: --algo.advantage.estimator must be one of "
+                         f"{SUPPORTED_ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if estimator is not None and cfg.advantages.estimator == "dr_grpo" and estimator != "dr_grpo":
+        raise ValueError(f"oar estimator 'dr_grpo' (method {cfg.method!r}) needs --algo.advantage.estimator dr_grpo, "
+                         f"got {estimator!r}")
+    init_coef = _arg(args, "algo.kl.init_coef")
+    if init_coef is not None and float(init_coef) != 0.0 and not _arg(args, "algo.kl.use_loss", False):
+        raise ValueError(f"OAR needs the KL term as a loss (--algo.kl.use_loss) or --algo.kl.init_coef 0, got "
+                         f"--algo.kl.init_coef {init_coef} without --algo.kl.use_loss: per-token KL would be mixed "
+                         "into the returns that become advantages")
+    if spec.needs_model:
+        ring = _arg(args, "ds.ring_attn_size", 1)
+        if ring is not None and int(ring) > 1:
+            raise ValueError(f"oar method {cfg.method!r} runs the policy, and --ds.ring_attn_size {ring} makes "
+                             "OpenRLHF replace transformers' flash attention by ring attention in every actor "
+                             "process (ring_flash_attn.substitute_hf_flash_attn): oar's padded forwards would run "
+                             "through it. Set --ds.ring_attn_size 1 (the default), or use a method that runs no "
+                             "model (grpo, dr_grpo, random, ktae)")
+        images = _arg(args, "data.max_images_per_prompt", 0)
+        if images is not None and int(images) > 0:
+            raise ValueError(f"oar method {cfg.method!r} runs the policy on text only, but "
+                             f"--data.max_images_per_prompt is {images} (vision-language rollouts): set "
+                             "--data.max_images_per_prompt 0, or use a method that runs no model (grpo, dr_grpo, "
+                             "random, ktae)")
+    if spec.needs_answers and hasattr(_arg(args, "data"), "label_key") and not _arg(args, "data.label_key"):
+        raise ValueError(f"oar method {cfg.method!r} needs the reference answers: pass --data.label_key (the "
+                         "dataset key of the answers, read into experience.labels), got --data.label_key None")
 
 
 def install(config=None, *, model=None) -> None:
@@ -143,13 +210,7 @@ def _compute(self, experiences):
     if not args.algo.kl.use_loss and kl_value != 0.0 and getattr(self, "initial_model_group", None) is not None:
         raise ValueError("OAR needs the KL term as a loss (--algo.kl.use_loss) or a zero KL coefficient: otherwise "
                          f"per-token KL (coefficient {kl_value}) is mixed into the returns that become advantages")
-    estimator = args.algo.advantage.estimator
-    if estimator not in SUPPORTED_ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"OAR reshapes one advantage per response: --algo.advantage.estimator must be one of "
-                         f"{SUPPORTED_ADVANTAGE_ESTIMATORS}, got {estimator!r}")
-    if cfg.advantages.estimator == "dr_grpo" and estimator != "dr_grpo":
-        raise ValueError(f"oar estimator 'dr_grpo' (method {method!r}) needs --algo.advantage.estimator dr_grpo, got "
-                         f"{estimator!r}")
+    check_args(args, cfg)  # the launcher ran it at start already; in-process use gets it here, before any scoring
     model = _STATE["model"]
     spec = method_spec(method)
     # oar_p / oar_g run on the policy actor group (the weights that generated the rollouts) unless a model was
@@ -220,36 +281,58 @@ ACTOR_METHOD = "oar_scores"
 
 def _sub_batch(batch: RolloutBatch, lo: int, hi: int) -> RolloutBatch:
     """Rows [lo, hi) of ``batch`` (a RolloutBatch whose fields are tensors / lists / None)."""
+    return _take_rows(batch, list(range(lo, hi)))
+
+
+def _take_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """The RolloutBatch of ``batch``'s rows ``rows`` (in that order, repeats allowed; fields are tensors / lists /
+    None)."""
     import dataclasses
 
-    return RolloutBatch(**{f.name: (None if getattr(batch, f.name) is None else getattr(batch, f.name)[lo:hi])
-                           for f in dataclasses.fields(RolloutBatch)})
+    idx = torch.tensor(rows, dtype=torch.int64)
+
+    def take(value):
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            return value[idx]
+        return [value[i] for i in rows]
+
+    return RolloutBatch(**{f.name: take(getattr(batch, f.name)) for f in dataclasses.fields(RolloutBatch)})
 
 
 def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of ``batch`` computed on OpenRLHF's policy actor group: contiguous row chunks, one per data-parallel
-    actor (ring-attention / tensor-parallel duplicates get the same chunk, as in OpenRLHF's own dispatch), each
-    chunk one call of :func:`actor_scores` on its actor (:func:`oar.integrations._worker_scoring.split_rows`).
-    Returns ((B, C) float32 scores, (B, C) bool reasoning mask) on the CPU.
-
-    Raises:
-        ValueError: fewer rows than data-parallel actors.
+    """Scores of ``batch`` computed on OpenRLHF's policy actor group. Only the rows with a non-zero sequence
+    advantage are sent (a row with advantage 0 gets token advantages 0 whatever its scores), in contiguous equal
+    chunks, one per data-parallel actor (:func:`oar.integrations._worker_scoring.split_rows` with ``only_scored``:
+    the last chunk is padded with advantage-0 copies of a sent row, which are not scored); tensor-parallel
+    duplicates get the same chunk, as in OpenRLHF's own dispatch (ring attention is refused by :func:`check_args`).
+    Each chunk is one call of :func:`actor_scores` on its actor. With ``--train.colocate_all`` or
+    ``--train.colocate_actor_ref`` the actors then empty their CUDA cache (``BaseModelActor.empty_cache``), as
+    OpenRLHF does after the actors' own forwards (openrlhf/trainer/ppo_utils/experience_maker.py:100-106, 154-158).
+    No call at all when no row has a non-zero advantage. Returns ((B, C) float32 scores, (B, C) bool reasoning
+    mask) on the CPU, zeros on the rows not sent.
     """
     import ray
 
     args = maker.strategy.args
     dup = int(args.ds.ring_attn_size) * int(args.ds.tensor_parallel_size)
     actors = int(args.actor.num_nodes) * int(args.actor.num_gpus_per_node) // dup
-    B = batch.batch_size
-    if B < actors:
-        raise ValueError(f"oar: {B} responses cannot be split over {actors} data-parallel policy actors")
+    B, C = batch.completion_ids.shape
     adv = batch.sequence_advantages if batch.sequence_advantages is not None else torch.zeros(B)
-    split = split_rows(adv, actors, only_scored=False)
-    bounds = split.bounds
-    requests = [dict(config=cfg.to_json(), tokenizer=tokenizer, batch=_sub_batch(batch, bounds[k], bounds[k + 1]))
+    if not bool((adv.detach().float() != 0).any()):
+        return torch.zeros((B, C), dtype=torch.float32), torch.zeros((B, C), dtype=torch.bool)
+    split = split_rows(adv, actors, only_scored=True)
+    sent = _take_rows(batch, split.rows)
+    sent.sequence_advantages = split.sequence_advantages(adv)
+    requests = [dict(config=cfg.to_json(), tokenizer=tokenizer, batch=_sub_batch(sent, split.bounds[k],
+                                                                                 split.bounds[k + 1]))
                 for k in range(actors)]
     refs = maker.actor_model_group.async_run_method_batch(method_name=ACTOR_METHOD, request=requests)
     results = [r for per_actor in ray.get(refs)[::dup] for r in per_actor]
+    train = getattr(args, "train", None)
+    if getattr(train, "colocate_all", False) or getattr(train, "colocate_actor_ref", False):
+        ray.get(maker.actor_model_group.async_run_method(method_name="empty_cache"))
     return (split.place(torch.cat([r["scores"] for r in results]), B, torch.float32),
             split.place(torch.cat([r["reasoning_mask"] for r in results]), B, torch.bool))
 
@@ -387,6 +470,28 @@ def _patched_ray_init(ray_mod, config_json: str):
     return init
 
 
+def _check_args_at_start(cfg) -> None:
+    """Makes ``train_ppo_ray``'s ``train(args)`` refuse what :func:`check_args` refuses before it starts anything.
+
+    ``train_ppo_ray`` parses and fixes up its arguments in its ``__main__`` block (e.g. ``--ds.ring_attn_size`` > 1
+    turns ``--ds.packing_samples`` on), then ``train(args)`` calls ``ray.init`` and ``get_strategy(args)`` (imported
+    from ``openrlhf.utils``) before creating any vLLM engine or model actor (openrlhf/cli/train_ppo_ray.py, 0.11.2).
+    The module run by :func:`launch` imports ``get_strategy`` from ``openrlhf.utils`` when it runs, so wrapping that
+    attribute here puts the check on the final arguments, at the earliest point they exist as one object."""
+    import openrlhf.utils as orl_utils
+
+    current = orl_utils.get_strategy
+    original = getattr(current, "__oar_original__", current)
+
+    def get_strategy(args, *a, **k):
+        check_args(args, cfg)
+        return original(args, *a, **k)
+
+    get_strategy.__oar_original__ = original
+    get_strategy.__doc__ = original.__doc__
+    orl_utils.get_strategy = get_strategy
+
+
 def launch(argv: list[str] | None = None, config=None) -> None:
     """Runs OpenRLHF's ``openrlhf.cli.train_ppo_ray`` with the OAR patch in every Ray worker.
 
@@ -395,7 +500,8 @@ def launch(argv: list[str] | None = None, config=None) -> None:
         config: ``oar.OARConfig`` (default ``$OAR_CONFIG``), forwarded to the workers as ``$OAR_CONFIG``.
 
     Raises:
-        ValueError: ``config`` that is not an ``oar.OARConfig`` / None, or a bad ``$OAR_CONFIG``.
+        ValueError: ``config`` that is not an ``oar.OARConfig`` / None, or a bad ``$OAR_CONFIG``; OpenRLHF arguments
+            that :func:`check_args` refuses (raised by ``train(args)`` before any actor or vLLM engine starts).
     """
     _check_config(config)
     import runpy
@@ -406,6 +512,7 @@ def launch(argv: list[str] | None = None, config=None) -> None:
     ray.init = _patched_ray_init(ray, cfg.to_json())
     os.environ[CONFIG_ENV] = cfg.to_json()
     install(cfg)
+    _check_args_at_start(cfg)
     sys.argv = ["openrlhf.cli.train_ppo_ray"] + list(sys.argv[1:] if argv is None else argv)
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
 
