@@ -1,4 +1,6 @@
-"""Intervals for held-out accuracies: percentile bootstrap over problems, and over seeds x problems.
+"""Intervals for held-out accuracies (percentile bootstrap over problems, and over seeds x problems) and paired
+tests over independent units (a t interval and a sign-flip permutation test; seeds of ``oar compare``, batches of
+``oar diagnose``).
 
 Used by ``oar train`` (the gain of one run, paired over the same held-out problems) and ``oar compare``
 (a method's gain over ``grpo``, paired over seeds and problems). Plain numpy; every function takes a
@@ -7,11 +9,12 @@ Used by ``oar train`` (the gain of one run, paired over the same held-out proble
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean"]
+__all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean", "t_quantile", "paired_t", "sign_flip_pvalue"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,82 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
         stats[start:start + k] = x[si[:, :, None], pi[:, None, :]].mean(axis=(1, 2))
     lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(x.mean()), float(lo), float(hi), level, S * N)
+
+
+def _t_cdf(x: float, df: float) -> float:
+    """Student-t CDF by Simpson integration of the density from 0 (error far below 1e-9 for df >= 1, |x| <= 1e3)."""
+    if x == 0:
+        return 0.5
+    a = abs(x)
+    n = 4000
+    t = np.linspace(0.0, a, n + 1)
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    f = np.exp(logc - (df + 1) / 2 * np.log1p(t * t / df))
+    w = np.ones(n + 1)
+    w[1:-1:2], w[2:-1:2] = 4, 2
+    half = float((a / n) / 3 * (w * f).sum())
+    return 0.5 + half if x > 0 else 0.5 - half
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`_t_cdf`; |error| < 1e-8).
+
+    Raises:
+        ValueError: ``p`` outside (0, 1) or ``df`` < 1.
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p!r}")
+    if not df >= 1:
+        raise ValueError(f"df must be >= 1, got {df!r}")
+    lo, hi = -1e3, 1e3
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if _t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def paired_t(diffs, *, level: float = 0.95) -> Interval:
+    """Mean of paired differences (N,) with a Student-t interval (N - 1 degrees of freedom).
+
+    Pass one difference per independent unit (seed, batch): method - baseline on the same unit.
+
+    Raises:
+        ValueError: fewer than 2 or non-finite differences, ``level`` outside (0, 1).
+    """
+    _check_level(level, 1)
+    d = _finite_2d(diffs, "diffs")
+    if d.shape[0] != 1 or d.shape[1] < 2:
+        raise ValueError(f"diffs must be 1-D with >= 2 values, got shape {np.shape(diffs)}")
+    d = d[0]
+    n = d.size
+    m, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(n))
+    h = t_quantile((1 + level) / 2, n - 1) * se
+    return Interval(m, m - h, m + h, level, n)
+
+
+def sign_flip_pvalue(diffs, *, resamples: int = 20000, seed: int = 0) -> float:
+    """Two-sided p-value of the sign-flip permutation test of mean(diffs) = 0 (paired differences symmetric about 0
+    under the null). Exact (all 2^N sign patterns) for N <= 16, else ``resamples`` random patterns (the observed one
+    counted, so p >= 1 / (resamples + 1)).
+
+    Raises:
+        ValueError: empty or non-finite differences, ``resamples`` < 1.
+    """
+    _check_level(0.5, resamples)
+    d = _finite_2d(diffs, "diffs")
+    if d.shape[0] != 1:
+        raise ValueError(f"diffs must be 1-D, got shape {np.shape(diffs)}")
+    d = d[0]
+    n = d.size
+    obs = abs(d.mean())
+    tol = 1e-12 * max(1.0, float(np.abs(d).max()))
+    if n <= 16:
+        signs = ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1) * 2 - 1
+        return float((np.abs(signs @ d / n) >= obs - tol).mean())
+    rng = np.random.default_rng(seed)
+    signs = rng.integers(0, 2, size=(resamples, n)) * 2 - 1
+    hits = int((np.abs(signs @ d / n) >= obs - tol).sum())
+    return (hits + 1) / (resamples + 1)
