@@ -114,7 +114,8 @@ def test_report_paired_t_and_sign_flip_on_per_seed_differences(tmp_path):
         write_json_atomic(str(tmp_path / "results" / f"oar_g-s{s}.json"),
                           _fake_result("oar_g", s, before, oar_g[s], [0.1] * 4 + [0.2 + 0.1 * s] * 4))
     # random has seed 0 only: one common seed, no interval.
-    write_json_atomic(str(tmp_path / "results" / "random-s0.json"), _fake_result("random", 0, before, [1, 1, 1, 0], [0.3] * 8))
+    write_json_atomic(str(tmp_path / "results" / "random-s0.json"),
+                      _fake_result("random", 0, before, [1, 1, 1, 0], [0.3] * 8))
     rep = build_report(str(tmp_path))
     o = rep["methods"]["oar_g"]
     pt = o["paired_vs_grpo"]
@@ -193,7 +194,8 @@ def test_the_dropped_reach_metric_is_gone_from_every_output(tmp_path, monkeypatc
 
     lines = []
     orig = matplotlib.axes.Axes.axhline
-    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda self, y=0, *a, **k: lines.append(y) or orig(self, y, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline",
+                        lambda self, y=0, *a, **k: lines.append(y) or orig(self, y, *a, **k))
     rep = build_report(str(tmp_path))
     assert lines == [pytest.approx(0.5)]  # the plot's only horizontal line: held-out accuracy before training
     for f in ("compare.md", "compare.csv", "compare.json"):
@@ -223,8 +225,8 @@ def test_committed_sweep_results_still_load(tmp_path):
     assert rep["baseline"] == "grpo" and rep["sweep"]["runs"] == len(res)
     assert rep["sweep"]["wall_hours"] == pytest.approx(sum(r["wall_seconds"] for r in res.values()) / 3600)
     for m in ("oar_g", "oar_p", "random"):
-        per_seed = [np.mean(res[(m, s)]["heldout"]["correct_after"]) - np.mean(res[("grpo", s)]["heldout"]["correct_after"])
-                    for s in range(5)]
+        per_seed = [np.mean(res[(m, s)]["heldout"]["correct_after"])
+                    - np.mean(res[("grpo", s)]["heldout"]["correct_after"]) for s in range(5)]
         pt = rep["methods"][m]["paired_vs_grpo"]
         assert pt["per_seed"] == pytest.approx(per_seed)
         assert pt["interval"]["mean"] == pytest.approx(np.mean(per_seed))

@@ -402,8 +402,9 @@ def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 
             both = [s for s in common if half[s] is not None and _second_half_reward(base[s]["train"]) is not None]
             row[f"reward_second_half_vs_{baseline}"] = _paired(
                 [half[s] - _second_half_reward(base[s]["train"]) for s in both], both, 20000, 300 + i)
-        row["reward_first5"] = _mean([np.mean([t["reward"] for t in rs[s]["train"][:5]]) for s in seeds if rs[s]["train"]])
-        row["reward_last5"] = _mean([np.mean([t["reward"] for t in rs[s]["train"][-5:]]) for s in seeds if rs[s]["train"]])
+        trains = [rs[s]["train"] for s in seeds if rs[s]["train"]]
+        row["reward_first5"] = _mean([np.mean([t["reward"] for t in tr[:5]]) for tr in trains])
+        row["reward_last5"] = _mean([np.mean([t["reward"] for t in tr[-5:]]) for tr in trains])
         kept, paused = unpaused_steps([rs[s] for s in seeds])
         for key in _TIME_KEYS + ("step_time",):
             row[key] = _median([t.get(key) for t in kept])
