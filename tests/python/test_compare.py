@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -66,7 +67,7 @@ def _fake_result(method, seed, before, after, rewards):
             "wall_seconds": 60.0, "peak_rss_mb": 100.0}
 
 
-def test_report_paired_difference_and_steps_to_reach(tmp_path):
+def test_report_bootstrap_difference_and_mixed_sweeps(tmp_path):
     before = [0, 0, 1, 1, 0, 1, 0, 0]
     rng = np.random.default_rng(0)
     afters = {(m, s): rng.integers(0, 2, size=8).tolist() for m in ("grpo", "oar_g") for s in (0, 1, 2)}
@@ -74,17 +75,14 @@ def test_report_paired_difference_and_steps_to_reach(tmp_path):
     for (m, s), a in afters.items():
         rewards = [0.1 * k for k in range(10)] if m == "grpo" else [0.2] * 10
         write_json_atomic(str(tmp_path / "results" / f"{run_name(m, s)}.json"), _fake_result(m, s, before, a, rewards))
-    rep = build_report(str(tmp_path), reward_level=0.35)
+    rep = build_report(str(tmp_path))
     g, o = rep["methods"]["grpo"], rep["methods"]["oar_g"]
     assert g["heldout_before"] == pytest.approx(3 / 8)
     assert g["heldout_after"]["mean"] == pytest.approx(np.mean([afters[("grpo", s)] for s in range(3)]))
     d = np.mean([np.subtract(afters[("oar_g", s)], afters[("grpo", s)]) for s in range(3)])
     assert o["diff_vs_grpo"]["mean"] == pytest.approx(d) and o["diff_vs_grpo"]["seeds"] == [0, 1, 2]
     assert o["diff_vs_grpo"]["lo"] <= d <= o["diff_vs_grpo"]["hi"]
-    assert "diff_vs_grpo" not in g
-    # Step k has reward 0.1 (k - 1); the 5-step moving average is 0.3 at step 6 (mean of 0.1..0.5) and 0.4 at step 7.
-    assert g["steps_to_reward_level"] == {"level": 0.35, "mean_of_reached": 7.0, "reached": 3, "runs": 3}
-    assert o["steps_to_reward_level"]["reached"] == 0
+    assert "diff_vs_grpo" not in g and "paired_vs_grpo" not in g
     assert o["time/attribution"] == pytest.approx(0.5) and o["oar/ess_ratio"] == pytest.approx(0.9)
     for f in ("compare.md", "compare.csv", "compare.png", "compare.json"):
         assert (tmp_path / f).stat().st_size > 100
@@ -96,6 +94,145 @@ def test_report_paired_difference_and_steps_to_reach(tmp_path):
     write_json_atomic(str(tmp_path / "results" / "random-s0.json"), bad)
     with pytest.raises(ValueError, match="other held-out problems"):
         build_report(str(tmp_path))
+
+
+#: Student-t 0.975 quantile with 3 degrees of freedom (printed t tables: 3.182446).
+T975_DF3 = 3.1824463
+
+
+def test_report_paired_t_and_sign_flip_on_per_seed_differences(tmp_path):
+    # 4 seeds x 4 problems. oar_g - grpo per seed, mean over problems: +0.25, +0.5, 0, +0.25 (by construction).
+    before = [0, 0, 0, 0]
+    grpo = {0: [1, 0, 0, 0], 1: [0, 0, 0, 0], 2: [1, 1, 0, 0], 3: [0, 1, 0, 0]}
+    oar_g = {0: [1, 1, 0, 0], 1: [1, 1, 0, 0], 2: [1, 1, 0, 0], 3: [0, 1, 1, 0]}
+    os.makedirs(tmp_path / "results")
+    for s in range(4):
+        # training reward: grpo 0.1 then 0.2 over the second half; oar_g 0.1 then 0.2 + 0.1 s (second half = last 4
+        # of 8 steps), so the per-seed second-half differences are 0, 0.1, 0.2, 0.3.
+        write_json_atomic(str(tmp_path / "results" / f"grpo-s{s}.json"),
+                          _fake_result("grpo", s, before, grpo[s], [0.1] * 4 + [0.2] * 4))
+        write_json_atomic(str(tmp_path / "results" / f"oar_g-s{s}.json"),
+                          _fake_result("oar_g", s, before, oar_g[s], [0.1] * 4 + [0.2 + 0.1 * s] * 4))
+    # random has seed 0 only: one common seed, no interval.
+    write_json_atomic(str(tmp_path / "results" / "random-s0.json"),
+                      _fake_result("random", 0, before, [1, 1, 1, 0], [0.3] * 8))
+    rep = build_report(str(tmp_path))
+    o = rep["methods"]["oar_g"]
+    pt = o["paired_vs_grpo"]
+    assert pt["seeds"] == [0, 1, 2, 3] and pt["per_seed"] == pytest.approx([0.25, 0.5, 0.0, 0.25])
+    # By hand: mean 0.25; sd (n - 1) = sqrt((0 + 0.25^2 + 0.25^2 + 0) / 3); half width t(0.975, 3) sd / 2.
+    half = T975_DF3 * math.sqrt(0.125 / 3) / 2
+    assert pt["interval"]["mean"] == pytest.approx(0.25)
+    assert pt["interval"]["lo"] == pytest.approx(0.25 - half, abs=1e-6)
+    assert pt["interval"]["hi"] == pytest.approx(0.25 + half, abs=1e-6)
+    # Sign flips: the zero difference flips freely; of the 8 sign patterns of (0.25, 0.5, 0.25) only all + and
+    # all - reach |mean| >= 0.25, so p = 2 / 8.
+    assert pt["sign_flip_p"] == pytest.approx(0.25)
+    # Second-half training reward, paired: differences 0, 0.1, 0.2, 0.3: mean 0.15, sd sqrt(0.05 / 3).
+    rh = o["reward_second_half_vs_grpo"]["interval"]
+    h2 = T975_DF3 * math.sqrt(0.05 / 3) / 2
+    assert rh["mean"] == pytest.approx(0.15) and rh["lo"] == pytest.approx(0.15 - h2, abs=1e-6)
+    assert rep["methods"]["grpo"]["reward_second_half"] == pytest.approx(0.2)
+    # The bootstrap stays, as a secondary column, on the same differences.
+    assert o["diff_vs_grpo"]["mean"] == pytest.approx(0.25)
+    r = rep["methods"]["random"]["paired_vs_grpo"]
+    assert r["interval"] is None and r["sign_flip_p"] is None and r["per_seed"] == pytest.approx([0.5])
+    md = (tmp_path / "compare.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| oar_g |"))
+    assert f"+25.0 [{(0.25 - half) * 100:+.1f}, {(0.25 + half) * 100:+.1f}] | 0.250 |" in row
+    assert "fewer than 2 common seeds (1)" in next(line for line in md.splitlines() if line.startswith("| random |"))
+    with open(tmp_path / "compare.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert float(rows["oar_g"]["paired_t_vs_grpo_lo"]) == pytest.approx(0.25 - half, abs=1e-6)
+    assert float(rows["oar_g"]["sign_flip_p_vs_grpo"]) == pytest.approx(0.25)
+    assert float(rows["oar_g"]["bootstrap_diff_vs_grpo"]) == pytest.approx(0.25)
+    assert rows["random"]["paired_t_vs_grpo"] == ""
+
+
+def test_report_timing_medians_leave_out_a_paused_step(tmp_path):
+    os.makedirs(tmp_path / "results")
+    walls = {0: 600.0, 1: 1500.0, 2: 900.0}
+    for s in range(3):
+        r = _fake_result("grpo", s, [0, 1], [1, 1], [0.5] * 10)
+        for k, t in enumerate(r["train"]):
+            # generation 10 + k + s, attribution 0, update 20 + k; one step of seed 1 paused: 20x the others.
+            t.update({"time/generation": 10.0 + k + s, "time/attribution": 0.0, "time/update": 20.0 + k})
+            t["step_time"] = t["time/generation"] + t["time/update"]
+            if s == 1 and k == 4:
+                t["time/update"] = 20 * t["step_time"]
+                t["step_time"] = t["time/generation"] + t["time/update"]
+        r["wall_seconds"] = walls[s]
+        write_json_atomic(str(tmp_path / "results" / f"grpo-s{s}.json"), r)
+    g = build_report(str(tmp_path))["methods"]["grpo"]
+    kept = [(k, s) for s in range(3) for k in range(10) if (s, k) != (1, 4)]
+    assert g["steps_paused"] == 1 and g["steps_logged"] == 30
+    assert g["time/generation"] == pytest.approx(np.median([10.0 + k + s for k, s in kept]))
+    assert g["time/update"] == pytest.approx(np.median([20.0 + k for k, s in kept]))
+    assert g["step_time"] == pytest.approx(np.median([30.0 + 2 * k + s for k, s in kept]))
+    assert g["wall_minutes_median"] == pytest.approx(15.0) and g["wall_minutes_range"] == [10.0, 25.0]
+    rep = json.load(open(tmp_path / "compare.json"))
+    assert rep["sweep"] == {"runs": 3, "wall_hours": pytest.approx(3000.0 / 3600)}
+    assert "(1/30)" in (tmp_path / "compare.md").read_text()
+    # Without step_time (older logs) the step time is the sum of the time/* parts: the same step is left out.
+    for s in range(3):
+        path = tmp_path / "results" / f"grpo-s{s}.json"
+        r = json.load(open(path))
+        for t in r["train"]:
+            del t["step_time"]
+        write_json_atomic(str(path), r)
+    g2 = build_report(str(tmp_path))["methods"]["grpo"]
+    assert g2["steps_paused"] == 1 and g2["time/update"] == pytest.approx(g["time/update"])
+
+
+def test_the_dropped_reach_metric_is_gone_from_every_output(tmp_path, monkeypatch):
+    os.makedirs(tmp_path / "results")
+    for m in ("grpo", "oar_g"):
+        for s in (0, 1):
+            write_json_atomic(str(tmp_path / "results" / f"{m}-s{s}.json"),
+                              _fake_result(m, s, [0, 1], [1, 0], [0.1 * k for k in range(6)]))
+    import matplotlib.axes
+
+    lines = []
+    orig = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline",
+                        lambda self, y=0, *a, **k: lines.append(y) or orig(self, y, *a, **k))
+    rep = build_report(str(tmp_path))
+    assert lines == [pytest.approx(0.5)]  # the plot's only horizontal line: held-out accuracy before training
+    for f in ("compare.md", "compare.csv", "compare.json"):
+        text = (tmp_path / f).read_text().lower()
+        assert "reward_level" not in text and "steps to reward" not in text and "steps_to" not in text, f
+    assert "reward_level" not in rep
+    with pytest.raises(TypeError):
+        build_report(str(tmp_path), reward_level=0.3)
+    p = subprocess.run([sys.executable, "-m", "oar.app.cli", "compare", "--report-only", "--out", str(tmp_path),
+                        "--reward-level", "0.3"], capture_output=True, text=True)
+    assert p.returncode == 2 and "unrecognized arguments: --reward-level" in p.stderr
+
+
+def test_committed_sweep_results_still_load(tmp_path):
+    # The result files of the committed CPU sweep (written before this report changed) rebuild a report, and its
+    # paired test is computed from their per-seed accuracies.
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "compare", "compare_cpu")
+    shutil.copytree(os.path.join(src, "results"), tmp_path / "results")
+    shutil.copy(os.path.join(src, "grid.json"), tmp_path / "grid.json")
+    res = {}
+    for name in os.listdir(tmp_path / "results"):
+        r = json.load(open(tmp_path / "results" / name))
+        res[(r["method"], r["seed"])] = r
+    rep = build_report(str(tmp_path), resamples=200)
+    assert rep["baseline"] == "grpo" and rep["sweep"]["runs"] == len(res)
+    assert rep["sweep"]["wall_hours"] == pytest.approx(sum(r["wall_seconds"] for r in res.values()) / 3600)
+    for m in ("oar_g", "oar_p", "random"):
+        per_seed = [np.mean(res[(m, s)]["heldout"]["correct_after"])
+                    - np.mean(res[("grpo", s)]["heldout"]["correct_after"]) for s in range(5)]
+        pt = rep["methods"][m]["paired_vs_grpo"]
+        assert pt["per_seed"] == pytest.approx(per_seed)
+        assert pt["interval"]["mean"] == pytest.approx(np.mean(per_seed))
+        half = 2.7764451 * np.std(per_seed, ddof=1) / math.sqrt(5)  # t(0.975, 4) = 2.776445
+        assert pt["interval"]["hi"] - pt["interval"]["mean"] == pytest.approx(half, abs=1e-6)
+        assert 0 < pt["sign_flip_p"] <= 1
 
 
 # ------------------------------------------------------------------------------------------------ grid runs

@@ -107,7 +107,7 @@ def _compare(a) -> int:
         if not os.path.isdir(os.path.join(a.out, "results")):
             a.parser.error(f"--report-only: {a.out!r} holds no results/ folder (run the sweep first)")
         try:
-            report = build_report(a.out, reward_level=a.reward_level)
+            report = build_report(a.out)
         except ValueError as e:
             print(f"oar compare: {e}", file=sys.stderr)
             return 1
@@ -130,7 +130,7 @@ def _compare(a) -> int:
     except (ValueError, FileNotFoundError) as e:
         a.parser.error(str(e))
     res = run_compare(a.config, a.set, a.methods, a.seeds, a.out, max_runs=a.max_runs,
-                      save_models=a.save_models, reward_level=a.reward_level, progress=not a.no_progress)
+                      save_models=a.save_models, progress=not a.no_progress)
     md = os.path.join(a.out, "compare.md")
     if os.path.exists(md):
         print(open(md).read())
@@ -227,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     c.add_argument("--out", default="runs/compare", help="sweep folder (resumable: finished runs are kept)")
     c.add_argument("--max-runs", type=int, default=None, help="start at most this many pending runs, then report")
-    c.add_argument("--reward-level", type=float, default=None,
-                   help="reward level of 'steps to reach' (default: halfway from the first-5-steps mean to the best)")
     c.add_argument("--save-models", action="store_true", help="keep each run's trained policy")
     c.add_argument("--no-progress", action="store_true", help="no live progress display")
     c.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs, run nothing")

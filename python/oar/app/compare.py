@@ -15,9 +15,11 @@ Layout of ``--out`` (default ``runs/compare``):
   every finished run, from finished runs only.
 
 Statistics (docs/compare.md): held-out accuracy after training with a two-level bootstrap 95% interval over
-seeds and problems; the paired difference to the baseline method (same seed, same problems); reward curves
-with a band of one standard deviation over seeds; steps to reach a reward level; time per step split into
-generation / attribution / update; ESS ratio and top-10% mass.
+seeds and problems; the difference to the baseline method tested on the per-seed paired differences (Student-t
+interval and sign-flip permutation p-value; the seed x problem bootstrap of the same differences is kept as a
+secondary column); training reward over the second half of the steps, paired by seed; reward curves with a
+band of one standard deviation over seeds; median time per step split into generation / attribution / update
+over unpaused steps, median wall time per run and the sweep's total; ESS ratio and top-10% mass.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from oar.app._extras import require
 
 require("train", "oar.app.compare")  # runs `oar train`, plots with matplotlib, shows progress with rich
 
-from oar.app.stats import bootstrap_grid_mean  # noqa: E402
+from oar.app.stats import bootstrap_grid_mean, paired_t, sign_flip_pvalue  # noqa: E402
 from oar.app.train import write_json_atomic  # noqa: E402
 
-__all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name"]
+__all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name", "unpaused_steps", "PAUSE_FACTOR"]
 
 #: Methods compared by default: plain GRPO, OAR-G, OAR-P, and the random-importance control (OAR's
 #: reshaping with U(0,1) scores: shows whether the reshaping alone, not the attribution, is what helps).
@@ -153,7 +155,7 @@ def _result_from_run(run_dir: str, method: str, seed: int) -> dict:
 
 def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[str] = DEFAULT_METHODS,
                 seeds: Sequence[int] = (0, 1, 2, 3, 4), out_dir: str = "runs/compare", *, max_runs: int | None = None,
-                save_models: bool = False, reward_level: float | None = None, progress: bool = True,
+                save_models: bool = False, progress: bool = True,
                 python: str = sys.executable) -> dict:
     """Runs (or resumes) the grid and writes the report; returns ``{"done", "failed", "pending", "report"}``.
 
@@ -168,7 +170,6 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
         out_dir: sweep folder (layout in the module docstring).
         max_runs: stop after this many runs have been started in this call (None: all pending).
         save_models: keep each run's trained policy (``model/``, ~0.5 GB for SmolLM2-135M).
-        reward_level: the reward level of "steps to reach" (None: see :func:`build_report`).
         progress: show a rich progress display over the grid.
         python: interpreter of the child runs.
 
@@ -198,14 +199,12 @@ def run_compare(config: str | None, overrides: Sequence[str], methods: Sequence[
     except ImportError:  # pragma: no cover - not POSIX
         pass
     try:
-        return _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, reward_level,
-                         progress, python)
+        return _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, progress, python)
     finally:
         lock.close()
 
 
-def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, reward_level, progress,
-              python) -> dict:
+def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_models, progress, python) -> dict:
     from oar.app.config import resolve_config
 
     max_steps = int(cfg.grpo.get("max_steps", 0))
@@ -252,8 +251,8 @@ def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_mo
             h = result["heldout"]
             console.print(f"run {name}: heldout/accuracy {h['before']:.3f} -> {h['after']:.3f} "
                           f"({result['wall_seconds'] / 60:.1f} min)")
-            build_report(out_dir, reward_level=reward_level)
-    report = build_report(out_dir, reward_level=reward_level)
+            build_report(out_dir)
+    report = build_report(out_dir)
     pending = [run_name(m, s) for m, s in grid
                if not os.path.exists(os.path.join(out_dir, "results", run_name(m, s) + ".json"))]
     return {"done": len(grid) - len(pending), "failed": failed, "pending": pending, "report": report}
@@ -277,14 +276,42 @@ def _moving_average(x: np.ndarray, k: int = 5) -> np.ndarray:
     return out
 
 
-def _steps_to_reach(train: list[dict], level: float, window: int = 5) -> int | None:
-    """The ``step`` of the first row where the mean reward of the last ``window`` logged rows (a full window:
-    never from fewer rows, so one lucky early step does not count) is >= level, or None."""
-    rewards = np.asarray([t["reward"] for t in train], dtype=np.float64)
-    for i in range(window - 1, len(rewards)):
-        if rewards[i - window + 1: i + 1].mean() >= level:
-            return int(train[i]["step"])
-    return None
+#: A step counts as paused (SIGSTOP, or slowed by other jobs on the cores) when its step time is more than this
+#: many times the median step time of all steps of all runs of the same method; timing medians leave it out.
+PAUSE_FACTOR = 2.0
+_TIME_KEYS = ("time/generation", "time/attribution", "time/update")
+
+
+def _step_seconds(t: dict) -> float | None:
+    """Wall time of one logged step: TRL's ``step_time``, else the sum of the ``time/*`` parts (older or partial
+    logs), else None (no timing logged)."""
+    if t.get("step_time") is not None:
+        return float(t["step_time"])
+    parts = [t[k] for k in _TIME_KEYS if t.get(k) is not None]
+    return float(sum(parts)) if parts else None
+
+
+def unpaused_steps(runs: Sequence[dict]) -> tuple[list[dict], int]:
+    """The logged steps of ``runs`` (results of one method) that were not paused, and how many were left out.
+
+    A step is paused when its step time (:func:`_step_seconds`) exceeds :data:`PAUSE_FACTOR` x the median step
+    time over all steps of ``runs``: a run stopped with SIGSTOP or sharing its cores shows steps several times
+    the median, while the median itself moves little as long as fewer than half the steps are affected. Steps
+    without any timing are kept (there is nothing to judge them by).
+    """
+    rows = [t for r in runs for t in r["train"]]
+    secs = [_step_seconds(t) for t in rows]
+    timed = [x for x in secs if x is not None]
+    if not timed:
+        return rows, 0
+    limit = PAUSE_FACTOR * float(np.median(timed))
+    keep = [t for t, x in zip(rows, secs) if x is None or x <= limit]
+    return keep, len(rows) - len(keep)
+
+
+def _median(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.median(xs)) if xs else None
 
 
 def _mean(xs) -> float | None:
@@ -292,14 +319,38 @@ def _mean(xs) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def build_report(out_dir: str, *, baseline: str | None = None, reward_level: float | None = None,
-                 resamples: int = 4000) -> dict:
-    """Writes ``compare.md``, ``compare.csv`` and ``compare.png`` from the finished runs of ``out_dir`` and
-    returns the per-method table as a dict.
+def _second_half_reward(train: list[dict]) -> float | None:
+    """Mean training reward over the second half of the logged steps (the last ceil(n / 2) of n), or None."""
+    rewards = [t["reward"] for t in train]
+    return float(np.mean(rewards[len(rewards) // 2:])) if rewards else None
+
+
+def _paired(per_seed: list[float], seeds: list[int], resamples: int, seed: int) -> dict:
+    """Paired t interval and sign-flip p-value of per-seed differences; ``interval`` None under 2 seeds."""
+    out: dict[str, Any] = {"seeds": seeds, "per_seed": per_seed, "interval": None, "sign_flip_p": None}
+    if len(per_seed) >= 2:
+        out["interval"] = paired_t(per_seed).as_dict()
+        out["sign_flip_p"] = sign_flip_pvalue(per_seed, resamples=resamples, seed=seed)
+    return out
+
+
+def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 4000) -> dict:
+    """Writes ``compare.md``, ``compare.csv``, ``compare.json`` and ``compare.png`` from the finished runs of
+    ``out_dir`` and returns the report as a dict (``baseline``, ``sweep``, ``methods``: one row per method).
 
     ``baseline`` (None): ``grpo`` if the sweep's methods (``grid.json``) include it, else the first of them.
-    ``reward_level`` (None): halfway between the mean reward of all runs' first 5 steps and the best
-    method's mean reward over its last 5 steps.
+
+    Per method (rationale in docs/compare.md): held-out accuracy after training and its gain over before with
+    two-level bootstrap intervals (seeds x problems); against the baseline, the primary test on the per-seed
+    differences (per seed: mean over problems of method - baseline at the same seed) -- ``paired_vs_<baseline>``:
+    Student-t 95% interval (``interval``, None with fewer than 2 common seeds) and two-sided sign-flip p-value
+    (``sign_flip_p``) -- and, secondary, ``diff_vs_<baseline>``: the two-level bootstrap of the seed x problem
+    differences; training reward over the second half of the steps, and its per-seed paired difference to the
+    baseline (``reward_second_half_vs_<baseline>``); medians over unpaused steps (:func:`unpaused_steps`) of
+    ``time/generation``, ``time/attribution``, ``time/update`` and ``step_time`` (``steps_paused``: how many were
+    left out); the median wall time of a run (``wall_minutes_median``, from each result's ``wall_seconds``); means
+    over all steps of all runs of ``oar/ess_ratio``, ``oar/top10_mass`` and ``completions/mean_length``.
+    ``sweep``: number of runs and their total wall time (``wall_hours``).
 
     Raises:
         ValueError: the finished runs were evaluated on different held-out problems (runs of different sweeps
@@ -328,12 +379,6 @@ def build_report(out_dir: str, *, baseline: str | None = None, reward_level: flo
     before_by = {(r["method"], r["seed"]): np.asarray(r["heldout"]["correct_before"], dtype=np.float64) for r in results}
     before = np.mean([b.mean() for b in before_by.values()])
     by_m = {m: {r["seed"]: r for r in results if r["method"] == m} for m in methods}
-    first5 = _mean([np.mean([t["reward"] for t in r["train"][:5]]) for r in results if r["train"]])
-    last5 = {m: _mean([np.mean([t["reward"] for t in r["train"][-5:]]) for r in rs.values() if r["train"]])
-             for m, rs in by_m.items()}
-    if reward_level is None:
-        best = max(v for v in last5.values() if v is not None) if any(v is not None for v in last5.values()) else 1.0
-        reward_level = round(float(first5 + (best - first5) / 2), 3) if first5 is not None else 0.5
     table: dict[str, dict[str, Any]] = {}
     for i, m in enumerate(methods):
         rs = by_m[m]
@@ -344,57 +389,86 @@ def build_report(out_dir: str, *, baseline: str | None = None, reward_level: flo
         row["heldout_after"] = bootstrap_grid_mean(after, resamples=resamples, seed=i).as_dict()
         row["gain_vs_before"] = bootstrap_grid_mean(after - bef, resamples=resamples, seed=i).as_dict()
         row["heldout_after_per_seed"] = [float(a.mean()) for a in after]
+        half = {s: _second_half_reward(rs[s]["train"]) for s in seeds}
+        row["reward_second_half"] = _mean(half.values())
         common = [s for s in seeds if s in by_m[baseline]]
         if m != baseline and common:
+            base = by_m[baseline]
             d = np.asarray([np.asarray(rs[s]["heldout"]["correct_after"]) -
-                            np.asarray(by_m[baseline][s]["heldout"]["correct_after"]) for s in common], dtype=np.float64)
+                            np.asarray(base[s]["heldout"]["correct_after"]) for s in common], dtype=np.float64)
+            row[f"paired_vs_{baseline}"] = _paired([float(x) for x in d.mean(axis=1)], common, 20000, 200 + i)
             row[f"diff_vs_{baseline}"] = bootstrap_grid_mean(d, resamples=resamples, seed=100 + i).as_dict()
             row[f"diff_vs_{baseline}"]["seeds"] = common
-        reach = [_steps_to_reach(rs[s]["train"], reward_level) for s in seeds]
-        row["steps_to_reward_level"] = {"level": reward_level, "mean_of_reached": _mean(reach),
-                                        "reached": sum(x is not None for x in reach), "runs": len(reach)}
-        row["reward_first5"] = _mean([np.mean([t["reward"] for t in rs[s]["train"][:5]]) for s in seeds])
-        row["reward_last5"] = last5[m]
-        for key in ("time/generation", "time/attribution", "time/update", "step_time", "oar/ess_ratio",
-                    "oar/top10_mass", "completions/mean_length"):
+            both = [s for s in common if half[s] is not None and _second_half_reward(base[s]["train"]) is not None]
+            row[f"reward_second_half_vs_{baseline}"] = _paired(
+                [half[s] - _second_half_reward(base[s]["train"]) for s in both], both, 20000, 300 + i)
+        trains = [rs[s]["train"] for s in seeds if rs[s]["train"]]
+        row["reward_first5"] = _mean([np.mean([t["reward"] for t in tr[:5]]) for tr in trains])
+        row["reward_last5"] = _mean([np.mean([t["reward"] for t in tr[-5:]]) for tr in trains])
+        kept, paused = unpaused_steps([rs[s] for s in seeds])
+        for key in _TIME_KEYS + ("step_time",):
+            row[key] = _median([t.get(key) for t in kept])
+        row["steps_paused"] = paused
+        row["steps_logged"] = sum(len(rs[s]["train"]) for s in seeds)
+        for key in ("oar/ess_ratio", "oar/top10_mass", "completions/mean_length"):
             row[key] = _mean([t.get(key) for s in seeds for t in rs[s]["train"]])
-        row["wall_minutes_per_run"] = _mean([rs[s]["wall_seconds"] / 60 for s in seeds])
+        walls = [rs[s]["wall_seconds"] / 60 for s in seeds]
+        row["wall_minutes_median"] = float(np.median(walls))
+        row["wall_minutes_range"] = [float(min(walls)), float(max(walls))]
         table[m] = row
-    report = {"baseline": baseline, "reward_level": reward_level, "methods": table}
+    sweep = {"runs": len(results), "wall_hours": float(sum(r["wall_seconds"] for r in results) / 3600)}
+    report = {"baseline": baseline, "sweep": sweep, "methods": table}
     write_json_atomic(os.path.join(out_dir, "compare.json"), report)
     _write_csv(os.path.join(out_dir, "compare.csv"), table, baseline)
     _write_md(os.path.join(out_dir, "compare.md"), report, out_dir)
-    _plot(os.path.join(out_dir, "compare.png"), by_m, table, float(before), reward_level)
+    _plot(os.path.join(out_dir, "compare.png"), by_m, table, float(before))
     return report
 
 
 def _iv(d: dict | None, pct: bool = True) -> str:
     if not d:
         return "-"
-    f = 100.0 if pct else 1.0
-    return f"{d['mean'] * f:+.1f} [{d['lo'] * f:+.1f}, {d['hi'] * f:+.1f}]"
+    f, spec = (100.0, "+.1f") if pct else (1.0, "+.3f")
+    return f"{d['mean'] * f:{spec}} [{d['lo'] * f:{spec}}, {d['hi'] * f:{spec}}]"
 
 
 def _fmt(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _pt(p: dict | None, pct: bool = True) -> str:
+    """A paired test's interval as ``mean [lo, hi]`` (points), or why there is none."""
+    if not p:
+        return "-"
+    if p["interval"] is None:
+        return f"fewer than 2 common seeds ({len(p['seeds'])})"
+    return _iv(p["interval"], pct)
+
+
 def _write_csv(path: str, table: dict, baseline: str) -> None:
+    b = baseline
     cols = ["method", "n_seeds", "n_problems", "heldout_before", "heldout_after", "heldout_after_lo",
-            "heldout_after_hi", f"diff_vs_{baseline}", f"diff_vs_{baseline}_lo", f"diff_vs_{baseline}_hi",
-            "reward_first5", "reward_last5", "steps_to_reward_level", "reward_level", "runs_reaching_level",
-            "time/generation", "time/attribution", "time/update", "oar/ess_ratio", "oar/top10_mass"]
+            "heldout_after_hi", f"paired_t_vs_{b}", f"paired_t_vs_{b}_lo", f"paired_t_vs_{b}_hi",
+            f"sign_flip_p_vs_{b}", f"bootstrap_diff_vs_{b}", f"bootstrap_diff_vs_{b}_lo", f"bootstrap_diff_vs_{b}_hi",
+            "reward_first5", "reward_last5", "reward_second_half", f"reward_second_half_vs_{b}",
+            f"reward_second_half_vs_{b}_lo", f"reward_second_half_vs_{b}_hi", "median_time/generation",
+            "median_time/attribution", "median_time/update", "median_step_time", "steps_paused", "steps_logged",
+            "wall_minutes_median", "oar/ess_ratio", "oar/top10_mass"]
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
         for m, r in table.items():
-            d = r.get(f"diff_vs_{baseline}") or {}
-            st = r["steps_to_reward_level"]
+            pt = r.get(f"paired_vs_{b}") or {}
+            iv = pt.get("interval") or {}
+            d = r.get(f"diff_vs_{b}") or {}
+            rh = (r.get(f"reward_second_half_vs_{b}") or {}).get("interval") or {}
             w.writerow([m, len(r["seeds"]), r["n_problems"], r["heldout_before"], r["heldout_after"]["mean"],
-                        r["heldout_after"]["lo"], r["heldout_after"]["hi"], d.get("mean"), d.get("lo"), d.get("hi"),
-                        r["reward_first5"], r["reward_last5"], st["mean_of_reached"], st["level"], st["reached"],
-                        r["time/generation"], r["time/attribution"], r["time/update"], r["oar/ess_ratio"],
+                        r["heldout_after"]["lo"], r["heldout_after"]["hi"], iv.get("mean"), iv.get("lo"), iv.get("hi"),
+                        pt.get("sign_flip_p"), d.get("mean"), d.get("lo"), d.get("hi"), r["reward_first5"],
+                        r["reward_last5"], r["reward_second_half"], rh.get("mean"), rh.get("lo"), rh.get("hi"),
+                        r["time/generation"], r["time/attribution"], r["time/update"], r["step_time"],
+                        r["steps_paused"], r["steps_logged"], r["wall_minutes_median"], r["oar/ess_ratio"],
                         r["oar/top10_mass"]])
     os.replace(tmp, path)
 
@@ -402,24 +476,40 @@ def _write_csv(path: str, table: dict, baseline: str) -> None:
 def _write_md(path: str, report: dict, out_dir: str) -> None:
     base = report["baseline"]
     table = report["methods"]
+    sw = report["sweep"]
     lines = [f"# oar compare: {', '.join(table)}", "",
              f"Held-out accuracy (greedy, {next(iter(table.values()))['n_problems']} problems never trained on), "
-             "in points; intervals are two-level bootstrap 95% intervals over seeds and problems. "
-             f"`vs {base}` is the paired difference (same seed, same problems).", "",
-             f"| method | seeds | before | after | after - before | vs {base} | reward first 5 / last 5 | "
-             f"steps to reward {report['reward_level']:.2f} | gen / attr / update s per step | ESS ratio | top-10% mass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "in points. `before`, `after`, `after - before`: mean over seeds and problems with a two-level bootstrap "
+             f"95% interval (seeds x problems). `vs {base}` (the test): per seed, the mean over problems of method - "
+             f"{base} at the same seed; their mean with a Student-t 95% interval (seeds - 1 degrees of freedom) and "
+             f"the two-sided sign-flip permutation p-value. `vs {base}, bootstrap`: the same differences per seed and "
+             "problem, two-level bootstrap (secondary: it counts the seed x problem noise twice). `train reward, 2nd "
+             f"half`: mean training reward over the second half of the steps, and its per-seed paired difference to "
+             f"{base} (t interval). Times: medians over steps, leaving out paused steps (step time > "
+             f"{PAUSE_FACTOR:g}x the method's median step time; the count is shown); wall: median minutes per run. "
+             "ESS ratio and top-10% mass: means over all steps of all runs of a method.", "",
+             f"| method | seeds | before | after | after - before | vs {base} [t 95%] | sign-flip p | "
+             f"vs {base}, bootstrap | train reward, 2nd half (vs {base}) | gen / attr / update s per step (paused) | "
+             "wall min per run | ESS ratio | top-10% mass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in table.items():
         a = r["heldout_after"]
-        st = r["steps_to_reward_level"]
-        reach = f"{_fmt(st['mean_of_reached'], '.1f')} ({st['reached']}/{st['runs']})"
-        times = " / ".join(_fmt(r[k], ".1f") for k in ("time/generation", "time/attribution", "time/update"))
+        pt = r.get(f"paired_vs_{base}")
+        p = "-" if not pt or pt["sign_flip_p"] is None else f"{pt['sign_flip_p']:.3f}"
+        rew = _fmt(r["reward_second_half"], ".3f")
+        if m != base:
+            rew += f" ({_pt(r.get(f'reward_second_half_vs_{base}'), pct=False)})"
+        times = " / ".join(_fmt(r[k], ".1f") for k in _TIME_KEYS) + f" ({r['steps_paused']}/{r['steps_logged']})"
         lines.append(f"| {m} | {len(r['seeds'])} | {r['heldout_before'] * 100:.1f} | {a['mean'] * 100:.1f} "
                      f"[{a['lo'] * 100:.1f}, {a['hi'] * 100:.1f}] | {_iv(r['gain_vs_before'])} | "
-                     f"{_iv(r.get(f'diff_vs_{base}')) if m != base else '(baseline)'} | {_fmt(r['reward_first5'], '.2f')} / "
-                     f"{_fmt(r['reward_last5'], '.2f')} | {reach} | {times} | {_fmt(r['oar/ess_ratio'], '.3f')} | "
+                     f"{_pt(pt) if m != base else '(baseline)'} | {p if m != base else '-'} | "
+                     f"{_iv(r.get(f'diff_vs_{base}')) if m != base else '-'} | {rew} | {times} | "
+                     f"{r['wall_minutes_median']:.1f} | {_fmt(r['oar/ess_ratio'], '.3f')} | "
                      f"{_fmt(r['oar/top10_mass'], '.3f')} |")
-    lines += ["", "Per seed (held-out accuracy after training): " + "; ".join(
+    lines += ["", f"Sweep: {sw['runs']} runs, {sw['wall_hours']:.1f} h of wall time in all; runs took "
+              + "; ".join(f"{m} {r['wall_minutes_range'][0]:.1f}-{r['wall_minutes_range'][1]:.1f} min"
+                          for m, r in table.items()) + ".",
+              "", "Per seed (held-out accuracy after training): " + "; ".join(
         f"{m}: " + ", ".join(f"s{s} {v:.3f}" for s, v in zip(r["seeds"], r["heldout_after_per_seed"]))
         for m, r in table.items()), "", f"Plot: `{os.path.join(out_dir, 'compare.png')}`", ""]
     with open(path + ".tmp", "w") as f:
@@ -427,7 +517,7 @@ def _write_md(path: str, report: dict, out_dir: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _plot(path: str, by_m: dict, table: dict, before: float, level: float) -> None:
+def _plot(path: str, by_m: dict, table: dict, before: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -443,7 +533,6 @@ def _plot(path: str, by_m: dict, table: dict, before: float, level: float) -> No
         mu, sd = curves.mean(0), curves.std(0)
         (line,) = ax.plot(steps, mu, lw=2, label=f"{m} ({len(rs)} seeds)")
         ax.fill_between(steps, mu - sd, mu + sd, color=line.get_color(), alpha=0.15)
-    ax.axhline(level, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training reward (5-step average)")
     ax.set_title("reward: mean over seeds, band = 1 std", fontsize=9)
