@@ -22,6 +22,11 @@ STUBS = {"flash_attn", "deepspeed", "vllm", "aiohttp"}
 if sys.argv[1:2] == ["zero3"]:  # the ZeRO-3 run uses the real deepspeed (CPU accelerator)
     STUBS.discard("deepspeed")
 #: Left missing (ImportError): openrlhf/models/utils.py log_probs_from_logits falls back to its torch path then.
+#: How long a rank waits for the others to join (s). Ray starts the actors one after the other, and on a loaded
+#: 2-core machine the second one took over 120 s to reach init_process_group; the test's own subprocess timeout
+#: (600 s) still bounds a real hang.
+JOIN_TIMEOUT_S = 420
+
 NOT_STUBBED = ("flash_attn.ops",)
 
 
@@ -399,7 +404,7 @@ def actor_rank(rank, world, port, out_dir):
     from openrlhf.trainer.ray.launcher import BaseModelActor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
     model, tok = tiny_random_llama(**OPENRLHF_TINY)
 
@@ -443,7 +448,7 @@ def _policy_actor_cls():
 
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # env set by OpenRLHF
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))  # env set by OpenRLHF
             model, _ = tiny_random_llama(**OPENRLHF_TINY)
 
             class Actor(torch.nn.Module):
@@ -526,7 +531,7 @@ def zero3_rank(rank, world, port, out_dir):
     from openrlhf.trainer.ray.launcher import BaseModelActor
     from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     oar_orl.install(oar.OARConfig.from_json('{"method": "grpo"}'))  # attaches the actor method
     model, tok = tiny_random_llama(**OPENRLHF_TINY)
     numel = sum(p.numel() for p in model.parameters())

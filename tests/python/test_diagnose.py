@@ -71,7 +71,8 @@ def test_parse_credit():
     assert (s.method, dict(s.overrides), s.sign) == ("oar_g", {"beta": 2, "q": 0.5}, "positive")
     assert core.parse_credit("entropy_top:quantile=0.2").quantile == 0.2
     for bad, msg in [("nope", "unknown method 'nope'"), ("oar_g:beta", "must look like key=value"),
-                     ("oar_g:sign=up", "sign must be one of"), ("oar_g:quantile=0.2", "quantile is a key of entropy_top"),
+                     ("oar_g:sign=up", "sign must be one of"),
+                     ("oar_g:quantile=0.2", "quantile is a key of entropy_top"),
                      ("entropy_top:quantile=0", r"quantile must be in \(0, 1\]"), ("", "non-empty")]:
         with pytest.raises(ValueError, match=msg):
             core.parse_credit(bad)
@@ -292,7 +293,8 @@ def test_run_resumes_and_reports(tiny, tmp_path):
                                              ("ref_group", 1, "ref_group must be >= 2"),
                                              ("temperature", 0.0, "temperature must be > 0"),
                                              ("methods", ["grpo", "grpo"], r"lists \['grpo'\] more than once"),
-                                             ("reward_batches", 25, r"reward_batches \(25\) must be <= batches \(24\)")])
+                                             ("reward_batches", 25,
+                                              r"reward_batches \(25\) must be <= batches \(24\)")])
 def test_settings_errors(field, value, msg):
     from oar.app.diagnose import DiagnoseSettings
 

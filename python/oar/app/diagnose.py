@@ -387,7 +387,8 @@ def snr_from_sketches(sketches: np.ndarray, sq_norms: np.ndarray) -> tuple[float
     return float(snr), float(cross / mean_sq) if mean_sq > 0 else 0.0
 
 
-def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward, n_params: int) -> dict:
+def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward,
+              n_params: int) -> dict:
     """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``)."""
     from oar.app.stats import paired_t, sign_flip_pvalue
 
@@ -461,10 +462,12 @@ def write_report(summary: dict, out_dir: str) -> None:
             f" | {_fmt(r.get('cos_true_est'))} | " +
             (f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else "(baseline)") +
             f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('gain_per_unit_step'), '.3g')} | "
-            f"{_fmt(r.get('snr'), '.3f')} | {_fmt(r.get('cross_batch_cos'), '+.4f')} | {_fmt(r.get('ess_ratio'), '.3f')} | "
+            f"{_fmt(r.get('snr'), '.3f')} | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "
+            f"{_fmt(r.get('ess_ratio'), '.3f')} | "
             f"{_fmt(r.get('reward_change'), '+.4f')} |")
     if summary.get("base_reward") is not None:
-        lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is the "
+        lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is "
+                  "the "
                   f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)."]
     lines += ["", "How to read this and what it cannot tell: docs/diagnose.md."]
     with open(os.path.join(out_dir, "diagnose.md"), "w") as f:

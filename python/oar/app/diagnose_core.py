@@ -185,7 +185,8 @@ def _layout(r: Rollouts, rows: Sequence[int], pad_id: int):
         p = r.prompt_ids[i]
         ids[k, P - p.numel():P] = p
         attn[k, P - p.numel():P] = 1
-        ids[k, P:] = torch.where(r.completion_mask[i], r.completion_ids[i], torch.full_like(r.completion_ids[i], pad_id))
+        pad = torch.full_like(r.completion_ids[i], pad_id)
+        ids[k, P:] = torch.where(r.completion_mask[i], r.completion_ids[i], pad)
         attn[k, P:] = r.completion_mask[i].long()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return ids, attn, pos, P
