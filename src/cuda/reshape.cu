@@ -338,8 +338,10 @@ void launch_reshape_advantages(const float* advantages, core::DType dtype, const
   if (B < 0 || T < 0)
     throw core::InvalidArgument("scores must be (B, T) with B, T >= 0, got (" + std::to_string(B) + ", " +
                                 std::to_string(T) + ")");
-  if (weights == nullptr) throw core::InvalidArgument("reshape_advantages (CUDA): weights must not be null");
-  // T == 0 still launches: the advantages are validated as on the CPU.
+  // T == 0 still launches (the advantages are validated as on the CPU) and touches no (B, T) buffer: their
+  // pointers may be null then (an empty tensor's data pointer).
+  if (T > 0 && (weights == nullptr || token_advantages == nullptr || scores == nullptr))
+    throw core::InvalidArgument("reshape_advantages (CUDA): scores, token_advantages and weights must not be null");
   const Params p{opts.q, opts.beta, opts.floor};
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (opts.tiers) {

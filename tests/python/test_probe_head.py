@@ -8,6 +8,7 @@ from oar.attribution import HFProbeModel
 from oar.attribution import model as model_mod
 from oar.app.models import tiny_random_llama
 
+from _devices import OTHER_DEVICES, no_pending_device_errors  # noqa: F401 - autouse fixture
 from _tolerance import gamma
 
 
@@ -74,3 +75,54 @@ def test_float32_model_is_unchanged(tiny):
         pm.probe_logits_float32 = False
         b = pm.tail_logits(**kw)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_out_product_has_a_backward(dtype):
+    """The CUDA head product (``mm`` with float32 output, which has no derivative in PyTorch) goes through
+    ``_MmFloat32Out``; its backward is checked here on CPU (same formulas, upcast product) against float64
+    autograd: the incoming gradient is rounded once to ``dtype`` (unit roundoff u) and then accumulated in float32,
+    so |d - ref| <= (u + gamma_K) |g| |w| elementwise (K = V for d x, n for d weight), plus the final rounding of the
+    result to ``dtype`` (u |ref|)."""
+    from _tolerance import UNIT_ROUNDOFF
+
+    g0 = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 16, generator=g0).to(dtype).requires_grad_()
+    w = torch.randn(40, 16, generator=g0).to(dtype).requires_grad_()
+    out = model_mod._MmFloat32Out.apply(x, w)
+    assert out.dtype == torch.float32
+    want = x.detach().double() @ w.detach().double().t()
+    assert bool(((out.detach().double() - want).abs() <= gamma(16) * (x.detach().double().abs() @ w.detach().double().abs().t())).all())
+    grad = torch.randn(6, 40, generator=g0)
+    out.backward(grad)
+    u = UNIT_ROUNDOFF[dtype]
+    gd, xd, wd = grad.double(), x.detach().double(), w.detach().double()
+    ref_x, ref_w = gd @ wd, gd.t() @ xd
+    bound_x = (u + gamma(40)) * (gd.abs() @ wd.abs()) + u * ref_x.abs()
+    bound_w = (u + gamma(6)) * (gd.abs().t() @ xd.abs()) + u * ref_w.abs()
+    assert x.grad.dtype == dtype and w.grad.dtype == dtype
+    assert bool(((x.grad.double() - ref_x).abs() <= bound_x).all())
+    assert bool(((w.grad.double() - ref_w).abs() <= bound_w).all())
+    # the bound is tight enough to see a gradient that skips the rounding model entirely (e.g. a zero gradient)
+    assert float(bound_x.max()) < 0.1 * float(ref_x.abs().max())
+
+
+@pytest.mark.parametrize("device", OTHER_DEVICES)
+def test_cuda_bf16_head_is_differentiable(device):
+    """On CUDA with a bf16 head, _linear_float32 is one float32-output mm and OAR-G's input gradient flows through
+    it (it raised 'derivative for aten::mm is not implemented' before _MmFloat32Out, on the H200). Bound as in the
+    CPU test above: (u + gamma_V) |g| |w| + u |ref|."""
+    from _tolerance import UNIT_ROUNDOFF
+
+    g0 = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 64, generator=g0).to(torch.bfloat16).to(device).requires_grad_()
+    w = torch.randn(100, 64, generator=g0).to(torch.bfloat16).to(device)
+    out = model_mod._linear_float32(x, w, None)
+    assert out.dtype == torch.float32
+    grad = torch.randn(2, 3, 100, generator=g0)
+    out.backward(grad.to(device))
+    gd, wd = grad.double(), w.cpu().double()
+    ref = gd @ wd
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    bound = (u + gamma(100)) * (gd.abs() @ wd.abs()) + u * ref.abs()
+    assert bool(((x.grad.cpu().double() - ref).abs() <= bound).all())

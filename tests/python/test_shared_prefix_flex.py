@@ -17,11 +17,10 @@ from test_attribution import CONCLUDE, _rollouts
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module")
-def gqa():
+def _gqa(hidden_size):
     """A sharpened tiny Llama with grouped-query attention (4 query heads on 2 key/value heads)."""
-    model, tok = tiny_random_llama(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, tokenizer="minimal",
-                                   seed=3)
+    model, tok = tiny_random_llama(hidden_size=hidden_size, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   tokenizer="minimal", seed=3)
     with torch.no_grad():
         for prm in model.parameters():
             if prm.dim() > 1:
@@ -34,6 +33,18 @@ def gqa():
         s, L = int(batch.reasoning_start[r]), int(batch.reasoning_len[r])
         spans[r] = spans_of(span_starts(token_texts(tok, batch.input_ids[r, s:s + L]), "word"))
     return model, batch, spans
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    """Head width 8."""
+    return _gqa(32)
+
+
+@pytest.fixture(scope="module")
+def gqa16():
+    """Head width 16: the smallest the compiled FlexAttention kernel runs on CUDA."""
+    return _gqa(64)
 
 
 _REF = {}
@@ -93,6 +104,17 @@ def test_flex_and_cpu_flash_kernels_agree(gqa):
     assert_within_error_model(b.scores[:, :want.value.shape[1]], want, what="flex")
 
 
+def test_cuda_flex_needs_head_width_16(gqa, gqa16, monkeypatch):
+    """The compiled FlexAttention kernel refuses head widths below 16 on CUDA: such a model is reported as not
+    supporting the shared-prefix path (its engines take the cached path) instead of failing inside the kernel."""
+    narrow, wide = HFProbeModel(gqa[0]), HFProbeModel(gqa16[0])
+    assert narrow._head_dim() == 8 and wide._head_dim() == 16
+    assert narrow.supports_shared_prefix_attention and wide.supports_shared_prefix_attention  # CPU: no limit
+    for pm in (narrow, wide):
+        monkeypatch.setattr(pm, "device", torch.device("cuda"))  # the gate reads the device only
+    assert not narrow.supports_shared_prefix_attention and wide.supports_shared_prefix_attention
+
+
 def test_kernel_names_are_checked(gqa):
     model, batch, _ = gqa
     pm = HFProbeModel(model)
@@ -104,8 +126,6 @@ def test_kernel_names_are_checked(gqa):
 # ---- CUDA: the compiled kernel the engines run on GPUs (benchmarks/gpu/run_scale.sh runs these) -------------------
 
 from _devices import OTHER_DEVICES, no_pending_device_errors  # noqa: E402,F401 - autouse fixture
-from _error_model import Bounded  # noqa: E402
-from _tolerance import UNIT_ROUNDOFF  # noqa: E402
 
 
 def _rounded_to(model, dtype):
@@ -123,26 +143,38 @@ def _rounded_to(model, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", OTHER_DEVICES)
 @pytest.mark.parametrize("engine", ["prefix", "window"])
-def test_cuda_flex_kernel_equals_the_float64_reference(gqa, device, dtype, engine):
+def test_cuda_flex_kernel_equals_the_float64_reference(gqa16, device, dtype, engine):
     """On CUDA, ``shared_prefix_kernel="auto"`` is the compiled FlexAttention kernel: the prefix engine (word spans)
     and the windowed engine (window 3) in float32 and bfloat16 against the float64 CPU reference of the same
-    (rounded) weights. float32: rule 1. bfloat16: the first-order bounds scale with the unit roundoff, so the budget
-    is the float32 one times u_bf16 / u_fp32; it is checked to stay below max |value| (a wrong mask or row moves a
-    score by its own size)."""
-    model, batch, spans = gqa
+    (rounded) weights. float32: rule 1 (the first-order error model). bfloat16: that bound scaled by
+    u_bf16 / u_fp32 is vacuous for this model (about 50 against scores of 0.02, seen on the H200), so the check is
+    flash-attention's: the flex kernel's largest error is at most 3x that of the same engine on the same device and
+    dtype without the shared-prefix kernel (the cached path: a copied cache, a dense mask, the model's own
+    attention), and that reference error is small against the scores (a wrong mask or row moves a score by its own
+    size). On CPU the two bf16 errors are 4.5e-4 and 7.8e-4 for max |score| 0.018-0.027."""
+    model, batch, spans = gqa16
     m = _rounded_to(model, dtype)
-    pm = HFProbeModel(m.to(device=device, dtype=dtype))
-    assert pm._shared_prefix_kernel() == "flex" and probe_capabilities(pm).shared_prefix
+
+    def run(shared):
+        pm = HFProbeModel(m.to(device=device, dtype=dtype))
+        pm.shared_prefix_attention = shared
+        if shared:
+            assert pm._shared_prefix_kernel() == "flex" and probe_capabilities(pm).shared_prefix
+        if engine == "prefix":
+            return oar_p_scores(pm, batch, engine="prefix", spans=spans, memory_budget_mb=1)
+        return oar_p_window_scores(pm, batch, window=3, memory_budget_mb=1)
+
+    res = run(True)
     if engine == "prefix":
-        res = oar_p_scores(pm, batch, engine="prefix", spans=spans, memory_budget_mb=1)
         want = oar_p_error_bound(m.float().cpu(), batch, "answer_mean", spans=spans)
     else:
-        res = oar_p_window_scores(pm, batch, window=3, memory_budget_mb=1)
         want = oar_p_window_error_bound(m.float().cpu(), batch, 3, "answer_mean")
     W = want.value.shape[1]
     if dtype == torch.float32:
         assert_within_error_model(res.scores[:, :W], want, what=f"cuda flex {engine} fp32")
-    else:
-        s = UNIT_ROUNDOFF[torch.bfloat16] / UNIT_ROUNDOFF[torch.float32]
-        scaled = Bounded(want.value, want.bound * s, want.bound_ref)
-        assert_within_error_model(res.scores[:, :W], scaled, vacuous_above=1.0, what=f"cuda flex {engine} bf16")
+        return
+    err = float((res.scores[:, :W].double() - want.value).abs().max())
+    err_ref = float((run(False).scores[:, :W].double() - want.value).abs().max())
+    top = float(want.value.abs().max())
+    assert err_ref <= 0.25 * top, f"the bf16 reference error {err_ref:.3g} is not small against max |score| {top:.3g}"
+    assert err <= 3 * err_ref, f"cuda flex {engine} bf16: error {err:.3g} > 3 x the cached path's {err_ref:.3g}"

@@ -495,8 +495,7 @@ class HFProbeModel:
         """kv_heads x head_dim: the width of one layer's keys (or values) of one token."""
         text = self._text_config
         kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_heads)
-        head_dim = int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
-        return kv_heads * head_dim
+        return kv_heads * self._head_dim()
 
     #: Set to False to make the engines' clean pass run every row's prompt (A/B benchmarks of the prompt-once
     #: clean pass, docs/design.md "Prompt-once clean pass").
@@ -571,7 +570,14 @@ class HFProbeModel:
         kernel = self._shared_prefix_kernel()
         if kernel == "flash_cpu":
             return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        if self.device.type == "cuda" and self._head_dim() < _FLEX_CUDA_MIN_HEAD_DIM:
+            return False  # the compiled (Triton) FlexAttention kernel refuses it: the cached path runs
         return _flex_attention_available()
+
+    def _head_dim(self) -> int:
+        """Width of one attention head (``head_dim`` of the config, else hidden_size / heads)."""
+        text = self._text_config
+        return int(getattr(text, "head_dim", None) or self.hidden_size // max(self.num_heads, 1))
 
     def _shared_prefix_kernel(self) -> str:
         """The kernel :meth:`tail_logits_shared_prefix` runs (:attr:`shared_prefix_kernel` resolved)."""
@@ -782,6 +788,36 @@ def _checkpointed_layer(forward, layer_idx: int, checkpoint, *args, **kwargs):
 _HEAD_CHUNK_ROWS = 16384
 
 
+def _mm_float32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (both bf16 or both fp16) as float32: one ``mm`` with float32 output on CUDA; elsewhere (where
+    ``mm.dtype`` has no kernel: CPU) the float32 product of the upcast operands, the same value up to float32
+    accumulation order."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _MmFloat32Out(torch.autograd.Function):
+    """``x2 @ weight.T`` as float32 logits from bf16 / fp16 operands (x2 (n, H), weight (V, H), same dtype), with
+    a backward: PyTorch's ``mm(..., out_dtype=float32)`` has none ("derivative for aten::mm is not implemented",
+    OAR-G on the H200, docs/gpu.md). The incoming float32 gradient is rounded to the operands' dtype, as the
+    model's own bf16 / fp16 backward would hold it, and the products accumulate in float32:
+    d x2 = g @ weight, d weight = g.T @ x2, each rounded once to its operand's dtype."""
+
+    @staticmethod
+    def forward(ctx, x2, weight):
+        ctx.save_for_backward(x2, weight)
+        return _mm_float32_out(x2, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        g = grad.to(weight.dtype)
+        gx = _mm_float32_out(g, weight).to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = _mm_float32_out(g.t(), x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
 def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` as float32 logits, outside autocast, differentiable in ``x``: the plain product
     when both are float32; on CUDA with bf16 / fp16 weights one ``mm`` with float32 output (tensor cores, float32
@@ -793,7 +829,7 @@ def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             return torch.nn.functional.linear(x, weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if dev == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
-            out = torch.mm(x2.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            out = _MmFloat32Out.apply(x2.to(weight.dtype), weight)
         else:
             xf = x2.float()
             out = torch.cat([xf @ weight[v:v + _HEAD_CHUNK_ROWS].float().t()
@@ -890,6 +926,11 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, dropout:
     return out.to(dt).transpose(1, 2).contiguous(), None
 
 
+# The compiled FlexAttention kernel on CUDA (torch 2.11) raises "NYI: embedding dimension of the query, key, and
+# value must be at least 16" below this head width (seen on the H200, docs/gpu.md); real models use 64-256.
+_FLEX_CUDA_MIN_HEAD_DIM = 16
+
+
 @functools.cache
 def _flex_attention_available() -> bool:
     """FlexAttention importable (torch >= 2.5)."""
@@ -965,8 +1006,11 @@ def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
     q = query.transpose(0, 1).reshape(1, H, N * S, D)
     with warnings.catch_warnings():  # the unfused CPU path is chosen on purpose (PyTorch warns about it)
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        # On CUDA the general kernel always: Inductor picks its decoding kernel for fewer than 128 queries (a
+        # small last chunk), which found no valid configuration on the H200 (NoValidChoicesError, docs/gpu.md).
+        opts = {"FORCE_USE_FLEX_ATTENTION": True} if query.device.type == "cuda" else None
         out = _flex_kernel(query.device.type)(q, k_s, v_s, block_mask=ctx.block_mask, scale=scaling,
-                                              enable_gqa=H != hk)
+                                              enable_gqa=H != hk, kernel_options=opts)
     return out.reshape(H, N, S, D).permute(1, 2, 0, 3).contiguous()
 
 
