@@ -270,6 +270,47 @@ def test_arithmetic_train_test_disjoint():
     assert not train & test
 
 
+def _fact(p):
+    """The arithmetic of a problem recomputed from its solution text (independent of arithmetic_fact): the
+    operation and operands, with + and x operands sorted."""
+    import re
+
+    lines = [ln for ln in p.solution.splitlines() if not ln.startswith("####")]
+    if len(lines) == 2:  # two-step: "a + b = s", "s - c = r"
+        a, b = map(int, re.match(r"(\d+) \+ (\d+) =", lines[0]).groups())
+        c = int(re.match(r"\d+ - (\d+) =", lines[1]).group(1))
+        return ("+-", (a, b, c))
+    a, op, b = re.match(r"(\d+) ([+\-x]) (\d+) =", lines[0]).groups()
+    a, b = int(a), int(b)
+    return (op, tuple(sorted((a, b))) if op in "+x" else (a, b))
+
+
+@pytest.mark.parametrize("level", [1, 2, 4, 5])
+def test_arithmetic_split_by_arithmetic_is_disjoint_in_facts(level):
+    """split_by="arithmetic": no held-out problem asks an operation on operands that a training problem asks
+    (commuted sums and products included); the question split does share them (what the option fixes)."""
+    task = get_task("arithmetic", level=level, split_by="arithmetic")
+    train = task.problems("train", n=300)
+    test = task.problems("test", n=120)
+    train_facts, test_facts = {_fact(p) for p in train}, {_fact(p) for p in test}
+    assert not train_facts & test_facts
+    assert len(test_facts) >= 5 and len({p.question for p in test}) == 120
+    assert all(int(p.answer) == int(p.solution.rsplit("#### ", 1)[1]) for p in test)
+    # deterministic, and other ids than the question split's
+    again = task.problems("test", n=120)
+    assert [p.question for p in again] == [p.question for p in test] and test[0].id.startswith(f"arithmetic-L{level}f-")
+    by_question = get_task("arithmetic", level=level)
+    shared = {_fact(p) for p in by_question.problems("train", n=300)} & {_fact(p) for p in by_question.problems("test", n=60)}
+    assert shared
+
+
+def test_arithmetic_question_split_is_unchanged():
+    """Adding split_by left the default split's problems as they were (the README's and runs' held-out sets)."""
+    a = get_task("arithmetic").problems("test", n=5)
+    b = get_task("arithmetic", split_by="question").problems("test", n=5)
+    assert [p.question for p in a] == [p.question for p in b] and a[0].id == "arithmetic-L2-test-s0-0"
+
+
 def test_arithmetic_mixed_levels():
     problems = get_task("arithmetic", level=[1, 4]).problems("train", n=200)
     assert {p.metadata["level"] for p in problems} == {1, 4}
@@ -284,6 +325,8 @@ def test_arithmetic_bad_arguments():
         get_task("arithmetic").problems("train", n=-1)
     with pytest.raises(ValueError, match="exceeds the distinct"):
         get_task("arithmetic", level=1).problems("test", n=20_000)
+    with pytest.raises(ValueError, match=r"split_by must be one of \('question', 'arithmetic'\), got 'facts'"):
+        get_task("arithmetic", split_by="facts")
 
 
 def test_prompt_format():

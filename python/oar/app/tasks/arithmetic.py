@@ -39,6 +39,8 @@ __all__ = [
     "LEVEL_ACCURACY",
     "LEVEL_MIXED_GROUPS",
     "FEW_SHOT_EXAMPLES",
+    "SPLIT_BY",
+    "arithmetic_fact",
     "default_few_shot",
     "generate_problem",
 ]
@@ -128,6 +130,24 @@ def _is_test_question(question: str) -> bool:
     return zlib.crc32(question.encode("utf-8")) % 5 == 0
 
 
+def arithmetic_fact(meta: dict) -> str:
+    """The arithmetic a problem asks, independent of its wording: the operation and its operands, with the
+    operands of ``+`` and ``*`` sorted (``3 + 5`` and ``5 + 3`` are one fact). ``meta`` is a problem's metadata
+    (``op``, ``operands``), as :func:`generate_problem` returns it."""
+    ops = tuple(meta["operands"])
+    if meta["op"] in ("+", "*"):
+        ops = tuple(sorted(ops))
+    return meta["op"] + ":" + ",".join(str(v) for v in ops)
+
+
+def _is_test_fact(meta: dict) -> bool:
+    return zlib.crc32(arithmetic_fact(meta).encode("utf-8")) % 5 == 0
+
+
+#: How train and test are told apart (``ArithmeticTask(split_by=...)``).
+SPLIT_BY = ("question", "arithmetic")
+
+
 def generate_problem(rng: random.Random, level: int) -> tuple[str, int, str, dict]:
     """One random problem of ``level`` drawn with ``rng``.
 
@@ -179,11 +199,15 @@ class ArithmeticTask(Task):
     Args:
         level: a level number (1..5) or a sequence of them (each problem picks one uniformly).
         train_size / test_size: number of problems ``problems(split)`` returns when ``n`` is None.
+        split_by: ``"question"`` (a question text belongs to one split: a test problem may ask the same sum
+            as a training problem in other words) or ``"arithmetic"`` (an arithmetic fact, the operation and its
+            operands (:func:`arithmetic_fact`), belongs to one split: held-out problems ask sums the policy
+            never trained on; about a fifth of the facts are test facts: 17 of level 2's 65).
         **kwargs: :class:`oar.app.tasks.base.Task` options (prompts, reward settings). ``few_shot``
             defaults to :func:`default_few_shot` of the levels; pass ``few_shot=()`` for zero-shot.
 
     Raises:
-        ValueError: unknown level, empty level list, or negative sizes.
+        ValueError: unknown level, empty level list, negative sizes, or an unknown ``split_by``.
     """
 
     name = "arithmetic"
@@ -194,6 +218,7 @@ class ArithmeticTask(Task):
         *,
         train_size: int = 2000,
         test_size: int = 200,
+        split_by: str = "question",
         **kwargs,
     ) -> None:
         levels = (level,) if isinstance(level, int) else tuple(level)
@@ -207,8 +232,11 @@ class ArithmeticTask(Task):
         for arg, v in (("train_size", train_size), ("test_size", test_size)):
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{arg} must be a non-negative int, got {v!r}")
+        if split_by not in SPLIT_BY:
+            raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
         self.levels = levels
         self.sizes = {"train": train_size, "test": test_size}
+        self.split_by = split_by
 
     def problems(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
         """``n`` distinct problems of ``split`` (default size when None), a pure function of the arguments.
@@ -223,7 +251,9 @@ class ArithmeticTask(Task):
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int or None, got {n!r}")
         level_tag = "-".join(str(lv) for lv in self.levels)
-        rng = random.Random(f"oar-arithmetic/{level_tag}/{split}/{seed}")
+        by_fact = self.split_by == "arithmetic"
+        # The question split keeps its historical stream (its problems are unchanged); the fact split has its own.
+        rng = random.Random(f"oar-arithmetic/{level_tag}/{split}/{seed}" + ("/fact" if by_fact else ""))
         want_test = split == "test"
         seen: set[str] = set()
         out: list[Problem] = []
@@ -232,7 +262,8 @@ class ArithmeticTask(Task):
         while len(out) < n:
             level = self.levels[0] if len(self.levels) == 1 else rng.choice(self.levels)
             question, answer, solution, meta = generate_problem(rng, level)
-            if question in seen or _is_test_question(question) != want_test:
+            in_test = _is_test_fact(meta) if by_fact else _is_test_question(question)
+            if question in seen or in_test != want_test:
                 misses += 1
                 if misses > max_misses:
                     raise ValueError(
@@ -244,7 +275,7 @@ class ArithmeticTask(Task):
             seen.add(question)
             out.append(
                 Problem(
-                    id=f"arithmetic-L{level_tag}-{split}-s{seed}-{len(out)}",
+                    id=f"arithmetic-L{level_tag}{'f' if by_fact else ''}-{split}-s{seed}-{len(out)}",
                     question=question,
                     answer=str(answer),
                     solution=solution,
