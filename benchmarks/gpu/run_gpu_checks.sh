@@ -9,7 +9,9 @@
 #   build      the three targets the tests load (oar_core with the kernels, oar_torch, _C), -j16; ptxas's register,
 #              spill and shared-memory report of the kernels goes to the log as a table;
 #   import     oar from python/ + build-gpu loads, has CUDA kernels, and runs one op on the GPU;
-#   pytest     every CUDA test (-m cuda) of the test files that take the device parameter (tests/python/_devices.py);
+#   pytest     every CUDA test (-m cuda) of the test files that take the device parameter (tests/python/_devices.py),
+#              in 8 pytest-xdist workers when xdist is installed (a test that crashes its worker is reported as
+#              failed and the worker replaced, instead of ending the phase: the first H200 run, docs/gpu.md);
 #   bench      benchmarks/gpu/bench_cuda.py: each kernel against PyTorch on the GPU, and the copy bandwidth;
 #   step       (only with --step) benchmarks/python/bench_step.py --device cuda on the fixed-shape suite; installs the
 #              carried wheels (.gpu-wheels) first when the `train` extra is incomplete.
@@ -33,8 +35,9 @@
 #   --no-tests, --no-bench, --no-step (the default), --build-only (= --no-tests --no-bench).
 # Knobs: OAR_GPU_BUDGET_S (total seconds), OAR_CUDA_ARCHITECTURES (default: the GPU's), OAR_JOBS (16),
 #        OAR_GPU_BUILD_DIR (build-gpu), OAR_GPU_DEBS (.gpu-debs), OAR_GPU_WHEELS (.gpu-wheels), PYTHON (the
-#        interpreter to try first), OAR_GPU_PYTEST_ARGS, BENCH_ARGS, STEP_ARGS (default: --suite fixed --lengths 128
-#        512 --repeats 2 --naive-stride 8 --dtype bfloat16), OAR_GPU_ALLOW_CUDA_MISMATCH=1.
+#        interpreter to try first), OAR_GPU_PYTEST_ARGS (replaces the xdist options; set it empty for one process),
+#        BENCH_ARGS, STEP_ARGS (default: --suite fixed --lengths 128 512 --repeats 2 --naive-stride 8 --dtype
+#        bfloat16), OAR_GPU_ALLOW_CUDA_MISMATCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -170,7 +173,7 @@ preflight() {
   else
     echo "  GPU: no nvidia-smi here"
   fi
-  PYBIND="" PYINC="" TORCH_PREFIX="" PYTEST_TIMEOUT=""
+  PYBIND="" PYINC="" TORCH_PREFIX="" PYTEST_TIMEOUT="" PYTEST_XDIST=""
   find_python || die "no Python with a CUDA build of torch that sees a GPU (tried \$PYTHON, .venv/bin/python, python3; set PYTHON=...)"
   PATH="$(dirname "$(command -v "$PY")"):$PATH"; export PATH
   log "python: $PY_INFO"
@@ -180,6 +183,7 @@ preflight() {
     case "$key" in
       torch_ver) torch_ver=$val ;; torch_cuda) torch_cuda=$val ;; prefix) TORCH_PREFIX=$val ;; pyinc) PYINC=$val ;;
       pybind) PYBIND=$val ;; cap) cap=$val ;; pytest_timeout) PYTEST_TIMEOUT=$val ;;
+      pytest_xdist) PYTEST_XDIST=$val ;;
     esac
   done < <(timeout 60 "$PY" -c 'import importlib.util as u, sysconfig, torch, torch.utils
 print("torch_ver=" + torch.__version__.split("+")[0])
@@ -191,7 +195,8 @@ if u.find_spec("pybind11"):
     print("pybind=" + pybind11.get_cmake_dir())
 if torch.cuda.is_available():
     print("cap=%d%d" % torch.cuda.get_device_capability())
-print("pytest_timeout=" + ("--timeout=120" if u.find_spec("pytest_timeout") else ""))' 2>/dev/null)
+print("pytest_timeout=" + ("--timeout=120" if u.find_spec("pytest_timeout") else ""))
+print("pytest_xdist=" + ("-n 8 --dist load --max-worker-restart 100" if u.find_spec("xdist") else ""))' 2>/dev/null)
   case "$torch_ver" in 2.1[1-9]*|2.[2-9][0-9]*|[3-9].*) ;; *) log "warning: torch $torch_ver is older than the oldest supported release, 2.11" ;; esac
   echo "  torch CMake prefix: $TORCH_PREFIX (cmake/OarTorch.cmake derives the include and lib folders from it)"
 
@@ -268,7 +273,7 @@ if not oar.has_cuda_kernels():
 a = ops.group_advantages(torch.tensor([0.0, 1.0, 1.0, 1.0], device="cuda"), group_size=2)
 torch.cuda.synchronize()
 print("one op on", torch.cuda.get_device_name(), "->", a.tolist())')"
-  CMD_PYTEST="$(q "$PY") -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short --durations=15 $PYTEST_TIMEOUT ${OAR_GPU_PYTEST_ARGS:-} ${PYTEST_FILES[*]}"
+  CMD_PYTEST="$(q "$PY") -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short --durations=15 $PYTEST_TIMEOUT ${OAR_GPU_PYTEST_ARGS-$PYTEST_XDIST} ${PYTEST_FILES[*]}"
   CMD_BENCH="$(q "$PY") benchmarks/gpu/bench_cuda.py --out $(q "$OUT_DIR") ${BENCH_ARGS:-}"
   CMD_STEP="if [ -n \"\$($(q "$PY") -c 'from oar.app._extras import missing; print(*missing(\"train\"))')\" ] && ls $(q "$WHEELS")/*.whl >/dev/null 2>&1; then"
   CMD_STEP+=" $(q "$PY") -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $(q "$WHEELS")/*.whl || exit 1;"
