@@ -283,9 +283,21 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     again = run(model, tok, _PlantedSource(tok), s, out, progress=False)
     assert json.dumps(again["rows"], sort_keys=True) == json.dumps(first["rows"], sort_keys=True)
     assert report() == before
+    # --batches may grow (a pilot extended): batches 0-2 are kept as they were, batch 3 is added; and shrink back
+    def records():
+        from oar.app.diagnose import _load_batches
+        return {b: json.dumps(r, sort_keys=True) for b, r in _load_batches(out).items()}
+
+    kept = records()
+    grown = run(model, tok, _PlantedSource(tok), DiagnoseSettings(**{**s.__dict__, "batches": 4}), out, progress=False)
+    now = records()
+    assert sorted(now) == [0, 1, 2, 3] and all(now[b] == kept[b] for b in (0, 1, 2))
+    assert {r["batches"] for r in grown["rows"]} == {4}
+    back = run(model, tok, _PlantedSource(tok), s, out, progress=False)
+    assert json.dumps(back["rows"], sort_keys=True) == json.dumps(first["rows"], sort_keys=True)
     # other settings in the same folder are refused, naming the field
-    s2 = DiagnoseSettings(**{**s.__dict__, "batches": 4})
-    with pytest.raises(ValueError, match=r"other settings \(\['batches'\]\)"):
+    s2 = DiagnoseSettings(**{**s.__dict__, "group": 2})
+    with pytest.raises(ValueError, match=r"other settings \(\['group'\]\)"):
         run(model, tok, _PlantedSource(tok), s2, out, progress=False)
 
 

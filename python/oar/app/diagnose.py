@@ -301,13 +301,14 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
     if os.path.exists(state_path):
         with open(state_path) as f:
             old = json.load(f)
+        # `batches` may change: batch b is the same draw whatever the total, so a pilot extends to a full run
+        # (and the report covers batches 0 .. batches - 1).
         diff = sorted(k for k in set(old["settings"]) | set(state["settings"])
-                      if old["settings"].get(k) != state["settings"].get(k))
+                      if k != "batches" and old["settings"].get(k) != state["settings"].get(k))
         if diff or old.get("base_config") != state["base_config"]:
             raise ValueError(f"{out_dir} holds a diagnostic with other settings ({diff or ['base_config']}): pass "
-                             "the same settings to resume, or another output folder")
-    else:
-        _write_json(state_path, state)
+                             "the same settings to resume (only --batches may change), or another output folder")
+    _write_json(state_path, state)
     model.eval()
     params = _params(model)
     n_params = sum(p.numel() for p in params)
@@ -317,7 +318,7 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
     bar = tqdm(total=s.ref_prompts, desc="reference gradient (prompts)", disable=not progress, dynamic_ncols=True)
     ref = compute_reference(model, tok, source, s, out_dir, progress=bar.update)
     bar.close()
-    done = _load_batches(out_dir)
+    done = {b: rec for b, rec in _load_batches(out_dir).items() if b < s.batches}
     base_reward = None
     if s.reward_batches:
         bpath = os.path.join(out_dir, "base_reward.json")
@@ -334,8 +335,14 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
             rec, sk = run_batch(model, tok, source, s, specs, ref, b, sketch, base_config,
                                 base_reward if b < s.reward_batches else None, step_norm)
             torch.save(sk, os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))
-            with open(os.path.join(out_dir, "batches.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            with open(os.path.join(out_dir, "batches.jsonl"), "a+b") as f:
+                # A killed run may have left a cut last line without its newline: end it first, so that this
+                # record is a line of its own (else it would merge with the fragment and be lost on resume).
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+                f.write((json.dumps(rec) + "\n").encode())
                 f.flush()
                 os.fsync(f.fileno())
             done[b] = rec
