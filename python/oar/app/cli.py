@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oar", description="Outcome-grounded Advantage Reshaping for GRPO")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="GRPO + OAR training through TRL (default: configs/default.yaml)")
-    t.add_argument("--config", default=None, help="YAML path or shipped name (default, gsm8k, gpu_qwen_math)")
+    t.add_argument("--config", default=None, help="YAML path or shipped name (default, compare_cpu, gsm8k, gpu_qwen_math, gpu_compare_math)")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set oar.method=oar_p --set grpo.max_steps=5")
     t.add_argument("--output-dir", default=None)
