@@ -92,7 +92,8 @@ def test_float32_out_product_has_a_backward(dtype):
     out = model_mod._MmFloat32Out.apply(x, w)
     assert out.dtype == torch.float32
     want = x.detach().double() @ w.detach().double().t()
-    assert bool(((out.detach().double() - want).abs() <= gamma(16) * (x.detach().double().abs() @ w.detach().double().abs().t())).all())
+    xd, wd = x.detach().double(), w.detach().double()
+    assert bool(((out.detach().double() - want).abs() <= gamma(16) * (xd.abs() @ wd.abs().t())).all())
     grad = torch.randn(6, 40, generator=g0)
     out.backward(grad)
     u = UNIT_ROUNDOFF[dtype]

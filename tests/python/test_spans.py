@@ -166,27 +166,37 @@ def test_window_covering_the_rest_is_exact_span_oar_p(tiny):  # noqa: F811
 
 
 def test_screened_over_spans(tiny):  # noqa: F811
-    """Screened OAR-P over spans: fraction 1 is exact span OAR-P; with a partial fraction, the masked spans carry
-    exact span scores and every other span a x its screen score on each of its tokens."""
+    """Screened OAR-P over spans: fraction 1 is exact span OAR-P; with a partial fraction, every span that was not
+    masked (``stats["masked_units"]``) carries exactly a x the mean of its screen scores on each of its tokens (the
+    same float64 expression, rounded once), and the masked ones the exact span score (against the float64
+    reference, rule 1; it used to be told apart by closeness to another float32 run, whose rounding differs between
+    CPUs: it failed on an Intel AMX machine)."""
     pm, batch, spans = _setup(tiny, "word")
-    exact = oar_p_scores(pm, batch, spans=spans)
+    want = _span_exact(tiny, "word")
+    W = want.value.shape[1]
     screen = oar_p_window_scores(pm, batch, window=1, spans=spans, keep_clean_pass=True)
     full = oar_p_screened_scores(pm, batch, screen, fraction=1.0, sample_fraction=0.0, spans=spans)
-    assert torch.allclose(full.scores, exact.scores, rtol=1e-5, atol=1e-7)
+    assert_within_error_model(full.scores[:, :W], want, what="screened spans, fraction 1")
     assert full.stats["masked"] == sum(len(v) for v in spans.values())
     part = oar_p_screened_scores(pm, batch, screen, fraction=0.3, sample_fraction=0.2, spans=spans,
                                  generator=torch.Generator().manual_seed(0))
-    masked_spans = 0
+    chosen = part.stats["masked_units"]
+    n_masked = part.stats["masked"]
+    assert sum(len(v) for v in chosen.values()) == n_masked and 0 < n_masked < full.stats["masked"]
+    masked = torch.zeros_like(part.scores, dtype=torch.bool)
     for r, units in spans.items():
         a = part.stats["calibration"][r]
         for j0, j1 in units:
             got = part.scores[r, j0:j1]
             assert bool((got == got[0]).all())
-            if torch.allclose(got, exact.scores[r, j0:j1], rtol=1e-5, atol=1e-7):
-                masked_spans += 1
+            if (j0, j1) in chosen.get(r, []):
+                masked[r, j0:j1] = True
             else:
-                assert torch.allclose(got, a * screen.scores[r, j0:j1], rtol=1e-5, atol=1e-7)
-    assert masked_spans >= part.stats["masked"]
+                estimate = torch.tensor(float(a * screen.scores[r, j0:j1].double().mean()), dtype=got.dtype)
+                assert bool(got[0] == estimate), (r, j0, j1)
+    m = masked[:, :W]
+    assert_within_error_model(part.scores[:, :W][m], type(want)(want.value[m], want.bound[m], want.bound_ref[m]),
+                              what="screened spans, the masked ones")
     with pytest.raises(ValueError, match="pass positions .* or spans .*, not both"):
         oar_p_screened_scores(pm, batch, screen, fraction=1.0, sample_fraction=0.0, spans=spans, positions={0: [0]})
 

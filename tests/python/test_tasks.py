@@ -300,7 +300,8 @@ def test_arithmetic_split_by_arithmetic_is_disjoint_in_facts(level):
     again = task.problems("test", n=120)
     assert [p.question for p in again] == [p.question for p in test] and test[0].id.startswith(f"arithmetic-L{level}f-")
     by_question = get_task("arithmetic", level=level)
-    shared = {_fact(p) for p in by_question.problems("train", n=300)} & {_fact(p) for p in by_question.problems("test", n=60)}
+    shared = ({_fact(p) for p in by_question.problems("train", n=300)}
+              & {_fact(p) for p in by_question.problems("test", n=60)})
     assert shared
 
 

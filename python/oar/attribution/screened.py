@@ -149,8 +149,9 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
 
     Returns:
         Attribution (B, L_max) float32 >= 0: exact OAR-P scores on the selected units, ``a_i x screen``
-        elsewhere; stats of the exact pass plus ``masked`` (units masked exactly), ``scored_tokens`` (units
-        scored: reasoning tokens with token units), ``calibration`` ({row: a_i}).
+        elsewhere; stats of the exact pass plus ``masked`` (units masked exactly), ``masked_units`` ({row: [(j0, j1)
+        of each unit masked exactly]}), ``scored_tokens`` (units scored: reasoning tokens with token units),
+        ``calibration`` ({row: a_i}).
 
     Raises:
         ValueError: as :func:`screen_selection` and :func:`oar.attribution.oar_p_scores`; a screen whose shape is not
@@ -209,5 +210,6 @@ def oar_p_screened_scores(model, batch: ProbeBatch, screen: Attribution, *, frac
             if i not in taken:
                 out[r, j0:j1] = float(a * s_u[i])
     stats = dict(exact.stats, masked=sum(len(p) for p in chosen_of.values()),
+                 masked_units={r: [candidates[r][i] for i in idx] for r, idx in chosen_of.items()},
                  scored_tokens=sum(len(c) for c in candidates.values()), calibration=calibration)
     return Attribution(out, exact.mask, stats)
