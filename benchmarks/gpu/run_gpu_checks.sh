@@ -273,7 +273,11 @@ if not oar.has_cuda_kernels():
 a = ops.group_advantages(torch.tensor([0.0, 1.0, 1.0, 1.0], device="cuda"), group_size=2)
 torch.cuda.synchronize()
 print("one op on", torch.cuda.get_device_name(), "->", a.tolist())')"
-  CMD_PYTEST="$(q "$PY") -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short --durations=15 $PYTEST_TIMEOUT ${OAR_GPU_PYTEST_ARGS-$PYTEST_XDIST} ${PYTEST_FILES[*]}"
+  # 8 workers on the device's 16 cores: 2 CPU threads each (16 each oversubscribed the cores 8x, and the window
+  # engine's float64 CPU reference then passed pytest-timeout's 120 s on the first H200 run of the flex tests)
+  threads=""
+  [ -n "$PYTEST_XDIST" ] && [ -z "${OAR_GPU_PYTEST_ARGS+x}" ] && threads="OMP_NUM_THREADS=2 "
+  CMD_PYTEST="${threads}$(q "$PY") -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short --durations=15 $PYTEST_TIMEOUT ${OAR_GPU_PYTEST_ARGS-$PYTEST_XDIST} ${PYTEST_FILES[*]}"
   CMD_BENCH="$(q "$PY") benchmarks/gpu/bench_cuda.py --out $(q "$OUT_DIR") ${BENCH_ARGS:-}"
   CMD_STEP="if [ -n \"\$($(q "$PY") -c 'from oar.app._extras import missing; print(*missing(\"train\"))')\" ] && ls $(q "$WHEELS")/*.whl >/dev/null 2>&1; then"
   CMD_STEP+=" $(q "$PY") -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE $(q "$WHEELS")/*.whl || exit 1;"

@@ -123,6 +123,126 @@ def test_kernel_names_are_checked(gqa):
         oar_p_scores(pm, batch, engine="prefix")
 
 
+def _visible(ctx, n, s):
+    """The (N*S, g*p + N*S) visibility of the shared-prefix attention, written out pair by pair from its
+    definition (the independent reference of the block lists and the mask function)."""
+    p, g = ctx.p, len(ctx.groups)
+    n_pre = g * p
+    out = torch.zeros(n * s, n_pre + n * s, dtype=torch.bool)
+    for k, (_, begin, end, pad) in enumerate(ctx.groups):
+        for v in range(begin, end):
+            for i in range(s):
+                for c in range(p):
+                    see = bool(ctx.prefix_bias[v, i, c] == 0) if ctx.prefix_bias is not None else c >= pad
+                    out[v * s + i, k * p + c] = see
+                for j in range(s):
+                    see = bool(ctx.self_bias[v, 0, i, j] == 0) if ctx.self_bias is not None else j <= i
+                    out[v * s + i, n_pre + v * s + j] = see
+    return out
+
+
+def _layout(seed, n, s, p, groups, biases):
+    from oar.attribution.model import _SharedPrefix
+
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[:groups - 1].add(1).tolist()) if groups > 1 else []
+    bounds = [0, *cuts, n]
+    rows = [(slot, bounds[k], bounds[k + 1], int(torch.randint(0, p + 1, (), generator=gen)))
+            for k, slot in enumerate(torch.randperm(groups, generator=gen).tolist())]
+    ctx = _SharedPrefix(kv=[], groups=rows, p=p)
+    if biases:
+        ninf = torch.tensor(float("-inf"))
+        ctx.prefix_bias = torch.where(torch.rand(n, s, p, generator=gen) < 0.3, ninf, 0.0)
+        ctx.self_bias = torch.where(torch.rand(n, 1, s, s, generator=gen) < 0.3, ninf, 0.0)
+    return ctx
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["pads", "biases"])
+@pytest.mark.parametrize("n,s,p,groups", [(1, 1, 0, 1), (1, 3, 5, 1), (7, 3, 5, 3), (12, 5, 9, 4), (5, 13, 2, 5)])
+def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, biases):
+    """The flex kernel's block mask, built from the layout (never by evaluating the mask on every pair: that took
+    44-65 GiB at L = 4096 on the H200), against the pair-by-pair visibility: its mask function equals it on every
+    pair (indices past the sequences included: they must not fail), every block holding a visible pair is listed,
+    and a listed block holds a pair of a variant with its own row or suffix. Block size 4 here, so that these small
+    layouts span many blocks."""
+    from oar.attribution.model import _shared_prefix_block_mask
+
+    ctx = _layout(n * 100 + s, n, s, p, groups, biases)
+    want = _visible(ctx, n, s)
+    B = 4
+    bm = _shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
+    Q, KV = want.shape
+    assert tuple(bm.seq_lengths) == (Q, KV)
+    q = torch.arange(Q + B)[:, None]
+    kv = torch.arange(KV + B)[None, :]
+    got = bm.mask_mod(torch.zeros(()), torch.zeros(()), q, kv)
+    assert torch.equal(got[:Q, :KV], want)
+    QB, KB = -(-Q // B), -(-KV // B)
+    counts = bm.kv_num_blocks[0, 0, :QB]
+    listed = torch.zeros(QB, KB, dtype=torch.bool)
+    for r in range(QB):
+        cols = bm.kv_indices[0, 0, r, :int(counts[r])].long()
+        assert bool((cols < KB).all()) and len(set(cols.tolist())) == len(cols)
+        listed[r, cols] = True
+    padded = torch.zeros(QB * B, KB * B, dtype=torch.bool)
+    padded[:Q, :KV] = want
+    holds = padded.reshape(QB, B, KB, B).any(3).any(1)
+    assert not bool((holds & ~listed).any()), "a block with a visible pair is not listed"
+    # listed = a variant of the query block meets its own row's prefix or its own suffix in the key block
+    structural = torch.zeros(QB * B, KB * B, dtype=torch.bool)
+    n_pre = len(ctx.groups) * p
+    for k, (_, begin, end, _) in enumerate(ctx.groups):
+        for v in range(begin, end):
+            structural[v * s:(v + 1) * s, k * p:(k + 1) * p] = True
+            structural[v * s:(v + 1) * s, n_pre + v * s:n_pre + (v + 1) * s] = True
+    assert torch.equal(listed, structural.reshape(QB, B, KB, B).any(3).any(1))
+
+
+def test_new_chunk_shapes_reuse_the_compiled_kernel(gqa, monkeypatch):
+    """Compiled FlexAttention (as on CUDA, here traced by Dynamo with a counting backend that runs the graph
+    eagerly): after the engines ran once at two memory budgets, other budgets (new chunk shapes, N = 1 chunks
+    included) compile nothing more, and the compiled path gives the unfused kernel's scores. On the H200 each new
+    chunk shape recompiled until Dynamo's limit (8), then PyTorch fell back to the unfused kernel, which ran out of
+    memory (docs/gpu.md)."""
+    import oar.attribution.model as model_mod
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=True, backend=backend)
+    model, batch, spans = gqa
+
+    def run_all(budget, rows):
+        pm = _flex(model)
+        sp = spans if rows is None else {r: spans[r] for r in rows}
+        return [oar_p_window_scores(pm, batch, window=3, memory_budget_mb=budget, rows=rows).scores,
+                oar_p_window_scores(pm, batch, window=0, memory_budget_mb=budget, rows=rows, spans=sp).scores,
+                oar_p_scores(pm, batch, engine="prefix", memory_budget_mb=budget, rows=rows).scores]
+
+    later = [(2, None), (3, [1, 2]), (1, [2])]
+    eager = [run_all(*a) for a in later]
+    monkeypatch.setattr(model_mod, "_flex_kernel", lambda device_type: compiled)
+    try:
+        for a in [(1, None), (1024, [0]), (1, [0, 1])]:
+            run_all(*a)
+        warm = len(compiles)
+        # three mask forms (prefix and self masks; self mask only; padding only), each compiled at most twice
+        # (Dynamo's first compilation is static, the next dynamic)
+        assert 1 <= warm <= 6, f"{warm} compilations in the warm-up (at most 2 per mask form; Dynamo stops at 8)"
+        again = [run_all(*a) for a in later]
+        assert len(compiles) == warm, f"{len(compiles) - warm} recompilations for new chunk shapes"
+    finally:
+        torch._dynamo.reset()
+    for x, y in zip(again, eager):
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a, b)
+
+
 # ---- CUDA: the compiled kernel the engines run on GPUs (benchmarks/gpu/run_scale.sh runs these) -------------------
 
 from _devices import OTHER_DEVICES, no_pending_device_errors  # noqa: E402,F401 - autouse fixture

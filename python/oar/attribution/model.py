@@ -953,37 +953,90 @@ def _flex_kernel(device_type: str):
     return flex_attention
 
 
-def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device):
+def _at_least_2(t: torch.Tensor) -> torch.Tensor:
+    """``t`` zero-padded at the end of every dimension to a size of at least 2: the compiled kernel's guards
+    specialize sizes 0 and 1, so a closure tensor of size 1 in one call and 2 in the next recompiles (the H200 run of
+    the step benchmark hit the recompile limit and fell back to the unfused kernel, docs/gpu.md)."""
+    pad = []
+    for d in reversed(t.shape):
+        pad += [0, max(2 - d, 0)]
+    return torch.nn.functional.pad(t, pad) if any(pad) else t
+
+
+def _shared_prefix_blocks(group_of: torch.Tensor, g: int, p: int, n: int, s: int, block: int):
+    """Which (query block, key block) pairs of the shared-prefix attention can hold a visible pair, as a dense
+    (QB, KB) bool tensor, from the layout alone (O(QB x KB x N), never O(queries x keys)): a query block sees the
+    prefix blocks of the rows its variants belong to and the suffix blocks of its own variants. Conservative
+    (padding, causality and biases are left to ``mask_mod`` inside each block). group_of: (N,) long, the row of
+    each variant; queries are N x S (variant-major), keys the g x p prefix columns then the N x S suffix tokens."""
+    dev = group_of.device
+    n_pre = g * p
+    q_len, kv_len = n * s, n_pre + n * s
+    qb = torch.arange((q_len + block - 1) // block, device=dev)
+    kb = torch.arange((kv_len + block - 1) // block, device=dev)
+    v = torch.arange(n, device=dev)
+    # query block x variant: the variant's queries [v s, (v+1) s) overlap the block
+    q_var = (v * s < (qb[:, None] + 1) * block) & ((v + 1) * s > qb[:, None] * block)
+    # key block x variant (suffix part): the variant's suffix columns overlap the block
+    k_var = (n_pre + v * s < (kb[:, None] + 1) * block) & (n_pre + (v + 1) * s > kb[:, None] * block)
+    hits = q_var.float() @ k_var.float().T
+    if n_pre > 0:
+        r = torch.arange(g, device=dev)
+        k_row = (r * p < (kb[:, None] + 1) * block) & ((r + 1) * p > kb[:, None] * block)  # (KB, g)
+        member = torch.nn.functional.one_hot(group_of[:n], g).float()  # (N, g)
+        hits = hits + (q_var.float() @ member) @ k_row.float().T
+    return hits > 0
+
+
+def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block: int = 128):
     """The flex kernel's block mask over queries (N x S suffix tokens, variant-major) and keys (the used rows'
     prefixes, p columns each, in group order, then the N x S suffix tokens): a query of variant v at suffix slot i
     sees column c < p of its row's prefix when c >= the row's padding (or ``prefix_bias[v, i, c]`` allows it) and
-    slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it).
+
+    The block lists come from the layout (:func:`_shared_prefix_blocks`), not from evaluating ``mask_mod`` on every
+    (query, key) pair as ``create_block_mask`` does uncompiled (44-65 GiB at L = 4096 on the H200). Every tensor the
+    ``mask_mod`` reads, integers included, is a closure tensor of size >= 2 or a 0-d tensor, so a new chunk shape
+    reuses the compiled kernel instead of recompiling (docs/gpu.md)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     p = ctx.p
     g = len(ctx.groups)
-    group_of = torch.empty(n, dtype=torch.long)
-    pads = torch.tensor([pad for _, _, _, pad in ctx.groups], dtype=torch.long, device=device)
-    for k, (_, begin, end, _) in enumerate(ctx.groups):
-        group_of[begin:end] = k
-    group_of = group_of.to(device)
-    see_p = None if ctx.prefix_bias is None else (ctx.prefix_bias == 0)
-    see_s = None if ctx.self_bias is None else (ctx.self_bias[:, 0] == 0)
     n_pre = g * p
+    group_of = torch.zeros(max(n, 2), dtype=torch.long)
+    pads = torch.zeros(max(g, 2), dtype=torch.long)
+    for k, (_, begin, end, pad) in enumerate(ctx.groups):
+        group_of[begin:end] = k
+        pads[k] = pad
+    group_of, pads = group_of.to(device), pads.to(device)
+    see_p = None if ctx.prefix_bias is None else _at_least_2(ctx.prefix_bias == 0)
+    see_s = None if ctx.self_bias is None else _at_least_2(ctx.self_bias[:, 0] == 0)
+
+    def scalar(x: int) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    s_t, p_t, n_pre_t = scalar(s), scalar(max(p, 1)), scalar(n_pre)
+    last_v, last_pre = scalar(max(n - 1, 0)), scalar(max(n_pre - 1, 0))
 
     def mask_mod(b, h, q_idx, kv_idx):
-        v, i = q_idx // s, q_idx % s
-        pre_idx = kv_idx.clamp(max=max(n_pre - 1, 0))
-        row, c = pre_idx // max(p, 1), pre_idx % max(p, 1)
-        pre = (kv_idx < n_pre) & (row == group_of[v])
+        # indices past the sequences (a kernel's padded tail) are clamped into range; their scores are dropped
+        v, i = torch.minimum(q_idx // s_t, last_v), q_idx % s_t
+        pre_idx = torch.minimum(kv_idx, last_pre)
+        row, c = pre_idx // p_t, pre_idx % p_t
+        pre = (kv_idx < n_pre_t) & (row == group_of[v])
         pre = pre & (see_p[v, i, c] if see_p is not None else c >= pads[row])
-        suf_idx = (kv_idx - n_pre).clamp(min=0)
-        w, j = suf_idx // s, suf_idx % s
-        suf = (kv_idx >= n_pre) & (w == v)
+        suf_idx = torch.clamp(kv_idx - n_pre_t, min=0)
+        w, j = suf_idx // s_t, suf_idx % s_t
+        suf = (kv_idx >= n_pre_t) & (w == v)
         suf = suf & (see_s[v, i, j] if see_s is not None else j <= i)
         return pre | suf
 
-    return create_block_mask(mask_mod, None, None, n * s, n_pre + n * s, device=device)
+    dense = _at_least_2(_shared_prefix_blocks(group_of, g, p, n, s, block))  # padded blocks are never visible
+    counts = dense.sum(-1).to(torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    # forward only (the engines score under no_grad): the transposed lists a backward pass reads are not built
+    return BlockMask.from_kv_blocks(counts[None, None], order[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(n * s, n_pre + n * s), compute_q_blocks=False)
 
 
 def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
@@ -1004,6 +1057,8 @@ def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
         v_p = values[:, :, :p].index_select(0, idx).to(query.dtype).transpose(0, 1).reshape(1, hk, -1, D)
         k_s, v_s = torch.cat([k_p, k_s], 2), torch.cat([v_p, v_s], 2)
     q = query.transpose(0, 1).reshape(1, H, N * S, D)
+    # a view (N = 1) would make the compiled kernel guard on the size of the tensor it views: a recompile per N = 1
+    q, k_s, v_s = (t.clone() if t._base is not None else t for t in (q, k_s, v_s))
     with warnings.catch_warnings():  # the unfused CPU path is chosen on purpose (PyTorch warns about it)
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         # On CUDA the general kernel always: Inductor picks its decoding kernel for fewer than 128 queries (a
