@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU check of issue 23 (OAR at scale), one bounded command, under 8 minutes on one H200:
+# Prepared GPU check of issue 23 (OAR at scale), one bounded command, about 5 minutes on one H200:
 #   build   benchmarks/gpu/run_gpu_checks.sh --build-only (preflight, carried C++ packages, CMake, the three targets,
 #           import; caps 20+15+45+150+25 = 255 s);
 #   tests   the CUDA tests of the shared-prefix attention on FlexAttention (tests/python/test_shared_prefix_flex.py
@@ -7,9 +7,12 @@
 #           the first call compiles the kernel);
 #   time    benchmarks/python/bench_scale.py time: a random-weight Qwen2.5-1.5B-shaped model in bf16, one row of
 #           L = 4096 reasoning tokens (units of 25 tokens), the GRPO-update proxy, OAR-G, windowed OAR-P (W = 8),
-#           span OAR-P and windowed span OAR-P: seconds, first-call seconds (compilation), peak GiB (cap 90 s).
+#           span OAR-P and windowed span OAR-P: seconds, first-call seconds (compilation), peak GiB (cap 180 s).
 # Results in $OUT (default ./gpu_results): scale.log, time_qwen2.5-1.5b_L4096_cuda.{md,csv}. Exit 0 when all passed.
-# Knobs: SCALE_LENGTH (4096), SCALE_SHAPE (qwen2.5-1.5b), PY (the interpreter with a CUDA torch; default the one
+# Knobs: SCALE_LENGTH (4096), SCALE_SHAPE (qwen2.5-1.5b), SCALE_SETTINGS (a subset, e.g. "span window"),
+# SCALE_PROFILE=1 (then one profiled call per setting: profile_*.txt, the top kernels by device time),
+# SCALE_TIMEOUT_S (180; the 7 settings took 119 s on the H200, 17 s of it the first window call's compilation),
+# PY (the interpreter with a CUDA torch; default the one
 # run_gpu_checks.sh finds), OAR_GPU_BUDGET_S for the build (default 255).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,8 +30,9 @@ timeout 120 "$PY" -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short test
   2>&1 | tail -n 25 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "[scale] timings" | tee -a "$LOG"
-timeout 90 "$PY" benchmarks/python/bench_scale.py time --shape "${SCALE_SHAPE:-qwen2.5-1.5b}" \
+timeout "${SCALE_TIMEOUT_S:-180}" "$PY" benchmarks/python/bench_scale.py time --shape "${SCALE_SHAPE:-qwen2.5-1.5b}" \
   --length "${SCALE_LENGTH:-4096}" --device cuda --dtype bfloat16 --window 8 --unit-len 25 --out "$OUT_DIR" \
+  ${SCALE_PROFILE:+--profile} ${SCALE_SETTINGS:+--settings $SCALE_SETTINGS} \
   2>&1 | grep -v "Warning\|warnings.warn" | tail -n 12 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "[scale] $([ $rc = 0 ] && echo OK || echo FAILED)" | tee -a "$LOG"

@@ -132,11 +132,13 @@ def _sync(device: torch.device) -> None:
 
 
 def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit_len: int, prompt: int = 200,
-                  repeats: int = 1, budget_mb: int = 16384, settings=None, group: int = 1) -> list[dict]:
+                  repeats: int = 1, budget_mb: int = 16384, settings=None, group: int = 1,
+                  profile_dir: str | None = None) -> list[dict]:
     """Seconds and peak memory (CUDA) of each attribution setting on one row of L random reasoning tokens of a
     random-weight ``shape`` model, next to a GRPO-update proxy (a forward + backward of the policy over the rows).
     ``group`` > 1: one group of that many rollouts of the prompt, reasoning lengths L down to about L / 2, and each
-    OAR-P setting also timed with the prompt-once clean pass off (``[each prompt]``), side by side."""
+    OAR-P setting also timed with the prompt-once clean pass off (``[each prompt]``), side by side.
+    ``profile_dir``: afterwards one profiled call of each setting (:func:`_profile`)."""
     from oar.app.models import minimal_tokenizer, tiny_random_llama
     from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores,
                                  oar_p_window_scores)
@@ -220,7 +222,31 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     base = rows[0]["seconds"]
     for r in rows:
         r["x_grpo_update"] = round(r["seconds"] / base, 2) if base else None
+    if profile_dir:
+        _profile(order, dev, profile_dir, f"{shape}_L{L}")
     return rows
+
+
+def _profile(order, dev, out_dir: str, tag: str) -> None:
+    """One more (warm) call of each setting under torch.profiler: the 25 operators and kernels with the most self
+    device time (CUDA) or self CPU time, one text file per setting, ``profile_<tag>_<setting>.txt`` (where the
+    engines' time goes, for the kernel work of docs/gpu.md)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    for name, fn in order:
+        _sync(dev)
+        with profile(activities=acts) as prof:
+            fn()
+            _sync(dev)
+        safe = "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+        path = os.path.join(out_dir, f"profile_{tag}_{safe}.txt")
+        with open(path, "w") as f:
+            f.write(f"# {name}: {tag}, {dev}, sorted by {key}\n")
+            f.write(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+        print(f"[profile] {path}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -252,6 +278,8 @@ def main(argv=None) -> int:
     t.add_argument("--group", type=int, default=1, help="rollouts of the prompt (> 1: prompt-once A/B rows)")
     t.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     t.add_argument("--out", default=None)
+    t.add_argument("--profile", action="store_true", help="then one profiled call of each setting: the top "
+                   "operators/kernels by self device (CPU) time, profile_*.txt under --out")
     a = ap.parse_args(argv)
     if a.cmd == "cost":
         rows = cost_table(a.lengths, a.prompt, a.tail, a.window, a.unit_len, a.fraction, a.group, a.keep)
@@ -263,7 +291,8 @@ def main(argv=None) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         rows = time_settings(a.shape, a.length, a.device, a.dtype, a.window, a.unit_len, a.prompt, a.repeats,
-                             a.budget_mb, a.settings, a.group)
+                             a.budget_mb, a.settings, a.group,
+                             profile_dir=(a.out or ".") if a.profile else None)
         if a.out:
             g = f"_G{a.group}" if a.group > 1 else ""
             _write(rows, a.out, f"time_{a.shape}_L{a.length}{g}_{a.device}", f"{a.shape}, L = {a.length}, "
