@@ -11,6 +11,7 @@
 # Results in $OUT (default ./gpu_results): scale.log, time_qwen2.5-1.5b_L4096_cuda.{md,csv}. Exit 0 when all passed.
 # Knobs: SCALE_LENGTH (4096), SCALE_SHAPE (qwen2.5-1.5b), SCALE_SETTINGS (a subset, e.g. "span window"),
 # SCALE_PROFILE=1 (then one profiled call per setting: profile_*.txt, the top kernels by device time),
+# SCALE_NO_FULL_BLOCKS=1 (FlexAttention with every block partial: the A/B of full-block lists),
 # SCALE_TIMEOUT_S (180; the 7 settings took 119 s on the H200, 17 s of it the first window call's compilation),
 # PY (the interpreter with a CUDA torch; default the one
 # run_gpu_checks.sh finds), OAR_GPU_BUDGET_S for the build (default 255).
@@ -32,7 +33,7 @@ timeout 120 "$PY" -m pytest -p no:cacheprovider -m cuda -v -rfEs --tb=short test
 echo "[scale] timings" | tee -a "$LOG"
 timeout "${SCALE_TIMEOUT_S:-180}" "$PY" benchmarks/python/bench_scale.py time --shape "${SCALE_SHAPE:-qwen2.5-1.5b}" \
   --length "${SCALE_LENGTH:-4096}" --device cuda --dtype bfloat16 --window 8 --unit-len 25 --out "$OUT_DIR" \
-  ${SCALE_PROFILE:+--profile} ${SCALE_SETTINGS:+--settings $SCALE_SETTINGS} \
+  ${SCALE_PROFILE:+--profile} ${SCALE_NO_FULL_BLOCKS:+--no-full-blocks} ${SCALE_SETTINGS:+--settings $SCALE_SETTINGS} \
   2>&1 | grep -v "Warning\|warnings.warn" | tail -n 12 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "[scale] $([ $rc = 0 ] && echo OK || echo FAILED)" | tee -a "$LOG"

@@ -278,6 +278,8 @@ def main(argv=None) -> int:
     t.add_argument("--group", type=int, default=1, help="rollouts of the prompt (> 1: prompt-once A/B rows)")
     t.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     t.add_argument("--out", default=None)
+    t.add_argument("--no-full-blocks", action="store_true", help="FlexAttention without full-block lists (every "
+                   "block partial: the mask function on every pair), the A/B of docs/gpu.md")
     t.add_argument("--profile", action="store_true", help="then one profiled call of each setting: the top "
                    "operators/kernels by self device (CPU) time, profile_*.txt under --out")
     a = ap.parse_args(argv)
@@ -290,12 +292,17 @@ def main(argv=None) -> int:
     else:
         if a.threads:
             torch.set_num_threads(a.threads)
+        if a.no_full_blocks:
+            import oar.attribution.model as model_mod
+
+            model_mod._FLEX_FULL_BLOCKS = False
         rows = time_settings(a.shape, a.length, a.device, a.dtype, a.window, a.unit_len, a.prompt, a.repeats,
                              a.budget_mb, a.settings, a.group,
                              profile_dir=(a.out or ".") if a.profile else None)
         if a.out:
             g = f"_G{a.group}" if a.group > 1 else ""
-            _write(rows, a.out, f"time_{a.shape}_L{a.length}{g}_{a.device}", f"{a.shape}, L = {a.length}, "
+            nf = "_no_full_blocks" if a.no_full_blocks else ""
+            _write(rows, a.out, f"time_{a.shape}_L{a.length}{g}_{a.device}{nf}", f"{a.shape}, L = {a.length}, "
                    f"{a.group} rollout(s), prompt {a.prompt}, {a.device}, {a.dtype}, {torch.get_num_threads()} "
                    f"thread(s)")
     return 0

@@ -157,20 +157,33 @@ def _layout(seed, n, s, p, groups, biases):
     return ctx
 
 
+def _block_lists(counts, indices, QB, KB):
+    out = torch.zeros(QB, KB, dtype=torch.bool)
+    for r in range(QB):
+        cols = indices[0, 0, r, :int(counts[0, 0, r])].long()
+        assert bool((cols < KB).all()) and len(set(cols.tolist())) == len(cols)
+        out[r, cols] = True
+    return out
+
+
+@pytest.mark.parametrize("full_blocks", [True, False], ids=["full", "partial_only"])
 @pytest.mark.parametrize("biases", [False, True], ids=["pads", "biases"])
-@pytest.mark.parametrize("n,s,p,groups", [(1, 1, 0, 1), (1, 3, 5, 1), (7, 3, 5, 3), (12, 5, 9, 4), (5, 13, 2, 5)])
-def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, biases):
+@pytest.mark.parametrize("n,s,p,groups", [(1, 1, 0, 1), (1, 3, 5, 1), (7, 3, 5, 3), (12, 5, 9, 4), (5, 13, 2, 5),
+                                          (3, 21, 17, 2)])
+def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, biases, full_blocks, monkeypatch):
     """The flex kernel's block mask, built from the layout (never by evaluating the mask on every pair: that took
     44-65 GiB at L = 4096 on the H200), against the pair-by-pair visibility: its mask function equals it on every
-    pair (indices past the sequences included: they must not fail), every block holding a visible pair is listed,
-    and a listed block holds a pair of a variant with its own row or suffix. Block size 4 here, so that these small
-    layouts span many blocks."""
-    from oar.attribution.model import _shared_prefix_block_mask
+    pair (indices past the sequences included: they must not fail); every block holding a visible pair is listed
+    (as partial or full); a listed block holds a pair of a variant with its own row or suffix; every pair of a full
+    block (where the kernel skips the mask function) is visible. Block size 4 here, so that these small layouts
+    span many blocks."""
+    import oar.attribution.model as model_mod
 
+    monkeypatch.setattr(model_mod, "_FLEX_FULL_BLOCKS", full_blocks)
     ctx = _layout(n * 100 + s, n, s, p, groups, biases)
     want = _visible(ctx, n, s)
     B = 4
-    bm = _shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
+    bm = model_mod._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
     Q, KV = want.shape
     assert tuple(bm.seq_lengths) == (Q, KV)
     q = torch.arange(Q + B)[:, None]
@@ -178,16 +191,21 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
     got = bm.mask_mod(torch.zeros(()), torch.zeros(()), q, kv)
     assert torch.equal(got[:Q, :KV], want)
     QB, KB = -(-Q // B), -(-KV // B)
-    counts = bm.kv_num_blocks[0, 0, :QB]
-    listed = torch.zeros(QB, KB, dtype=torch.bool)
-    for r in range(QB):
-        cols = bm.kv_indices[0, 0, r, :int(counts[r])].long()
-        assert bool((cols < KB).all()) and len(set(cols.tolist())) == len(cols)
-        listed[r, cols] = True
+    partial = _block_lists(bm.kv_num_blocks, bm.kv_indices, QB, KB)
+    full = _block_lists(bm.full_kv_num_blocks, bm.full_kv_indices, QB, KB)
+    assert not bool((partial & full).any()), "a block is listed as both partial and full"
+    listed = partial | full
     padded = torch.zeros(QB * B, KB * B, dtype=torch.bool)
     padded[:Q, :KV] = want
-    holds = padded.reshape(QB, B, KB, B).any(3).any(1)
+    blocks = padded.reshape(QB, B, KB, B)
+    holds = blocks.any(3).any(1)
     assert not bool((holds & ~listed).any()), "a block with a visible pair is not listed"
+    every = blocks.all(3).all(1)
+    assert not bool((full & ~every).any()), "a full block has a pair that is not visible"
+    if full_blocks and not biases and s >= 2 * B:
+        assert bool(full.any()), "no full block in a layout that has some: the check above would be vacuous"
+    if not full_blocks:
+        assert not bool(full.any())
     # listed = a variant of the query block meets its own row's prefix or its own suffix in the key block
     structural = torch.zeros(QB * B, KB * B, dtype=torch.bool)
     n_pre = len(ctx.groups) * p

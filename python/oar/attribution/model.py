@@ -963,12 +963,22 @@ def _at_least_2(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad) if any(pad) else t
 
 
-def _shared_prefix_blocks(group_of: torch.Tensor, g: int, p: int, n: int, s: int, block: int):
-    """Which (query block, key block) pairs of the shared-prefix attention can hold a visible pair, as a dense
-    (QB, KB) bool tensor, from the layout alone (O(QB x KB x N), never O(queries x keys)): a query block sees the
-    prefix blocks of the rows its variants belong to and the suffix blocks of its own variants. Conservative
-    (padding, causality and biases are left to ``mask_mod`` inside each block). group_of: (N,) long, the row of
-    each variant; queries are N x S (variant-major), keys the g x p prefix columns then the N x S suffix tokens."""
+# Full-block lists (blocks whose every pair is visible skip the mask function in the kernel). A switch for the A/B
+# of benchmarks/python/bench_scale.py (--no-full-blocks); the block lists are exact either way.
+_FLEX_FULL_BLOCKS = True
+
+
+def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p: int, n: int, s: int, block: int,
+                          prefix_full: bool = True, suffix_full: bool = True):
+    """Which (query block, key block) pairs of the shared-prefix attention hold visible pairs, from the layout alone
+    (O(QB x KB x N), never O(queries x keys)). Returns (listed, full), dense (QB, KB) bool tensors, full a subset of
+    listed. Listed: a query block meets the prefix blocks of its variants' rows and its variants' suffix blocks
+    (conservative: padding, causality and biases are left to ``mask_mod``). Full (every pair visible, so the kernel
+    skips ``mask_mod``): the query block lies in one row's variants and the key block in that row's prefix past its
+    padding (``prefix_full``: no per-query prefix mask), or both lie in one variant's suffix with every key slot <=
+    every query slot (``suffix_full``: causal self mask); both blocks whole (no sequence end inside).
+    group_of: (>= N,) long, the row of each variant; pads: (>= g,) long; queries are N x S (variant-major), keys the
+    g x p prefix columns then the N x S suffix tokens."""
     dev = group_of.device
     n_pre = g * p
     q_len, kv_len = n * s, n_pre + n * s
@@ -980,12 +990,34 @@ def _shared_prefix_blocks(group_of: torch.Tensor, g: int, p: int, n: int, s: int
     # key block x variant (suffix part): the variant's suffix columns overlap the block
     k_var = (n_pre + v * s < (kb[:, None] + 1) * block) & (n_pre + (v + 1) * s > kb[:, None] * block)
     hits = q_var.float() @ k_var.float().T
+    q0, k0 = qb * block, kb * block
+    q_whole = q0 + block <= q_len
+    k_whole = k0 + block <= kv_len
+    v_lo, v_hi = q0 // s, (q0 + block - 1) // s
+    full = torch.zeros(len(qb), len(kb), dtype=torch.bool, device=dev)
     if n_pre > 0:
         r = torch.arange(g, device=dev)
         k_row = (r * p < (kb[:, None] + 1) * block) & ((r + 1) * p > kb[:, None] * block)  # (KB, g)
         member = torch.nn.functional.one_hot(group_of[:n], g).float()  # (N, g)
-        hits = hits + (q_var.float() @ member) @ k_row.float().T
-    return hits > 0
+        rows_in_q = (q_var.float() @ member) > 0  # (QB, g)
+        hits = hits + rows_in_q.float() @ k_row.float().T
+        if prefix_full:
+            q_row = torch.where(rows_in_q.sum(-1) == 1, rows_in_q.float().argmax(-1), -1)
+            row_k, row_last = k0 // p, (k0 + block - 1) // p
+            in_prefix = (k0 + block <= n_pre) & (row_k == row_last)
+            past_pad = (k0 - row_k * p) >= pads[row_k.clamp(max=g - 1)]
+            k_full_row = torch.where(in_prefix & past_pad, row_k, -2)
+            full |= q_whole[:, None] & (q_row[:, None] == k_full_row[None, :])
+    if suffix_full:
+        w_lo, w_hi = (k0 - n_pre).clamp(min=0) // s, (k0 + block - 1 - n_pre).clamp(min=0) // s
+        k_single = (k0 >= n_pre) & k_whole & (w_lo == w_hi)
+        j_max = k0 + block - 1 - n_pre - w_lo * s
+        i_min = q0 - v_lo * s
+        q_single = q_whole & (v_lo == v_hi)
+        full |= (q_single[:, None] & k_single[None, :] & (v_lo[:, None] == w_lo[None, :])
+                 & (j_max[None, :] <= i_min[:, None]))
+    listed = hits > 0
+    return listed, full & listed
 
 
 def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block: int = 128):
@@ -994,8 +1026,8 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
     sees column c < p of its row's prefix when c >= the row's padding (or ``prefix_bias[v, i, c]`` allows it) and
     slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it).
 
-    The block lists come from the layout (:func:`_shared_prefix_blocks`), not from evaluating ``mask_mod`` on every
-    (query, key) pair as ``create_block_mask`` does uncompiled (44-65 GiB at L = 4096 on the H200). Every tensor the
+    The block lists (partial and full) come from the layout (:func:`_shared_prefix_blocks`), not from evaluating
+    ``mask_mod`` on every (query, key) pair as ``create_block_mask`` does uncompiled (44-65 GiB at L = 4096 on the H200). Every tensor the
     ``mask_mod`` reads, integers included, is a closure tensor of size >= 2 or a 0-d tensor, so a new chunk shape
     reuses the compiled kernel instead of recompiling (docs/gpu.md)."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -1031,12 +1063,20 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
         suf = suf & (see_s[v, i, j] if see_s is not None else j <= i)
         return pre | suf
 
-    dense = _at_least_2(_shared_prefix_blocks(group_of, g, p, n, s, block))  # padded blocks are never visible
-    counts = dense.sum(-1).to(torch.int32)
-    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    listed, full = _shared_prefix_blocks(group_of, pads, g, p, n, s, block,
+                                         prefix_full=_FLEX_FULL_BLOCKS and see_p is None,
+                                         suffix_full=_FLEX_FULL_BLOCKS and see_s is None)
+
+    def lists(dense):  # padded rows and columns are never visible
+        dense = _at_least_2(dense)
+        order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return dense.sum(-1).to(torch.int32)[None, None], order[None, None]
+
+    partial_counts, partial_order = lists(listed & ~full)
+    full_counts, full_order = lists(full)
     # forward only (the engines score under no_grad): the transposed lists a backward pass reads are not built
-    return BlockMask.from_kv_blocks(counts[None, None], order[None, None], BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(n * s, n_pre + n * s), compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(partial_counts, partial_order, full_counts, full_order, BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(n * s, n_pre + n * s), compute_q_blocks=False)
 
 
 def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
