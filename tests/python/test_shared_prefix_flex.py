@@ -132,17 +132,26 @@ def _visible(ctx, n, s):
     for k, (_, begin, end, pad) in enumerate(ctx.groups):
         for v in range(begin, end):
             for i in range(s):
+                wm = ctx.window
                 for c in range(p):
-                    see = bool(ctx.prefix_bias[v, i, c] == 0) if ctx.prefix_bias is not None else c >= pad
+                    if wm is not None:
+                        ci = int(wm.cols[v, i])
+                        see = (c >= pad and int(wm.first[v]) <= c < ci and c < int(wm.tail[v])
+                               and not int(wm.hole_begin[v]) <= c < int(wm.hole_end[v]))
+                    else:
+                        see = bool(ctx.prefix_bias[v, i, c] == 0) if ctx.prefix_bias is not None else c >= pad
                     out[v * s + i, k * p + c] = see
                 for j in range(s):
-                    see = bool(ctx.self_bias[v, 0, i, j] == 0) if ctx.self_bias is not None else j <= i
+                    if wm is not None:
+                        see = 0 <= int(wm.cols[v, j]) <= int(wm.cols[v, i]) or j == i
+                    else:
+                        see = bool(ctx.self_bias[v, 0, i, j] == 0) if ctx.self_bias is not None else j <= i
                     out[v * s + i, n_pre + v * s + j] = see
     return out
 
 
 def _layout(seed, n, s, p, groups, biases):
-    from oar.attribution.model import _SharedPrefix
+    from oar.attribution.model import WindowMasks, _SharedPrefix
 
     gen = torch.Generator().manual_seed(seed)
     cuts = sorted(torch.randperm(n - 1, generator=gen)[:groups - 1].add(1).tolist()) if groups > 1 else []
@@ -150,10 +159,21 @@ def _layout(seed, n, s, p, groups, biases):
     rows = [(slot, bounds[k], bounds[k + 1], int(torch.randint(0, p + 1, (), generator=gen)))
             for k, slot in enumerate(torch.randperm(groups, generator=gen).tolist())]
     ctx = _SharedPrefix(kv=[], groups=rows, p=p)
-    if biases:
+    if biases == "biases":
         ninf = torch.tensor(float("-inf"))
         ctx.prefix_bias = torch.where(torch.rand(n, s, p, generator=gen) < 0.3, ninf, 0.0)
         ctx.self_bias = torch.where(torch.rand(n, 1, s, s, generator=gen) < 0.3, ninf, 0.0)
+    elif biases == "window":  # windowed OAR-P's closed form: each variant re-runs some columns, left-padded
+        cols = torch.full((n, s), -1, dtype=torch.long)
+        for v in range(n):  # re-run columns drawn from [lo, p): a hole may lie below all of them, or among them
+            lo = int(torch.randint(0, max(p, 1), (), generator=gen))
+            m = min(int(torch.randint(1, s + 1, (), generator=gen)), p - lo) if p else 0
+            if m:
+                cols[v, s - m:] = lo + torch.randperm(p - lo, generator=gen)[:m].sort().values
+        hb = torch.randint(0, p + 1, (n,), generator=gen)
+        ctx.window = WindowMasks(cols, torch.randint(0, max(p // 3, 1), (n,), generator=gen), hb,
+                                 torch.clamp(hb + torch.randint(1, 7, (n,), generator=gen), max=p),
+                                 torch.randint(p // 2, p + 1, (n,), generator=gen))
     return ctx
 
 
@@ -167,9 +187,9 @@ def _block_lists(counts, indices, QB, KB):
 
 
 @pytest.mark.parametrize("full_blocks", [True, False], ids=["full", "partial_only"])
-@pytest.mark.parametrize("biases", [False, True], ids=["pads", "biases"])
+@pytest.mark.parametrize("biases", ["pads", "biases", "window"])
 @pytest.mark.parametrize("n,s,p,groups", [(1, 1, 0, 1), (1, 3, 5, 1), (7, 3, 5, 3), (12, 5, 9, 4), (5, 13, 2, 5),
-                                          (3, 21, 17, 2)])
+                                          (3, 21, 17, 2), (4, 9, 40, 2)])
 def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, biases, full_blocks, monkeypatch):
     """The flex kernel's block mask, built from the layout (never by evaluating the mask on every pair: that took
     44-65 GiB at L = 4096 on the H200), against the pair-by-pair visibility: its mask function equals it on every
@@ -202,7 +222,7 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
     assert not bool((holds & ~listed).any()), "a block with a visible pair is not listed"
     every = blocks.all(3).all(1)
     assert not bool((full & ~every).any()), "a full block has a pair that is not visible"
-    if full_blocks and not biases and s >= 2 * B:
+    if full_blocks and biases == "pads" and s >= 2 * B:
         assert bool(full.any()), "no full block in a layout that has some: the check above would be vacuous"
     if not full_blocks:
         assert not bool(full.any())
@@ -214,6 +234,25 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
             structural[v * s:(v + 1) * s, k * p:(k + 1) * p] = True
             structural[v * s:(v + 1) * s, n_pre + v * s:n_pre + (v + 1) * s] = True
     assert torch.equal(listed, structural.reshape(QB, B, KB, B).any(3).any(1))
+
+
+def test_window_block_mask_over_many_layouts(monkeypatch):
+    """The window form's full-block rules over 40 random layouts (holes below, among and above the re-run
+    columns): every check of the test above on each, and full blocks of both kinds (prefix and suffix) found, so
+    that those checks are not vacuous."""
+    import oar.attribution.model as model_mod
+
+    found = [0, 0]
+    for seed in range(40):
+        n, s, p, groups = 2 + seed % 4, 5 + seed % 11, 12 + 3 * (seed % 9), 1 + seed % 2
+        test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, "window", True, monkeypatch)
+        ctx = _layout(n * 100 + s, n, s, p, groups, "window")
+        bm = model_mod._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=4)
+        Q, KV = n * s, groups * p + n * s
+        full = _block_lists(bm.full_kv_num_blocks, bm.full_kv_indices, -(-Q // 4), -(-KV // 4))
+        found[0] += int(full[:, :groups * p // 4].sum())
+        found[1] += int(full[:, -(-groups * p // 4):].sum())
+    assert found[0] > 0 and found[1] > 0, f"full prefix / suffix blocks found: {found}"
 
 
 def test_new_chunk_shapes_reuse_the_compiled_kernel(gqa, monkeypatch):
@@ -246,12 +285,13 @@ def test_new_chunk_shapes_reuse_the_compiled_kernel(gqa, monkeypatch):
     eager = [run_all(*a) for a in later]
     monkeypatch.setattr(model_mod, "_flex_kernel", lambda device_type: compiled)
     try:
-        for a in [(1, None), (1024, [0]), (1, [0, 1])]:
+        for a in [(1, None), (1024, [0]), (1, [0, 1]), (5, [2]), (1024, None)]:
             run_all(*a)
         warm = len(compiles)
-        # three mask forms (prefix and self masks; self mask only; padding only), each compiled at most twice
-        # (Dynamo's first compilation is static, the next dynamic)
-        assert 1 <= warm <= 6, f"{warm} compilations in the warm-up (at most 2 per mask form; Dynamo stops at 8)"
+        # two mask forms (the window engine's closed-form masks; padding only), each compiled at most twice
+        # (Dynamo's first compilation is static, the next dynamic), plus at most one generalization each of a
+        # size that happened to equal another (duck sizing)
+        assert 1 <= warm <= 6, f"{warm} compilations in the warm-up (at most 3 per mask form; Dynamo stops at 8)"
         again = [run_all(*a) for a in later]
         assert len(compiles) == warm, f"{len(compiles) - warm} recompilations for new chunk shapes"
     finally:

@@ -112,7 +112,8 @@ class SharedPrefixModel(PrefixCacheModel, Protocol):
 
     def tail_logits_shared_prefix(self, prefix_kv: list, groups, prefix_len: int, *, input_ids: torch.Tensor,
                                   position_ids: torch.Tensor, keep: int, prefix_bias: torch.Tensor | None = None,
-                                  self_bias: torch.Tensor | None = None) -> torch.Tensor:
+                                  self_bias: torch.Tensor | None = None,
+                                  window: "WindowMasks | None" = None) -> torch.Tensor:
         """See :meth:`HFProbeModel.tail_logits_shared_prefix` (the masks: windowed OAR-P)."""
 
 
@@ -592,7 +593,8 @@ class HFProbeModel:
         return kernel
 
     def tail_logits_shared_prefix(self, prefix_kv, groups, prefix_len: int, *, input_ids, position_ids, keep: int,
-                                  prefix_bias: torch.Tensor | None = None, self_bias: torch.Tensor | None = None):
+                                  prefix_bias: torch.Tensor | None = None, self_bias: torch.Tensor | None = None,
+                                  window: WindowMasks | None = None):
         """Logits (N, keep, V) of the last ``keep`` positions of N suffixes (``input_ids`` (N, S), columns
         [prefix_len, prefix_len + S) of their contexts; ``position_ids`` (N, S)), each attending over the
         first ``prefix_len`` clean keys/values of its row plus its own suffix, causally.
@@ -609,8 +611,11 @@ class HFProbeModel:
         :meth:`tail_logits_cached` within float rounding (tested).
         Optional masks replace the padding mask and the causal one (windowed OAR-P): ``prefix_bias`` (N, S,
         prefix_len) and ``self_bias`` (N, 1, S, S), additive floats (0 = attend, dtype-min = not); every query must
-        attend at least one key of the suffix part (e.g. itself).
-        Raises ValueError on groups that do not tile the batch or a pad beyond the prefix, or masks of other shapes."""
+        attend at least one key of the suffix part (e.g. itself). Or ``window`` (:class:`WindowMasks`, N
+        variants, S slots): windowed OAR-P's masks in closed form, which the flex kernel reads as they are
+        (O(N x S) instead of O(N x S x prefix_len)) and the CPU kernel expands to the two biases.
+        Raises ValueError on groups that do not tile the batch or a pad beyond the prefix, masks of other shapes,
+        or ``window`` together with a bias."""
         n = int(input_ids.shape[0])
         at = 0
         for slot, begin, end, pad in groups:
@@ -624,10 +629,26 @@ class HFProbeModel:
         for name, m, want in (("prefix_bias", prefix_bias, (n, S, int(prefix_len))), ("self_bias", self_bias, (n, 1, S, S))):
             if m is not None and tuple(m.shape) != want:
                 raise ValueError(f"tail_logits_shared_prefix: {name} must have shape {want}, got {tuple(m.shape)}")
+        kernel = self._shared_prefix_kernel()
+        if window is not None:
+            if prefix_bias is not None or self_bias is not None:
+                raise ValueError("tail_logits_shared_prefix: pass window or the biases, not both")
+            if tuple(window.cols.shape) != (n, S):
+                raise ValueError(f"tail_logits_shared_prefix: window.cols must have shape {(n, S)}, got "
+                                 f"{tuple(window.cols.shape)}")
+            if kernel != "flex":  # the CPU kernel takes additive masks
+                dt = prefix_kv[0][0].dtype
+                low = torch.finfo(dt).min
+                dev = input_ids.device
+                prefix_bias = torch.zeros((n, S, int(prefix_len)), dtype=dt, device=dev).masked_fill_(
+                    ~window.see_prefix(int(prefix_len)).to(dev), low)
+                self_bias = torch.zeros((n, S, S), dtype=dt, device=dev).masked_fill_(~window.see_self().to(dev), low)
+                self_bias = self_bias.unsqueeze(1)
+                window = None
         _register_shared_prefix_attention()
         ctx = _SharedPrefix(prefix_kv, [(int(sl), int(b), int(e), int(pd)) for sl, b, e, pd in groups],
-                            int(prefix_len), prefix_bias=prefix_bias, self_bias=self_bias,
-                            kernel=self._shared_prefix_kernel())
+                            int(prefix_len), prefix_bias=prefix_bias, self_bias=self_bias, window=window,
+                            kernel=kernel)
         cfg = self.model.config
         old = cfg._attn_implementation
         token = _SHARED_PREFIX.set(ctx)
@@ -839,6 +860,65 @@ def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@dataclass(frozen=True)
+class WindowMasks:
+    """The masks of windowed OAR-P over a shared prefix, in closed form (O(N x S) numbers instead of the dense
+    (N, S, prefix) and (N, S, S) masks; issue 23): variant v re-runs the suffix columns ``cols[v]`` (its masked unit
+    and the window after it, and the probe tail) on its row's clean prefix.
+
+    A query of variant v at suffix slot i (original column ``cols[v, i]``) sees prefix column c iff
+    ``first[v] <= c < cols[v, i]``, c is not in ``[hole_begin[v], hole_end[v])`` and ``c < tail[v]`` (re-run columns
+    are seen through the suffix, never through the prefix), and sees suffix slot j iff
+    ``0 <= cols[v, j] <= cols[v, i]`` or j = i.
+
+    Attributes:
+        cols: (N, S) int64, strictly increasing along S past a left padding of -1 (a padding slot sees only itself).
+        first: (N,) int64, the first non-padding column of the variant's row.
+        hole_begin, hole_end: (N,) int64, the re-run columns of the masked unit and its window.
+        tail: (N,) int64, columns >= ``tail`` are re-run (the probe tail).
+    Raises ValueError on other shapes or dtypes, or ``cols`` not increasing past its padding.
+    """
+
+    cols: torch.Tensor
+    first: torch.Tensor
+    hole_begin: torch.Tensor
+    hole_end: torch.Tensor
+    tail: torch.Tensor
+
+    def __post_init__(self):
+        if self.cols.dim() != 2 or self.cols.dtype != torch.long:
+            raise ValueError(f"WindowMasks: cols must be a 2-D int64 tensor (N, S), got {tuple(self.cols.shape)} "
+                             f"{self.cols.dtype}")
+        n = self.cols.shape[0]
+        for name in ("first", "hole_begin", "hole_end", "tail"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (n,) or t.dtype != torch.long:
+                raise ValueError(f"WindowMasks: {name} must be an int64 tensor of shape ({n},), got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        c = self.cols
+        increasing = (c[:, 1:] > c[:, :-1]) | (c[:, :-1] < 0)
+        if not bool(increasing.all()) or bool(((c[:, 1:] < 0) & (c[:, :-1] >= 0)).any()):
+            raise ValueError("WindowMasks: cols must increase strictly along each row past a left padding of -1")
+
+    def to(self, device) -> "WindowMasks":
+        """The same masks on ``device``."""
+        return WindowMasks(*(t.to(device) for t in (self.cols, self.first, self.hole_begin, self.hole_end,
+                                                     self.tail)))
+
+    def see_prefix(self, prefix_len: int) -> torch.Tensor:
+        """(N, S, prefix_len) bool: the prefix columns each query sees (the dense form, for kernels that take one)."""
+        c = torch.arange(prefix_len, device=self.cols.device).view(1, 1, -1)
+        per_var = lambda t: t.view(-1, 1, 1)  # noqa: E731
+        return ((c >= per_var(self.first)) & (c < self.cols.unsqueeze(-1))
+                & ((c < per_var(self.hole_begin)) | (c >= per_var(self.hole_end))) & (c < per_var(self.tail)))
+
+    def see_self(self) -> torch.Tensor:
+        """(N, S, S) bool: the suffix slots each query sees (the dense form)."""
+        ci, cj = self.cols.unsqueeze(-1), self.cols.unsqueeze(1)
+        eye = torch.eye(self.cols.shape[1], dtype=torch.bool, device=self.cols.device)
+        return ((cj >= 0) & (cj <= ci)) | eye
+
+
 # ---- the shared-prefix attention function (registered with transformers' attention interface) ----------------
 
 _SHARED_PREFIX_IMPL = "oar_shared_prefix"
@@ -853,6 +933,7 @@ class _SharedPrefix:
     bias: dict = field(default_factory=dict)  # pad -> additive (1, 1, 1, p) mask, built once per call
     prefix_bias: torch.Tensor | None = None  # (N, S, p) additive mask of each suffix query over its prefix
     self_bias: torch.Tensor | None = None  # (N, 1, S, S) additive mask of the suffix over itself (None: causal)
+    window: WindowMasks | None = None  # windowed OAR-P's masks in closed form (the flex kernel only)
     kernel: str = "flash_cpu"  # "flash_cpu" | "flex"
     block_mask: object = None  # the flex kernel's block mask, built by the first layer, shared by the others
 
@@ -969,14 +1050,16 @@ _FLEX_FULL_BLOCKS = True
 
 
 def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p: int, n: int, s: int, block: int,
-                          prefix_full: bool = True, suffix_full: bool = True):
+                          prefix_full: bool = True, suffix_full: bool = True, window: WindowMasks | None = None):
     """Which (query block, key block) pairs of the shared-prefix attention hold visible pairs, from the layout alone
     (O(QB x KB x N), never O(queries x keys)). Returns (listed, full), dense (QB, KB) bool tensors, full a subset of
     listed. Listed: a query block meets the prefix blocks of its variants' rows and its variants' suffix blocks
     (conservative: padding, causality and biases are left to ``mask_mod``). Full (every pair visible, so the kernel
     skips ``mask_mod``): the query block lies in one row's variants and the key block in that row's prefix past its
     padding (``prefix_full``: no per-query prefix mask), or both lie in one variant's suffix with every key slot <=
-    every query slot (``suffix_full``: causal self mask); both blocks whole (no sequence end inside).
+    every query slot (``suffix_full``: causal self mask); both blocks whole (no sequence end inside). With
+    ``window`` (:class:`WindowMasks`) the same, under its rules: the key block lies in every query's visible prefix
+    range and clear of every hole, or in the non-padding slots of one variant at or before every query slot.
     group_of: (>= N,) long, the row of each variant; pads: (>= g,) long; queries are N x S (variant-major), keys the
     g x p prefix columns then the N x S suffix tokens."""
     dev = group_of.device
@@ -1004,27 +1087,57 @@ def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p:
         if prefix_full:
             q_row = torch.where(rows_in_q.sum(-1) == 1, rows_in_q.float().argmax(-1), -1)
             row_k, row_last = k0 // p, (k0 + block - 1) // p
+            c0 = k0 - row_k * p  # the key block's columns [c0, c0 + block) in its row's prefix
             in_prefix = (k0 + block <= n_pre) & (row_k == row_last)
-            past_pad = (k0 - row_k * p) >= pads[row_k.clamp(max=g - 1)]
+            past_pad = c0 >= pads[row_k.clamp(max=g - 1)]
             k_full_row = torch.where(in_prefix & past_pad, row_k, -2)
-            full |= q_whole[:, None] & (q_row[:, None] == k_full_row[None, :])
+            pre_full = q_whole[:, None] & (q_row[:, None] == k_full_row[None, :])
+            if window is not None:
+                big = torch.iinfo(torch.long).max
+                c1 = c0 + block
+                first_max = torch.where(q_var, window.first[None, :n], -big).amax(-1)
+                tail_min = torch.where(q_var, window.tail[None, :n], big).amin(-1)
+                flat = window.cols[:n].reshape(-1)
+                flat = torch.cat([flat, flat.new_full((len(qb) * block - flat.numel(),), big)])
+                col_min = flat.view(len(qb), block).amin(-1)  # a padding slot (-1) sees no prefix
+                hole = (window.hole_begin[:n, None] < c1[None, :]) & (window.hole_end[:n, None] > c0[None, :])
+                clear = (q_var.float() @ hole.float()) == 0
+                pre_full &= ((c0[None, :] >= first_max[:, None]) & (c1[None, :] <= col_min[:, None])
+                             & (c1[None, :] <= tail_min[:, None]) & clear)
+            full |= pre_full
     if suffix_full:
         w_lo, w_hi = (k0 - n_pre).clamp(min=0) // s, (k0 + block - 1 - n_pre).clamp(min=0) // s
         k_single = (k0 >= n_pre) & k_whole & (w_lo == w_hi)
-        j_max = k0 + block - 1 - n_pre - w_lo * s
+        j_min = k0 - n_pre - w_lo * s
+        j_max = j_min + block - 1
         i_min = q0 - v_lo * s
         q_single = q_whole & (v_lo == v_hi)
+        if window is not None:  # key slots past the variant's padding (then the query slots, at or after, too)
+            n_pad = (window.cols[:n] < 0).sum(-1)
+            k_single &= j_min >= n_pad[w_lo.clamp(max=max(n - 1, 0))]
         full |= (q_single[:, None] & k_single[None, :] & (v_lo[:, None] == w_lo[None, :])
                  & (j_max[None, :] <= i_min[:, None]))
     listed = hits > 0
     return listed, full & listed
 
 
+def _recompile_guard():
+    """Dynamo settings around the compiled kernel's call: past its recompile limit Dynamo would run the unfused
+    kernel, which materializes every score (out of memory at users' lengths, docs/gpu.md); raise instead, at a limit
+    above the engines' expected compilations (at most two per mask form, tests/python/test_shared_prefix_flex.py)."""
+    import torch._dynamo.config as dynamo_config
+
+    opts = {k: v for k, v in (("recompile_limit", 32), ("fail_on_recompile_limit_hit", True))
+            if hasattr(dynamo_config, k)}
+    return dynamo_config.patch(**opts)
+
+
 def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block: int = 128):
     """The flex kernel's block mask over queries (N x S suffix tokens, variant-major) and keys (the used rows'
     prefixes, p columns each, in group order, then the N x S suffix tokens): a query of variant v at suffix slot i
     sees column c < p of its row's prefix when c >= the row's padding (or ``prefix_bias[v, i, c]`` allows it) and
-    slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it).
+    slot j <= i of its own suffix (or ``self_bias[v, 0, i, j]`` allows it); with ``ctx.window``, as
+    :class:`WindowMasks` says (past the row's padding too).
 
     The block lists (partial and full) come from the layout (:func:`_shared_prefix_blocks`), not from evaluating
     ``mask_mod`` on every (query, key) pair as ``create_block_mask`` does uncompiled (44-65 GiB at L = 4096 on the H200). Every tensor the
@@ -1043,6 +1156,11 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
     group_of, pads = group_of.to(device), pads.to(device)
     see_p = None if ctx.prefix_bias is None else _at_least_2(ctx.prefix_bias == 0)
     see_s = None if ctx.self_bias is None else _at_least_2(ctx.self_bias[:, 0] == 0)
+    win = None if ctx.window is None else ctx.window.to(device)
+    if win is not None:
+        # fresh tensors: a slice's storage offset is guarded too
+        cols_c, first_c, hb_c, he_c, tail_c = (_at_least_2(t).clone() for t in (win.cols, win.first, win.hole_begin,
+                                                                                 win.hole_end, win.tail))
 
     def scalar(x: int) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -1063,9 +1181,22 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
         suf = suf & (see_s[v, i, j] if see_s is not None else j <= i)
         return pre | suf
 
+    def window_mask_mod(b, h, q_idx, kv_idx):
+        v, i = torch.minimum(q_idx // s_t, last_v), q_idx % s_t
+        pre_idx = torch.minimum(kv_idx, last_pre)
+        row, c = pre_idx // p_t, pre_idx % p_t
+        ci = cols_c[v, i]
+        pre = (kv_idx < n_pre_t) & (row == group_of[v]) & (c >= pads[row]) & (c >= first_c[v]) & (c < ci)
+        pre = pre & ((c < hb_c[v]) | (c >= he_c[v])) & (c < tail_c[v])
+        suf_idx = torch.clamp(kv_idx - n_pre_t, min=0)
+        w, j = suf_idx // s_t, suf_idx % s_t
+        cj = cols_c[v, j]
+        suf = (kv_idx >= n_pre_t) & (w == v) & (((cj >= 0) & (cj <= ci)) | (j == i))
+        return pre | suf
+
     listed, full = _shared_prefix_blocks(group_of, pads, g, p, n, s, block,
                                          prefix_full=_FLEX_FULL_BLOCKS and see_p is None,
-                                         suffix_full=_FLEX_FULL_BLOCKS and see_s is None)
+                                         suffix_full=_FLEX_FULL_BLOCKS and see_s is None, window=win)
 
     def lists(dense):  # padded rows and columns are never visible
         dense = _at_least_2(dense)
@@ -1076,7 +1207,8 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
     full_counts, full_order = lists(full)
     # forward only (the engines score under no_grad): the transposed lists a backward pass reads are not built
     return BlockMask.from_kv_blocks(partial_counts, partial_order, full_counts, full_order, BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(n * s, n_pre + n * s), compute_q_blocks=False)
+                                    mask_mod=mask_mod if win is None else window_mask_mod,
+                                    seq_lengths=(n * s, n_pre + n * s), compute_q_blocks=False)
 
 
 def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
@@ -1104,8 +1236,9 @@ def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
         # On CUDA the general kernel always: Inductor picks its decoding kernel for fewer than 128 queries (a
         # small last chunk), which found no valid configuration on the H200 (NoValidChoicesError, docs/gpu.md).
         opts = {"FORCE_USE_FLEX_ATTENTION": True} if query.device.type == "cuda" else None
-        out = _flex_kernel(query.device.type)(q, k_s, v_s, block_mask=ctx.block_mask, scale=scaling,
-                                              enable_gqa=H != hk, kernel_options=opts)
+        with _recompile_guard():
+            out = _flex_kernel(query.device.type)(q, k_s, v_s, block_mask=ctx.block_mask, scale=scaling,
+                                                  enable_gqa=H != hk, kernel_options=opts)
     return out.reshape(H, N, S, D).permute(1, 2, 0, 3).contiguous()
 
 

@@ -26,7 +26,7 @@ from oar.attribution.base import (
     _variants,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, gather_probe_logits, require_dense_mask
+from oar.attribution.model import ProbeModel, WindowMasks, gather_probe_logits, require_dense_mask
 
 _log = logging.getLogger("oar")
 
@@ -106,12 +106,14 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         slot = {r: i for i, r in enumerate(rows)}
         # Re-run columns of each variant (masked columns [t, t + n)): [t, t + n + window) and the tail
         # [min(end of reasoning, T - keep), T) ("conclude") or [T - keep, T) ("probe").
-        runs = []
+        runs, tails = [], []
         for r, t, n in zip(var_row_t.tolist(), var_col_t.tolist(), var_len_t.tolist()):
             tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
             if rerun_tail == "probe":
                 tail = T - keep
             runs.append(sorted(set(range(t, min(t + n + window, T))) | set(range(tail, T))))
+            tails.append(tail)
+        tails_t = torch.tensor(tails, dtype=torch.long)
         shared = caps.shared_prefix
         plan = planner.plan_window(model, batch, len(runs), max(len(c) for c in runs), budget, shared=shared)
         chunks = 0
@@ -128,25 +130,20 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             ids[~valid] = batch.pad_id
             ids[(colq >= cols_t.view(-1, 1)) & (colq < (cols_t + lens).view(-1, 1))] = batch.pad_id  # the masked unit
             pos = torch.where(valid, batch.position_ids[row_index.view(-1, 1), colq.clamp_min(0)], torch.zeros(()))
-            rerun = torch.zeros((N, T), dtype=torch.bool)
-            rerun[torch.arange(N).view(-1, 1).expand_as(colq)[valid], colq[valid]] = True
-            first = (T - batch.context_len[row_index]).view(-1, 1, 1)
-            k_cols = torch.arange(T).view(1, 1, T)
-            see_prefix = (k_cols < colq.unsqueeze(-1)) & (k_cols >= first) & ~rerun.unsqueeze(1)
-            see_self = ((colq.unsqueeze(1) <= colq.unsqueeze(-1)) & valid.unsqueeze(1)) | torch.eye(S, dtype=torch.bool)
+            # what each re-run query sees, in closed form: its row's clean columns before it, except the re-run
+            # ones (the unit, its window, the tail), and the re-run columns of its own variant up to itself
+            masks = WindowMasks(colq, (T - batch.context_len[row_index]).long(), cols_t.long(),
+                                torch.clamp(cols_t + lens + window, max=T).long(), tails_t[sl])
             dslots = torch.tensor([slot[int(r)] for r in row_index], dtype=torch.long, device=dev)
             low = torch.finfo(dtype).min
             if shared:  # each row's clean cache read in place (variants are row-major: one group per row)
                 ids_u, counts = torch.unique_consecutive(dslots.cpu(), return_counts=True)
                 ends = counts.cumsum(0).tolist()
                 groups = [(int(x), e - int(c), e, 0) for x, c, e in zip(ids_u, counts, ends)]
-                prefix_bias = torch.zeros(see_prefix.shape, dtype=dtype).masked_fill_(~see_prefix, low)
-                self_bias = torch.zeros(see_self.shape, dtype=dtype).masked_fill_(~see_self, low).unsqueeze(1)
                 win = model.tail_logits_shared_prefix(kv_all, groups, T, input_ids=ids.to(dev),
-                                                      position_ids=pos.to(dev), keep=keep,
-                                                      prefix_bias=prefix_bias.to(dev), self_bias=self_bias.to(dev))
+                                                      position_ids=pos.to(dev), keep=keep, window=masks)
             else:  # the row's clean cache copied per variant, one 4-D mask over prefix + suffix
-                allowed = torch.cat([see_prefix, see_self], dim=-1).unsqueeze(1)
+                allowed = torch.cat([masks.see_prefix(T), masks.see_self()], dim=-1).unsqueeze(1)
                 mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, low)
                 prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
                 win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
