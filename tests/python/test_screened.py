@@ -306,6 +306,15 @@ def test_window_bad_input(tiny):  # noqa: F811
     with pytest.raises(ValueError, match="self_bias must have shape \\(2, 1, 3, 3\\)"):
         pm.tail_logits_shared_prefix(None, [(0, 0, 2, 0)], 5, input_ids=ids, position_ids=ids, keep=1,
                                      self_bias=torch.zeros(2, 3, 3))
+    from oar.attribution import WindowMasks
+
+    z = torch.zeros(2, dtype=torch.long)
+    wm = WindowMasks(torch.zeros((2, 4), dtype=torch.long).add_(torch.arange(4)), z, z, z, z)
+    with pytest.raises(ValueError, match="window.cols must have shape \\(2, 3\\), got \\(2, 4\\)"):
+        pm.tail_logits_shared_prefix(None, [(0, 0, 2, 0)], 5, input_ids=ids, position_ids=ids, keep=1, window=wm)
+    with pytest.raises(ValueError, match="pass window or the biases, not both"):
+        pm.tail_logits_shared_prefix(None, [(0, 0, 2, 0)], 5, input_ids=ids, position_ids=ids, keep=1, window=wm,
+                                     self_bias=torch.zeros(2, 1, 3, 3))
 
 
 def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811

@@ -356,3 +356,50 @@ def test_cuda_flex_kernel_equals_the_float64_reference(gqa16, device, dtype, eng
     top = float(want.value.abs().max())
     assert err_ref <= 0.25 * top, f"the bf16 reference error {err_ref:.3g} is not small against max |score| {top:.3g}"
     assert err <= 3 * err_ref, f"cuda flex {engine} bf16: error {err:.3g} > 3 x the cached path's {err_ref:.3g}"
+
+
+def test_window_masks_equal_the_masks_of_the_rerun_sets():
+    """``WindowMasks`` (closed form) against the masks written from each variant's set of re-run columns (what the
+    windowed engine re-runs: its unit and window [t, t + n + W), and the tail [tail, T)): a query sees the clean
+    columns before it that are past its row's padding and not re-run, and the re-run columns up to itself."""
+    from oar.attribution import WindowMasks
+
+    gen = torch.Generator().manual_seed(5)
+    T, W = 30, 3
+    runs, rows = [], []
+    for _ in range(9):
+        first = int(torch.randint(0, 8, (), generator=gen))
+        t = int(torch.randint(first, T - 6, (), generator=gen))
+        n = int(torch.randint(1, 4, (), generator=gen))
+        tail = int(torch.randint(t + 1, T - 1, (), generator=gen))
+        runs.append(sorted(set(range(t, min(t + n + W, T))) | set(range(tail, T))))
+        rows.append((first, t, min(t + n + W, T), tail))
+    S = max(len(r) for r in runs)
+    cols = torch.full((len(runs), S), -1, dtype=torch.long)
+    for v, r in enumerate(runs):
+        cols[v, S - len(r):] = torch.tensor(r)
+    first, hb, he, tail = (torch.tensor(x, dtype=torch.long) for x in zip(*rows))
+    wm = WindowMasks(cols, first, hb, he, tail)
+    rerun = torch.zeros(len(runs), T, dtype=torch.bool)
+    for v, r in enumerate(runs):
+        rerun[v, r] = True
+    k = torch.arange(T).view(1, 1, T)
+    want_p = (k < cols.unsqueeze(-1)) & (k >= first.view(-1, 1, 1)) & ~rerun.unsqueeze(1)
+    valid = cols >= 0
+    want_s = ((cols.unsqueeze(1) <= cols.unsqueeze(-1)) & valid.unsqueeze(1)) | torch.eye(S, dtype=torch.bool)
+    assert torch.equal(wm.see_prefix(T), want_p)
+    assert torch.equal(wm.see_self(), want_s)
+
+
+def test_window_masks_check_their_input():
+    from oar.attribution import WindowMasks
+
+    z = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cols must increase strictly along each row past a left padding of -1"):
+        WindowMasks(torch.tensor([[3, 2]]), z, z, z, z)
+    with pytest.raises(ValueError, match=r"cols must increase strictly"):
+        WindowMasks(torch.tensor([[1, -1]]), z, z, z, z)
+    with pytest.raises(ValueError, match=r"cols must be a 2-D int64 tensor \(N, S\), got \(2,\) torch.int64"):
+        WindowMasks(torch.tensor([1, 2]), z, z, z, z)
+    with pytest.raises(ValueError, match=r"tail must be an int64 tensor of shape \(1,\), got \(1,\) torch.int32"):
+        WindowMasks(torch.tensor([[1, 2]]), z, z, z, z.int())

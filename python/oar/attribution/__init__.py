@@ -16,6 +16,7 @@ from oar.attribution.model import (
     ProbeCapabilities,
     ProbeModel,
     SharedPrefixModel,
+    WindowMasks,
     as_probe_model,
     probe_capabilities,
 )
@@ -25,4 +26,5 @@ __all__ = [
     "clean_probe_logits", "entropy_scores", "policy_entropies", "oar_g_scores", "oar_p_scores", "oar_p_window_scores",
     "random_scores", "HFProbeModel", "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities",
     "as_probe_model", "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
+    "WindowMasks",
 ]
