@@ -305,6 +305,23 @@ def test_arithmetic_split_by_arithmetic_is_disjoint_in_facts(level):
     assert shared
 
 
+def test_arithmetic_cluster_is_the_fact():
+    """Held-out intervals resample facts: Task.cluster of an arithmetic problem is its fact (recomputed here from
+    the solution text), problems without the metadata and other tasks' problems are their own cluster."""
+    from oar.app.tasks.base import Problem, Task
+
+    task = get_task("arithmetic", split_by="arithmetic")
+    test = task.problems("test", n=200)
+    by_cluster: dict = {}
+    for p in test:
+        by_cluster.setdefault(task.cluster(p), set()).add(_fact(p))
+    assert all(len(facts) == 1 for facts in by_cluster.values())
+    assert len(by_cluster) == len({_fact(p) for p in test}) < 50
+    hand = Problem(id="mine-1", question="2 + 2?", answer="4")
+    assert task.cluster(hand) == "mine-1"
+    assert Task().cluster(test[0]) == test[0].id
+
+
 def test_arithmetic_question_split_is_unchanged():
     """Adding split_by left the default split's problems as they were (the README's and runs' held-out sets)."""
     a = get_task("arithmetic").problems("test", n=5)

@@ -61,19 +61,42 @@ def _finite_2d(values, name: str) -> np.ndarray:
     return x
 
 
-def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> Interval:
+def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0,
+                   clusters=None) -> Interval:
     """Mean of ``values`` (N,) float with a percentile-bootstrap interval (problems resampled).
 
-    For a paired gain pass the per-problem differences (after - before, each in {-1, 0, 1}).
+    For a paired gain pass the per-problem differences (after - before, each in {-1, 0, 1}). ``clusters``
+    (N labels, any hashable) resamples whole clusters instead (a cluster bootstrap of the pooled mean: problems that
+    repeat one fact in many wordings are not independent, docs/compare.md); each resample draws as many clusters as
+    there are, with replacement, and takes the mean over their problems.
 
     Raises:
-        ValueError: empty or non-finite ``values``, ``level`` outside (0, 1), ``resamples`` < 1.
+        ValueError: empty or non-finite ``values``, ``clusters`` of another length, ``level`` outside (0, 1),
+            ``resamples`` < 1.
     """
     _check_level(level, resamples)
     x = _finite_2d(values, "values")
     if x.shape[0] != 1:
         raise ValueError(f"values must be 1-D, got shape {x.shape}")
-    return bootstrap_grid_mean(x, level=level, resamples=resamples, seed=seed)
+    if clusters is None:
+        return bootstrap_grid_mean(x, level=level, resamples=resamples, seed=seed)
+    labels = list(clusters)
+    if len(labels) != x.shape[1]:
+        raise ValueError(f"clusters must have one label per value ({x.shape[1]}), got {len(labels)}")
+    index: dict = {}
+    inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
+    G = len(index)
+    sums = np.bincount(inv, weights=x[0], minlength=G)
+    counts = np.bincount(inv, minlength=G).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    chunk = max(1, min(resamples, 2_000_000 // G))
+    for start in range(0, resamples, chunk):
+        k = min(chunk, resamples - start)
+        gi = rng.integers(0, G, size=(k, G))
+        stats[start:start + k] = sums[gi].sum(axis=1) / counts[gi].sum(axis=1)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(x.mean()), float(lo), float(hi), level, x.shape[1])
 
 
 def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> Interval:

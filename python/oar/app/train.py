@@ -555,7 +555,7 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
     if cfg.run.get("plot", True) and rows:
         plot_reward_curve(rows, os.path.join(out, "reward_curve.png"),
                           f"GRPO + OAR ({cfg.oar.method}, {cfg.oar.probe}) on {cfg.task.get('name', 'arithmetic')}")
-    summary = summarize(writer, evals, final_step)
+    summary = summarize(writer, evals, final_step, clusters=[task.cluster(p) for p in held] if held else None)
     precision = "bf16-autocast" if trainer.args.bf16 else ("fp16-autocast" if trainer.args.fp16 else "float32")
     summary.update({"method": cfg.oar.method, "seed": int(cfg.run.get("seed", 0)), "peak_rss_mb": peak_rss_mb(),
                     "precision": precision,
@@ -565,8 +565,9 @@ def run_training(config: str | None = None, overrides: list[str] | None = None, 
     return summary
 
 
-def summarize(writer: MetricsWriter, evals: dict, final_step: int) -> dict:
-    """The summary of a finished run: per metric name (the names of metrics.jsonl) its aggregates."""
+def summarize(writer: MetricsWriter, evals: dict, final_step: int, clusters=None) -> dict:
+    """The summary of a finished run: per metric name (the names of metrics.jsonl) its aggregates. ``clusters``:
+    one label per held-out problem (``Task.cluster``), the unit the gain's interval resamples (None: problems)."""
     from oar.app.stats import bootstrap_mean
 
     train = writer.train_rows()
@@ -588,8 +589,12 @@ def summarize(writer: MetricsWriter, evals: dict, final_step: int) -> dict:
                                 "before": before.accuracy if before is not None else None,
                                 "after": after.accuracy if after is not None else None}
         if before is not None and after is not None:
-            # Paired over the same problems: per-problem differences in {-1, 0, 1}, bootstrap over problems.
-            held["gain"] = bootstrap_mean([a - b for a, b in zip(after.correct, before.correct)], seed=0).as_dict()
+            # Paired over the same problems: per-problem differences in {-1, 0, 1}, bootstrap over the task's
+            # clusters (problems, or the arithmetic task's facts: Task.cluster).
+            diffs = [a - b for a, b in zip(after.correct, before.correct)]
+            held["gain"] = bootstrap_mean(diffs, seed=0, clusters=clusters).as_dict()
+            if clusters is not None:
+                held["clusters"] = len(set(clusters))
             held["correct_before"] = before.correct
             held["correct_after"] = after.correct
             held["problem_ids"] = after.problem_ids
@@ -608,7 +613,8 @@ def format_summary(summary: dict) -> str:
     if held and held.get("before") is not None and held.get("after") is not None:
         g = held.get("gain")
         gain = f"; gain {g['mean']:+.3f}, 95% CI [{g['lo']:+.3f}, {g['hi']:+.3f}]" if g else ""
-        lines.append(f"[oar] heldout/accuracy (greedy, {held['n']} problems never trained on): "
+        facts = f" of {held['clusters']} facts" if held.get("clusters") not in (None, held["n"]) else ""
+        lines.append(f"[oar] heldout/accuracy (greedy, {held['n']} problems{facts} never trained on): "
                      f"before {held['before']:.3f} -> after {held['after']:.3f}{gain}")
     if summary.get("model_dir"):
         lines.append(f"[oar] trained policy saved to {summary['model_dir']} (oar.app.models.load_model(path))")

@@ -238,6 +238,15 @@ class ArithmeticTask(Task):
         self.sizes = {"train": train_size, "test": test_size}
         self.split_by = split_by
 
+    def cluster(self, problem: Problem) -> str:
+        """The problem's arithmetic fact (:func:`arithmetic_fact`): a model mostly gets a fact right or wrong
+        whatever its wording, so held-out intervals resample facts, not problems. Problems without ``op`` /
+        ``operands`` metadata (built by hand) are their own cluster."""
+        meta = problem.metadata
+        if "op" not in meta or "operands" not in meta:
+            return problem.id
+        return arithmetic_fact(meta)
+
     def problems(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
         """``n`` distinct problems of ``split`` (default size when None), a pure function of the arguments.
 

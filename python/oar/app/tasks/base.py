@@ -188,6 +188,13 @@ class Task:
         question = question.strip()
         return f"{question}\n{self.instruction}" if self.instruction else question
 
+    def cluster(self, problem: Problem) -> str:
+        """The unit of independence ``problem`` belongs to for held-out intervals: problems of one cluster are
+        resampled together (``oar.app.stats.bootstrap_mean(clusters=...)``). Default: the problem's own ``id``
+        (independent problems); a task whose problems repeat one underlying item in many wordings returns that
+        item (the arithmetic task: its fact, docs/compare.md)."""
+        return problem.id
+
     def extract(self, completion: str) -> str | None:
         """Final answer of a completion under this task's extraction settings (never raises)."""
         return extract_answer(completion, allow_last_number=self.allow_last_number)
