@@ -391,6 +391,33 @@ def test_uniform_plans_cut_at_budget_over_item_cost(tiny):
     assert sizes(planner.plan_window(pm, batch, 9, 4, 1, shared=True)) == [1] * 9
 
 
+def test_window_plan_counts_the_masks_the_kernel_builds(tiny):
+    """Windowed OAR-P's per-variant cost counts dense masks only where they are built: FlexAttention reads the
+    closed-form WindowMasks (O(slots)), the CPU kernel expands them to two biases plus bool masks, the cached path
+    builds a 4-D mask. A budget of exactly k variants' cost (recomputed here from the terms) packs k per chunk."""
+    from oar.attribution import planner
+
+    model, tok = tiny
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(*_rollouts(tok))
+    T, S = int(batch.input_ids.shape[1]), 6
+    flex, cpu = HFProbeModel(model), HFProbeModel(model)
+    flex.shared_prefix_kernel = "flex"
+    bpe = cpu.cache_key_element_size()
+    assert cpu.window_mask_bytes(S, T) == (bpe + 1) * S * (T + S)
+    # closed form: 6 + 4 int64, and 2 query blocks x (prefix blocks + 3) key-block pairs of 24 bytes
+    assert flex.window_mask_bytes(S, T) == 8 * (S + 4) + 24 * 2 * ((T + 127) // 128 + 3)
+    assert flex.window_mask_bytes(40, 4096) < cpu.window_mask_bytes(40, 4096) / 100
+    base = (S * int(cpu.kv_bytes_per_token()) + S * int(cpu.activation_bytes_per_token(T + S))
+            + planner.probe_bytes(cpu, batch))
+    sizes = lambda plan: [c.end - c.begin for c in plan]  # noqa: E731
+    for pm in (flex, cpu):
+        per_var = base + pm.window_mask_bytes(S, T)
+        assert sizes(planner.plan_window(pm, batch, 7, S, 3 * per_var, shared=True)) == [3, 3, 1]
+        assert sizes(planner.plan_window(pm, batch, 7, S, 3 * per_var - 1, shared=True)) == [2, 2, 2, 1]
+    dense = base + (3 * T + S) * int(cpu.kv_bytes_per_token()) + (bpe + 3) * S * (T + S)
+    assert sizes(planner.plan_window(cpu, batch, 4, S, 2 * dense, shared=False)) == [2, 2]
+
+
 def test_entropy_scores_chunked_one_row_per_forward(tiny, monkeypatch):
     """The entropy engine's chunks change only the batching: one row per forward (a budget of 1 byte at the planner)
     gives every row's entropies within the float32 error model of the float64 model's, like one chunk does."""

@@ -575,6 +575,22 @@ class HFProbeModel:
             return False  # the compiled (Triton) FlexAttention kernel refuses it: the cached path runs
         return _flex_attention_available()
 
+    def window_mask_bytes(self, slots: int, prefix_len: int) -> int:
+        """Bytes per windowed OAR-P variant of the masks :meth:`tail_logits_shared_prefix` builds from a
+        :class:`WindowMasks` of ``slots`` re-run columns over ``prefix_len`` clean columns (read by
+        ``oar.attribution.planner.plan_window``). Kernel ``"flex"``: the closed form as it is (``slots`` int64 columns,
+        four int64 bounds) plus its share of the block lists (int32 counts and orders, bool lists, the int64 sort:
+        about 24 bytes per (query block, key block) pair of its own query blocks against its row's prefix and its own
+        suffix; the pairs against other variants' keys grow with the chunk, about 24 x (N S / 128)^2 bytes: a few
+        MB at thousands of variants, not counted). Kernel ``"flash_cpu"``: the two additive biases it expands to, in
+        the cache's dtype, and the bool masks they come from, (bytes + 1) x slots x (prefix_len + slots)."""
+        slots, prefix_len = int(slots), int(prefix_len)
+        if self._shared_prefix_kernel() == "flex":
+            q_blocks = (slots + 127) // 128 + 1
+            k_blocks = (prefix_len + 127) // 128 + (slots + 127) // 128 + 2
+            return 8 * (slots + 4) + 24 * q_blocks * k_blocks
+        return (int(self.cache_key_element_size()) + 1) * slots * (prefix_len + slots)
+
     def _head_dim(self) -> int:
         """Width of one attention head (``head_dim`` of the config, else hidden_size / heads)."""
         text = self._text_config

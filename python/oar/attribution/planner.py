@@ -182,10 +182,12 @@ def plan_window(model: ProbeModel, batch: ProbeBatch, n_variants: int, rerun: in
     Per variant: cache bytes of ``rerun`` columns with shared-prefix attention (the row's cache is read in place),
     else of 3 T + 2 ``rerun`` columns (the row's T-column cache copied per variant, then concatenated with the re-run
     columns, and one more for the keys and values repeated to every head under grouped-query attention, one layer
-    at a time: at most all layers' worth when heads / kv_heads <= layers), the activations of the re-run columns over a (T + rerun)-wide context, the masks over
-    rerun x (T + rerun) (query, key) pairs (the additive mask in the cache's dtype,
-    ``cache_key_element_size()`` when the model declares it, else 4 bytes, plus three bool masks it is built
-    from) and the probe logits.
+    at a time: at most all layers' worth when heads / kv_heads <= layers), the activations of the re-run columns over a (T + rerun)-wide context, the masks
+    and the probe logits. Masks: with shared-prefix attention what the model declares
+    (``model.window_mask_bytes(rerun, T)``: FlexAttention reads the closed form, O(rerun), the CPU kernel expands it
+    to biases); else, and for models that declare nothing, dense masks over rerun x (T + rerun) (query, key) pairs
+    (the additive mask in the cache's dtype, ``cache_key_element_size()`` when the model declares it, else 4 bytes,
+    plus three bool masks it is built from).
 
     Returns:
         ``MaskedChunk`` list (``max_context_len`` 0: every variant costs the same). Logs a warning when one variant
@@ -195,9 +197,13 @@ def plan_window(model: ProbeModel, batch: ProbeBatch, n_variants: int, rerun: in
     kv_tok = int(model.kv_bytes_per_token())
     key_size = getattr(model, "cache_key_element_size", None)
     mask_bpe = int(key_size()) if callable(key_size) else 4
+    declared = getattr(model, "window_mask_bytes", None)
+    if shared and callable(declared):
+        mask = int(declared(rerun, T))
+    else:
+        mask = (mask_bpe + 3) * rerun * (T + rerun)
     per_var = ((rerun if shared else 3 * T + 2 * rerun) * kv_tok
-               + rerun * int(model.activation_bytes_per_token(T + rerun)) + (mask_bpe + 3) * rerun * (T + rerun)
-               + probe_bytes(model, batch))
+               + rerun * int(model.activation_bytes_per_token(T + rerun)) + mask + probe_bytes(model, batch))
     _warn_over(f"one windowed variant re-running {rerun} of {T} columns", per_var, budget)
     return _C.plan_masked_chunks([0], [n_variants], 0, per_var, budget, 0)
 
