@@ -119,6 +119,45 @@ def test_report_bootstrap_difference_and_mixed_sweeps(tmp_path):
         build_report(str(tmp_path))
 
 
+def test_report_resamples_the_tasks_clusters(tmp_path):
+    """A sweep of the main job's default (200 held-out problems of the arithmetic task, split by fact): the report
+    rebuilds each problem's fact from grid.json and its intervals resample facts. With outcomes constant within a
+    fact (a model that gets a fact right or wrong in every wording), resampling problems as independent is too
+    narrow by about sqrt(problems per fact)."""
+    from oar.app.config import load_config, resolve_config
+    from oar.app.train import build_task, eval_settings, heldout_problems
+
+    cfg = load_config("default", [])
+    task, train = build_task(cfg)
+    held = heldout_problems(task, eval_settings(cfg), train)
+    facts = [task.cluster(p) for p in held]
+    G = len(set(facts))
+    assert G < len(held) / 5
+    rng = np.random.default_rng(2)
+    right = {f: int(rng.integers(0, 2)) for f in set(facts)}
+    before = [0] * len(held)
+    os.makedirs(tmp_path / "results")
+    for s in (0, 1):
+        r = _fake_result("oar_g", s, before, [right[f] for f in facts], [0.1] * 4)
+        r["heldout"]["problem_ids"] = [p.id for p in held]
+        write_json_atomic(str(tmp_path / "results" / f"oar_g-s{s}.json"), r)
+    write_json_atomic(str(tmp_path / "grid.json"), {"config": resolve_config("default"), "overrides": [],
+                                                    "methods": ["oar_g"], "seeds": [0, 1]})
+    rep = build_report(str(tmp_path))
+    row = rep["methods"]["oar_g"]
+    assert row["n_clusters"] == G
+    after = np.asarray([[right[f] for f in facts]] * 2, dtype=float)
+    assert row["gain_vs_before"] == bootstrap_grid_mean(after, seed=0, clusters=facts).as_dict()
+    naive = bootstrap_grid_mean(after, seed=0).as_dict()
+    assert (row["gain_vs_before"]["hi"] - row["gain_vs_before"]["lo"]) > 2 * (naive["hi"] - naive["lo"])
+    assert f"the problems' {G} facts, each resampled whole" in (tmp_path / "compare.md").read_text()
+    # Without grid.json the problems are resampled, and the report says so.
+    os.remove(tmp_path / "grid.json")
+    rep = build_report(str(tmp_path))
+    assert rep["methods"]["oar_g"]["n_clusters"] == len(held)
+    assert "(seeds x problems)" in (tmp_path / "compare.md").read_text()
+
+
 #: Student-t 0.975 quantile with 3 degrees of freedom (printed t tables: 3.182446).
 T975_DF3 = 3.1824463
 

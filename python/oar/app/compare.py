@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import shutil
@@ -48,6 +49,7 @@ __all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name", "unpaus
 #: Methods compared by default: plain GRPO, OAR-G, OAR-P, and the random-importance control (OAR's
 #: reshaping with U(0,1) scores: shows whether the reshaping alone, not the attribution, is what helps).
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "random")
+_log = logging.getLogger("oar")
 _KEEP_KEYS = ("reward", "time/generation", "time/attribution", "time/update", "step_time", "oar/ess_ratio",
               "oar/top10_mass", "completions/mean_length")
 
@@ -334,6 +336,26 @@ def _paired(per_seed: list[float], seeds: list[int], resamples: int, seed: int) 
     return out
 
 
+def _problem_clusters(out_dir: str, ids: list) -> list | None:
+    """The task's cluster (``Task.cluster``: the arithmetic task's fact) of each held-out problem ``ids``, from the
+    sweep's config and overrides (``grid.json``); None when every problem is its own cluster, or when the task cannot
+    be rebuilt here (then the intervals resample problems, as the report says)."""
+    try:
+        with open(os.path.join(out_dir, "grid.json")) as f:
+            grid = json.load(f)
+        from oar.app.config import load_config
+        from oar.app.train import build_task, eval_settings, heldout_problems
+
+        cfg = load_config(grid["config"], list(grid.get("overrides", [])))
+        task, train_problems = build_task(cfg)
+        by_id = {p.id: task.cluster(p) for p in heldout_problems(task, eval_settings(cfg), train_problems)}
+        labels = [by_id[i] for i in ids]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _log.warning("oar compare: held-out clusters not rebuilt (%s); intervals resample problems", e)
+        return None
+    return labels if len(set(labels)) < len(labels) else None
+
+
 def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 4000) -> dict:
     """Writes ``compare.md``, ``compare.csv``, ``compare.json`` and ``compare.png`` from the finished runs of
     ``out_dir`` and returns the report as a dict (``baseline``, ``sweep``, ``methods``: one row per method).
@@ -364,6 +386,7 @@ def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 
         if r["heldout"]["problem_ids"] != ids:
             raise ValueError(f"run {run_name(r['method'], r['seed'])} was evaluated on other held-out problems than "
                              "the rest of this sweep folder")
+    clusters = _problem_clusters(out_dir, ids)
     methods = list(dict.fromkeys(r["method"] for r in results))
     if baseline is None:
         try:
@@ -385,9 +408,11 @@ def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 
         seeds = sorted(rs)
         after = np.asarray([rs[s]["heldout"]["correct_after"] for s in seeds], dtype=np.float64)
         bef = np.stack([before_by[(m, s)] for s in seeds])
-        row: dict[str, Any] = {"method": m, "seeds": seeds, "n_problems": len(ids), "heldout_before": float(bef.mean())}
-        row["heldout_after"] = bootstrap_grid_mean(after, resamples=resamples, seed=i).as_dict()
-        row["gain_vs_before"] = bootstrap_grid_mean(after - bef, resamples=resamples, seed=i).as_dict()
+        row: dict[str, Any] = {"method": m, "seeds": seeds, "n_problems": len(ids), "heldout_before": float(bef.mean()),
+                               "n_clusters": len(set(clusters)) if clusters else len(ids)}
+        row["heldout_after"] = bootstrap_grid_mean(after, resamples=resamples, seed=i, clusters=clusters).as_dict()
+        row["gain_vs_before"] = bootstrap_grid_mean(after - bef, resamples=resamples, seed=i,
+                                                    clusters=clusters).as_dict()
         row["heldout_after_per_seed"] = [float(a.mean()) for a in after]
         half = {s: _second_half_reward(rs[s]["train"]) for s in seeds}
         row["reward_second_half"] = _mean(half.values())
@@ -397,7 +422,8 @@ def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 
             d = np.asarray([np.asarray(rs[s]["heldout"]["correct_after"]) -
                             np.asarray(base[s]["heldout"]["correct_after"]) for s in common], dtype=np.float64)
             row[f"paired_vs_{baseline}"] = _paired([float(x) for x in d.mean(axis=1)], common, 20000, 200 + i)
-            row[f"diff_vs_{baseline}"] = bootstrap_grid_mean(d, resamples=resamples, seed=100 + i).as_dict()
+            row[f"diff_vs_{baseline}"] = bootstrap_grid_mean(d, resamples=resamples, seed=100 + i,
+                                                             clusters=clusters).as_dict()
             row[f"diff_vs_{baseline}"]["seeds"] = common
             both = [s for s in common if half[s] is not None and _second_half_reward(base[s]["train"]) is not None]
             row[f"reward_second_half_vs_{baseline}"] = _paired(
@@ -477,10 +503,13 @@ def _write_md(path: str, report: dict, out_dir: str) -> None:
     base = report["baseline"]
     table = report["methods"]
     sw = report["sweep"]
+    first = next(iter(table.values()))
+    n_cl = first.get("n_clusters", first["n_problems"])
+    units = "problems" if n_cl == first["n_problems"] else f"the problems' {n_cl} facts, each resampled whole"
     lines = [f"# oar compare: {', '.join(table)}", "",
-             f"Held-out accuracy (greedy, {next(iter(table.values()))['n_problems']} problems never trained on), "
+             f"Held-out accuracy (greedy, {first['n_problems']} problems never trained on), "
              "in points. `before`, `after`, `after - before`: mean over seeds and problems with a two-level bootstrap "
-             f"95% interval (seeds x problems). `vs {base}` (the test): per seed, the mean over problems of method - "
+             f"95% interval (seeds x {units}). `vs {base}` (the test): per seed, the mean over problems of method - "
              f"{base} at the same seed; their mean with a Student-t 95% interval (seeds - 1 degrees of freedom) and "
              f"the two-sided sign-flip permutation p-value. `vs {base}, bootstrap`: the same differences per seed and "
              "problem, two-level bootstrap (secondary: it counts the seed x problem noise twice). `train reward, 2nd "

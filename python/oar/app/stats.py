@@ -78,42 +78,28 @@ def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: 
     x = _finite_2d(values, "values")
     if x.shape[0] != 1:
         raise ValueError(f"values must be 1-D, got shape {x.shape}")
-    if clusters is None:
-        return bootstrap_grid_mean(x, level=level, resamples=resamples, seed=seed)
-    labels = list(clusters)
-    if len(labels) != x.shape[1]:
-        raise ValueError(f"clusters must have one label per value ({x.shape[1]}), got {len(labels)}")
-    index: dict = {}
-    inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
-    G = len(index)
-    sums = np.bincount(inv, weights=x[0], minlength=G)
-    counts = np.bincount(inv, minlength=G).astype(np.float64)
-    rng = np.random.default_rng(seed)
-    stats = np.empty(resamples)
-    chunk = max(1, min(resamples, 2_000_000 // G))
-    for start in range(0, resamples, chunk):
-        k = min(chunk, resamples - start)
-        gi = rng.integers(0, G, size=(k, G))
-        stats[start:start + k] = sums[gi].sum(axis=1) / counts[gi].sum(axis=1)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return Interval(float(x.mean()), float(lo), float(hi), level, x.shape[1])
+    return bootstrap_grid_mean(x, level=level, resamples=resamples, seed=seed, clusters=clusters)
 
 
-def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> Interval:
+def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0,
+                        clusters=None) -> Interval:
     """Mean of a (S, N) seeds x problems grid with a two-level percentile bootstrap.
 
     Each resample draws S seeds with replacement and N problems with replacement (the same problem draw
     for every seed: the problems are shared, so seed and problem effects are both kept) and takes the
     grid mean. With S = 1 it is the ordinary bootstrap over problems. Pass per-problem paired differences
-    (method - grpo, same seed) for a paired comparison.
+    (method - grpo, same seed) for a paired comparison. ``clusters`` (N labels) draws whole clusters of problems
+    instead (as many as there are, with replacement) and takes the mean over their problems.
 
     Raises:
-        ValueError: empty or non-finite ``values``, more than 2 dimensions, ``level`` outside (0, 1),
-            ``resamples`` < 1.
+        ValueError: empty or non-finite ``values``, more than 2 dimensions, ``clusters`` of another length,
+            ``level`` outside (0, 1), ``resamples`` < 1.
     """
     _check_level(level, resamples)
     x = _finite_2d(values, "values")
     S, N = x.shape
+    if clusters is not None:
+        return _cluster_grid_bootstrap(x, list(clusters), level, resamples, seed)
     rng = np.random.default_rng(seed)
     stats = np.empty(resamples)
     # Chunks keep the (chunk, S, N) gather small for large grids.
@@ -123,6 +109,30 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
         si = rng.integers(0, S, size=(k, S))
         pi = rng.integers(0, N, size=(k, N))
         stats[start:start + k] = x[si[:, :, None], pi[:, None, :]].mean(axis=(1, 2))
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(x.mean()), float(lo), float(hi), level, S * N)
+
+
+def _cluster_grid_bootstrap(x: np.ndarray, labels: list, level: float, resamples: int, seed: int) -> Interval:
+    S, N = x.shape
+    if len(labels) != N:
+        raise ValueError(f"clusters must have one label per value ({N}), got {len(labels)}")
+    index: dict = {}
+    inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
+    G = len(index)
+    sums = np.zeros((S, G))
+    for k in range(S):
+        sums[k] = np.bincount(inv, weights=x[k], minlength=G)
+    counts = np.bincount(inv, minlength=G).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    chunk = max(1, min(resamples, 2_000_000 // max(S * G, 1)))
+    for start in range(0, resamples, chunk):
+        k = min(chunk, resamples - start)
+        si = rng.integers(0, S, size=(k, S))
+        gi = rng.integers(0, G, size=(k, G))
+        total = sums[si[:, :, None], gi[:, None, :]].sum(axis=(1, 2))
+        stats[start:start + k] = total / (S * counts[gi].sum(axis=1))
     lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(x.mean()), float(lo), float(hi), level, S * N)
 
