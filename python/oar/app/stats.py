@@ -98,41 +98,26 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
     _check_level(level, resamples)
     x = _finite_2d(values, "values")
     S, N = x.shape
-    if clusters is not None:
-        return _cluster_grid_bootstrap(x, list(clusters), level, resamples, seed)
+    if clusters is None:  # every problem its own cluster
+        sums, counts = x, np.ones(N)
+    else:
+        labels = list(clusters)
+        if len(labels) != N:
+            raise ValueError(f"clusters must have one label per value ({N}), got {len(labels)}")
+        index: dict = {}
+        inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
+        sums = np.stack([np.bincount(inv, weights=row, minlength=len(index)) for row in x])
+        counts = np.bincount(inv, minlength=len(index)).astype(np.float64)
+    G = sums.shape[1]
     rng = np.random.default_rng(seed)
     stats = np.empty(resamples)
-    # Chunks keep the (chunk, S, N) gather small for large grids.
-    chunk = max(1, min(resamples, 2_000_000 // max(S * N, 1)))
-    for start in range(0, resamples, chunk):
-        k = min(chunk, resamples - start)
-        si = rng.integers(0, S, size=(k, S))
-        pi = rng.integers(0, N, size=(k, N))
-        stats[start:start + k] = x[si[:, :, None], pi[:, None, :]].mean(axis=(1, 2))
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return Interval(float(x.mean()), float(lo), float(hi), level, S * N)
-
-
-def _cluster_grid_bootstrap(x: np.ndarray, labels: list, level: float, resamples: int, seed: int) -> Interval:
-    S, N = x.shape
-    if len(labels) != N:
-        raise ValueError(f"clusters must have one label per value ({N}), got {len(labels)}")
-    index: dict = {}
-    inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
-    G = len(index)
-    sums = np.zeros((S, G))
-    for k in range(S):
-        sums[k] = np.bincount(inv, weights=x[k], minlength=G)
-    counts = np.bincount(inv, minlength=G).astype(np.float64)
-    rng = np.random.default_rng(seed)
-    stats = np.empty(resamples)
+    # Chunks keep the (chunk, S, G) gather small for large grids.
     chunk = max(1, min(resamples, 2_000_000 // max(S * G, 1)))
     for start in range(0, resamples, chunk):
         k = min(chunk, resamples - start)
         si = rng.integers(0, S, size=(k, S))
         gi = rng.integers(0, G, size=(k, G))
-        total = sums[si[:, :, None], gi[:, None, :]].sum(axis=(1, 2))
-        stats[start:start + k] = total / (S * counts[gi].sum(axis=1))
+        stats[start:start + k] = sums[si[:, :, None], gi[:, None, :]].sum(axis=(1, 2)) / (S * counts[gi].sum(axis=1))
     lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(x.mean()), float(lo), float(hi), level, S * N)
 
