@@ -35,6 +35,13 @@ __all__ = ["Pipeline"]
 # ==== the pipeline ==========================================================================================
 
 
+def _credited(advantage: float, config) -> bool:
+    """Whether a row of sequence advantage ``advantage`` gets the method's token-level credit under the config's
+    ``credit_rows`` (``"all"``, ``"positive"``: A > 0, ``"negative"``: A < 0; docs/method.md section 12)."""
+    rows = config.credit_rows
+    return rows == "all" or (advantage > 0 if rows == "positive" else advantage < 0)
+
+
 class Pipeline:
     """Runs one credit-assignment method on rollout batches (method.md sections 1-8).
 
@@ -130,6 +137,15 @@ class Pipeline:
             safe = torch.where(adv != 0, adv, torch.ones_like(adv)).double()
             ratio = torch.where((adv != 0)[:, None], tok.double() / safe[:, None], torch.ones_like(tok, dtype=torch.float64))
             weights = torch.where(b.eligible, ratio, torch.zeros((), dtype=torch.float64)).float()
+        if credit != "uniform" and self.config.credit_rows != "all":
+            # rows outside credit_rows: GRPO's uniform credit (a scores_all_rows method scored them for its tables)
+            off = torch.tensor([not _credited(float(a), self.config) for a in adv.tolist()], dtype=torch.bool)
+            if bool(off.any()):
+                keep = ~off[:, None]
+                tok = torch.where(keep, tok, (adv[:, None] * b.eligible).to(tok.dtype))
+                weights = torch.where(keep, weights, b.eligible.to(weights.dtype))
+                sc = torch.where(keep, sc, torch.zeros((), dtype=sc.dtype))
+                reasoning = reasoning & keep
         self.calls += 1
         metrics = pipeline_metrics(tok, weights, b.eligible, reasoning, step.active, step.stats, adv, b.group_ids, t0)
         self._last_end = time.perf_counter()
@@ -158,6 +174,10 @@ class Pipeline:
             _, sc, reasoning = self.scorer.bonus(step)
         else:
             sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
+        if self.config.credit_rows != "all":  # rows outside credit_rows: no token-level scores (uniform credit)
+            keep = torch.tensor([_credited(float(a), self.config) for a in step.adv.tolist()], dtype=torch.bool)[:, None]
+            sc = torch.where(keep, sc, torch.zeros((), dtype=sc.dtype))
+            reasoning = reasoning & keep
         self._last_end = time.perf_counter()
         dev = b.out_device
         return TokenScores(sc.to(dev), reasoning.to(dev), dict(step.stats))
@@ -189,8 +209,8 @@ class Pipeline:
         adv = batch_sequence_advantages(b, batch, self.config, preset)
         if self.method.scores_all_rows:
             active = list(range(b.B))
-        else:
-            active = [i for i in range(b.B) if float(adv[i]) != 0.0]
+        else:  # rows outside credit_rows keep uniform credit: never scored
+            active = [i for i in range(b.B) if float(adv[i]) != 0.0 and _credited(float(adv[i]), self.config)]
         step = Step(b, adv, active, self.config, self._generator, self.memory_budget_mb, self.ignore_ids,
                     self.outside_seconds, model_pass=None, model=model)
         step.model_pass = lambda: self._model_pass(step)

@@ -9,7 +9,7 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
   attributes nested (``cfg.ktae.alpha``): the table is in docs/config.md.
 - ``ReshapeOptions``, ``GroupAdvantageOptions``: the nested option structs (``cfg.reshape``, ``cfg.advantages``).
 - :data:`METHODS`, :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS`, :data:`SCREEN_TAILS` and
-  :data:`MASK_UNITS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail`` and ``mask_unit`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
+  :data:`MASK_UNITS`, :data:`CREDIT_ROWS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail``, ``mask_unit`` and ``credit_rows`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
 - :func:`with_method`: a config with another method (the one rule between keys: ``dr_grpo``'s estimator).
 - :func:`config_arg`: the one check of a ``config`` argument; :func:`config_from_mapping` and :func:`yaml_load`:
   the one way a YAML / JSON ``oar`` section becomes an ``OARConfig`` (run configs and ``$OAR_CONFIG`` alike).
@@ -50,8 +50,11 @@ MASK_UNITS: tuple[str, ...] = ("token", "word", "line", "sentence")
 #: ``tiers``: which tiers of the bi-level reshaping are applied (method.md section 6).
 TIERS: tuple[str, ...] = ("both", "boost", "suppress")
 
+#: ``credit_rows``: which rollouts get token-level credit (docs/method.md section 12, our extension).
+CREDIT_ROWS: tuple[str, ...] = ("all", "positive", "negative")
+
 __all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
-           "SCREEN_TAILS", "MASK_UNITS", "TIERS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
+           "SCREEN_TAILS", "MASK_UNITS", "TIERS", "CREDIT_ROWS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
 
 
 def with_method(config, method: str):

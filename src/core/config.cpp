@@ -77,7 +77,7 @@ const std::set<std::string>& known_keys() {
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
       "screen_fraction", "screen_sample", "screen_budget", "screen", "screen_window",
-      "screen_tail", "mask_unit",
+      "screen_tail", "mask_unit", "credit_rows",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -190,6 +190,9 @@ OARConfig parse_oar_config(const std::string& json_text) {
   cfg.mask_unit = get_string(obj, "mask_unit", cfg.mask_unit);
   if (cfg.mask_unit != "token" && cfg.mask_unit != "word" && cfg.mask_unit != "line" && cfg.mask_unit != "sentence")
     fail("mask_unit", "must be \"token\", \"word\", \"line\" or \"sentence\", got " + json(cfg.mask_unit).dump());
+  cfg.credit_rows = get_string(obj, "credit_rows", cfg.credit_rows);
+  if (cfg.credit_rows != "all" && cfg.credit_rows != "positive" && cfg.credit_rows != "negative")
+    fail("credit_rows", "must be \"all\", \"positive\" or \"negative\", got " + json(cfg.credit_rows).dump());
   cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
   if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
     fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +
@@ -243,6 +246,7 @@ std::string to_json(const OARConfig& cfg) {
   j["screen_window"] = cfg.screen_window;
   j["screen_tail"] = cfg.screen_tail;
   j["mask_unit"] = cfg.mask_unit;
+  j["credit_rows"] = cfg.credit_rows;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;
   j["ktae_alpha"] = cfg.ktae.alpha;

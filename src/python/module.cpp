@@ -166,6 +166,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("screen_budget", &OARConfig::screen_budget)
       .def_readwrite("screen_tail", &OARConfig::screen_tail)
       .def_readwrite("mask_unit", &OARConfig::mask_unit)
+      .def_readwrite("credit_rows", &OARConfig::credit_rows)
       .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
       .def_readwrite("ktae", &OARConfig::ktae)
       .def("__repr__", [](const OARConfig& c) { return "OARConfig(" + to_json(c) + ")"; });

@@ -47,6 +47,7 @@ TEST(Config, DefaultsFollowMethodMd) {
   EXPECT_EQ(c.screen, "window");
   EXPECT_EQ(c.screen_window, 8);
   EXPECT_EQ(c.mask_unit, "token");  // the paper's unit
+  EXPECT_EQ(c.credit_rows, "all");  // the paper's: every rollout gets token-level credit
   EXPECT_EQ(c.screen_tail, "conclude");
 }
 
@@ -102,6 +103,9 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"mask_unit": "step"})"); },
                  "oar.mask_unit must be \"token\", \"word\", \"line\" or \"sentence\", got \"step\"");
   EXPECT_EQ(parse_oar_config(R"({"mask_unit": "line"})").mask_unit, "line");
+  expect_invalid([] { parse_oar_config(R"({"credit_rows": "pos"})"); },
+                 "oar.credit_rows must be \"all\", \"positive\" or \"negative\", got \"pos\"");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"credit_rows": "positive"})"))).credit_rows, "positive");
   expect_invalid([] { parse_oar_config(R"({"screen_tail": "all"})"); },
                  "oar.screen_tail must be \"conclude\" or \"probe\", got \"all\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "probe"})"))).screen_tail, "probe");

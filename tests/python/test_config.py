@@ -148,7 +148,7 @@ def test_adapter_config_checked_before_importing_the_trainer(fn, args, kwargs, e
 
 @pytest.mark.parametrize("key, names", [("method", "METHODS"), ("probe", "PROBES"), ("estimator", "ESTIMATORS"),
                                         ("screen", "SCREENS"), ("screen_tail", "SCREEN_TAILS"),
-                                        ("mask_unit", "MASK_UNITS")])
+                                        ("mask_unit", "MASK_UNITS"), ("credit_rows", "CREDIT_ROWS")])
 def test_schema_names_are_the_parsers(key, names):
     """oar.schema's name tuples are exactly what the C++ parser accepts: each one parses, and the parser's error
     for an unknown value lists the same set."""

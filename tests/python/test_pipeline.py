@@ -225,6 +225,41 @@ def test_scores_entry_and_precomputed_scores_reshape_once(tiny):
     torch.testing.assert_close(pre.advantages, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", ["positive", "negative"])
+def test_credit_rows_keeps_uniform_credit_outside_the_sign(tiny, rows):
+    """``credit_rows`` (method.md section 12): rows of the chosen sign get exactly the method's credit of
+    ``credit_rows: all`` on the batch where only they are scored (the other rows at A = 0: the same chunks, so the
+    same float rounding; the random tiny model's divergences are ~1e-6, so a row's scores move with the batch's
+    padding at float32 rounding), the other rows GRPO's uniform A x mask and no scores (not scored: counted as
+    skipped), rows with A = 0 stay 0; the scores-only entry agrees. This is the diagnostic's sign rule
+    (python/oar/app/diagnose_core.py)."""
+    model, tok = tiny
+    prompts, ids, mask = completion_batch(tok, TEXTS[:4], 30)
+    adv = torch.tensor([0.8, -1.2, 0.0, 0.4])
+    on = adv > 0 if rows == "positive" else adv < 0
+    batch = RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 4, sequence_advantages=adv)
+    only = RolloutBatch(ids, mask, prompt_ids=prompts, answers=["5"] * 4, sequence_advantages=adv * on)
+    full = Pipeline(_cfg(method="oar_p"), tok).compute(only, model)
+    pipe = Pipeline(_cfg(method="oar_p", credit_rows=rows), tok)
+    part = pipe.compute(batch, model)
+    uniform = adv[:, None] * mask.float()
+    want = torch.where(on[:, None], full.advantages, uniform)
+    torch.testing.assert_close(part.advantages, want, rtol=0, atol=0)
+    assert not part.reasoning_mask[~on].any() and (part.scores[~on] == 0).all()
+    assert part.reasoning_mask[on].any() and not torch.equal(full.advantages[on], uniform[on])
+    assert part.metrics["oar/skipped_rows_frac"] == pytest.approx(1 - on.float().mean().item())
+    sc = pipe.scores(batch, model)
+    assert torch.equal(sc.reasoning_mask, part.reasoning_mask) and torch.equal(sc.scores, part.scores)
+    # trainer-supplied scores of every row: the off-sign rows still get uniform credit
+    every = Pipeline(_cfg(method="oar_p"), tok).compute(batch, model)
+    assert every.reasoning_mask[~on & (adv != 0)].any()
+    pre = Pipeline(_cfg(method="oar_p", credit_rows=rows)).compute(
+        RolloutBatch(ids, mask, sequence_advantages=adv, scores=every.scores, reasoning_mask=every.reasoning_mask))
+    torch.testing.assert_close(pre.advantages, torch.where(on[:, None], every.advantages, uniform), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r'oar.credit_rows must be "all", "positive" or "negative", got "pos"'):
+        _cfg(method="oar_p", credit_rows="pos")
+
+
 # ---- entropy with -inf logits ------------------------------------------------------------------------------------
 
 def test_entropy_from_logits_allows_minus_inf():

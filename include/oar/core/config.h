@@ -84,6 +84,10 @@ struct OARConfig {
   /// (a line, also split after . ! ? followed by whitespace). OAR-P masks a whole unit per variant; the token-level
   /// scorers (OAR-G, entropy, random) sum their tokens' scores per unit; every token of a unit gets its unit's score.
   std::string mask_unit = "token";
+  /// Which rollouts get token-level credit (docs/method.md section 12, our extension): "all" (the paper's), "positive"
+  /// (rows with sequence advantage A > 0; rows with A < 0 keep GRPO's uniform credit and are not scored) or
+  /// "negative" (the converse). Applied by the Python pipeline (oar.Pipeline); uniform methods ignore it.
+  std::string credit_rows = "all";
   EntropyShapingOptions entropy_shaping;     ///< method "entropy_shaping"
   KtaeOptions ktae;                          ///< method "ktae"
 };
