@@ -338,6 +338,33 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
             run_compare(None, TINY, ["grpo", "random"], [0, 1], out, progress=False)
 
 
+def test_method_settings_run_with_their_own_config_keys(tmp_path):
+    """``--methods random random:credit_rows=positive``: two arms of one method, the second with its own oar key
+    (in its run's config.json, not in the other's), each reported under its own name; bad settings are refused
+    before anything runs, naming the key."""
+    from oar.app.compare import parse_method
+
+    assert parse_method("oar_g") == ("oar_g", [])
+    assert parse_method("oar_g: q=0.5, credit_rows=positive") == ("oar_g", ["oar.q=0.5", "oar.credit_rows=positive"])
+    for bad, match in [("oar_g:credit_rows=pos", r'oar.credit_rows must be "all", "positive" or "negative"'),
+                       ("oar_g:q", "expected key=value items"), ("oar_g:seed=3", "set per run"),
+                       ("oar_q:q=0.5", "methods must be among"), ("oar_g:qq=1", 'unknown key "qq"')]:
+        with pytest.raises(ValueError, match=match):
+            parse_method(bad)
+    with pytest.raises(ValueError, match="must not repeat"):
+        run_compare(None, TINY, ["oar_g:q=0.5", "oar_g:q=0.5"], [0], str(tmp_path / "rep"), progress=False)
+    out = str(tmp_path / "sweep")
+    res = run_compare(None, TINY, ["random", "random:credit_rows=positive"], [0], out, progress=False)
+    assert res["done"] == 2 and not res["failed"]
+    cfg = {name: json.load(open(os.path.join(out, "runs", name, "config.json")))["oar"]
+           for name in ("random-s0", "random+credit_rows=positive-s0")}
+    assert cfg["random-s0"]["credit_rows"] == "all" and cfg["random+credit_rows=positive-s0"]["credit_rows"] == "positive"
+    assert {k for k in cfg["random-s0"] if cfg["random-s0"][k] != cfg["random+credit_rows=positive-s0"][k]} == \
+        {"credit_rows"}
+    rep = json.load(open(os.path.join(out, "compare.json")))
+    assert set(rep["methods"]) == {"random", "random:credit_rows=positive"} and rep["baseline"] == "random"
+
+
 def test_compare_cli_report_only_and_usage_errors(tmp_path):
     env = dict(os.environ)
     cmd = [sys.executable, "-m", "oar.app.cli", "compare"]

@@ -8,7 +8,8 @@ shared: greedy decoding of the same initial model is deterministic).
 Layout of ``--out`` (default ``runs/compare``):
 
 - ``grid.json``: config, overrides, methods, seeds (a resumed sweep must use the same config and overrides);
-- ``runs/<method>-s<seed>/``: the run folder (metrics.jsonl, summary.json, log.txt);
+- ``runs/<method>-s<seed>/``: the run folder (metrics.jsonl, summary.json, log.txt); a method may carry config keys
+  of its own (``oar_g:credit_rows=positive``: :func:`parse_method`; its folder ``oar_g+credit_rows=positive-s0``);
 - ``results/<method>-s<seed>.json``: written atomically when the run finished; a sweep started again
   skips these and redoes only runs without one (a half-done run's folder is cleared first);
 - ``compare.md``, ``compare.csv``, ``compare.png``: the report (:func:`build_report`), rebuilt after
@@ -55,8 +56,40 @@ _KEEP_KEYS = ("reward", "time/generation", "time/attribution", "time/update", "s
 
 
 def run_name(method: str, seed: int) -> str:
-    """Folder / result name of one run of the grid."""
-    return f"{method}-s{seed}"
+    """Folder / result name of one run of the grid (a setting's ``:`` and ``,`` become ``+``)."""
+    return f"{method.replace(':', '+').replace(',', '+')}-s{seed}"
+
+
+def parse_method(spec: str) -> tuple[str, list[str]]:
+    """A grid entry: a method name, or a method with ``oar`` config keys of its own (``oar_g:credit_rows=positive``,
+    ``oar_g:q=0.5,beta=2``; docs/config.md) -> ``(method, ["oar.key=value", ...])``. Values are YAML scalars, as
+    in ``--set``.
+
+    Raises:
+        ValueError: a method not in ``oar.METHODS``, an item without ``=``, the per-run keys ``method`` / ``seed``,
+            or a key or value the config schema refuses (its message, naming the key).
+    """
+    import oar
+    from oar.schema import config_from_mapping, yaml_load
+
+    name, _, rest = str(spec).partition(":")
+    name = name.strip()
+    if name not in oar.METHODS:
+        raise ValueError(f"methods must be among {list(oar.METHODS)} (optionally with :key=value,...), got {spec!r}")
+    keys: dict = {}
+    overrides: list[str] = []
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        k, eq, v = (x.strip() for x in item.partition("="))
+        if not eq or not k:
+            raise ValueError(f"method {spec!r}: expected key=value items after ':', got {item!r}")
+        if k in ("method", "seed"):
+            raise ValueError(f"method {spec!r}: oar.{k} is set per run by oar compare")
+        keys[k] = yaml_load(v, f"method {spec!r}: the value of {k}")
+        overrides.append(f"oar.{k}={v}")
+    if rest.strip() and not keys:
+        raise ValueError(f"method {spec!r}: expected key=value items after ':'")
+    config_from_mapping({"method": name, **keys})  # the schema's own checks, naming the key
+    return name, overrides
 
 
 #: Overrides ``oar compare`` sets per run; a sweep-wide override of one of them is refused.
@@ -67,21 +100,18 @@ def check_grid(methods: Sequence[str], seeds: Sequence[int], overrides: Sequence
     """Validates a grid before anything runs.
 
     Raises:
-        ValueError: a method not in ``oar.METHODS``, repeated methods or seeds, a negative or non-int seed, or an
-            override of a key set per run (:data:`PER_RUN_KEYS`).
+        ValueError: a method not in ``oar.METHODS`` or a bad setting (:func:`parse_method`), repeated methods or
+            seeds, a negative or non-int seed, or an override of a key set per run (:data:`PER_RUN_KEYS`).
     """
-    import oar
-
     for o in overrides:
         if o.split("=", 1)[0] in PER_RUN_KEYS:
             raise ValueError(f"override {o!r} is set per run by oar compare; remove it")
 
     if not methods:
         raise ValueError("methods must name at least one method")
-    bad = [m for m in methods if m not in oar.METHODS]
-    if bad:
-        raise ValueError(f"methods must be among {list(oar.METHODS)}, got {bad}")
-    if len(set(methods)) != len(methods):
+    for m in methods:
+        parse_method(m)
+    if len({run_name(m, 0) for m in methods}) != len(methods):
         raise ValueError(f"methods must not repeat, got {list(methods)}")
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be a non-empty list of non-negative ints, got {list(seeds)}")
@@ -233,7 +263,8 @@ def _run_grid(config, overrides, methods, seeds, out_dir, cfg, max_runs, save_mo
             if os.path.exists(run_dir):  # a run that did not finish: never reported, redone from scratch
                 shutil.rmtree(run_dir)
             cmd = [python, "-m", "oar.app.cli", "train", "--config", cfg_arg, "--output-dir", run_dir]
-            for o in overrides + [f"oar.method={method}", f"run.seed={seed}", f"oar.seed={seed}",
+            base, own = parse_method(method)
+            for o in overrides + own + [f"oar.method={base}", f"run.seed={seed}", f"oar.seed={seed}",
                                   f"eval.before_cache={before_cache}", "run.plot=false",
                                   f"run.save_model={'true' if save_models else 'false'}"]:
                 cmd += ["--set", o]
