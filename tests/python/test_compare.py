@@ -347,7 +347,7 @@ def test_method_settings_run_with_their_own_config_keys(tmp_path):
     assert parse_method("oar_g") == ("oar_g", [])
     assert parse_method("oar_g: q=0.5, credit_rows=positive") == ("oar_g", ["oar.q=0.5", "oar.credit_rows=positive"])
     for bad, match in [("oar_g:credit_rows=pos", r'oar.credit_rows must be "all", "positive" or "negative"'),
-                       ("oar_g:q", "expected key=value items"), ("oar_g:seed=3", "set per run"),
+                       ("oar_g:q", "expected key=value items"), ("oar_g:", "expected key=value items"), ("oar_g:seed=3", "set per run"),
                        ("oar_q:q=0.5", "methods must be among"), ("oar_g:qq=1", 'unknown key "qq"')]:
         with pytest.raises(ValueError, match=match):
             parse_method(bad)

@@ -86,7 +86,7 @@ def parse_method(spec: str) -> tuple[str, list[str]]:
             raise ValueError(f"method {spec!r}: oar.{k} is set per run by oar compare")
         keys[k] = yaml_load(v, f"method {spec!r}: the value of {k}")
         overrides.append(f"oar.{k}={v}")
-    if rest.strip() and not keys:
+    if ":" in str(spec) and not keys:
         raise ValueError(f"method {spec!r}: expected key=value items after ':'")
     config_from_mapping({"method": name, **keys})  # the schema's own checks, naming the key
     return name, overrides
