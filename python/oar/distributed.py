@@ -303,6 +303,12 @@ class ForwardGate:
         f = getattr(self._model, "cache_key_element_size", None)
         return int(f()) if callable(f) else 4
 
+    @property
+    def window_mask_bytes(self):
+        """The wrapped model's ``window_mask_bytes`` (the windowed planner's per-kernel mask estimate), None when it
+        declares none (the planner then counts dense masks)."""
+        return getattr(self._model, "window_mask_bytes", None)
+
     @contextlib.contextmanager
     def eval_mode(self):
         """The wrapped model's ``eval_mode``; also the scope of the gated work: an exception raised inside it on

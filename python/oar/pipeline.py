@@ -27,7 +27,7 @@ from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_
 from oar.distributed import ForwardGate, distributed_world
 from oar.methods import Step, method_spec
 from oar.metrics import pipeline_metrics
-from oar.schema import config_arg
+from oar.schema import CREDIT_ROWS, config_arg
 
 __all__ = ["Pipeline"]
 
@@ -39,6 +39,8 @@ def _credited(advantage: float, config) -> bool:
     """Whether a row of sequence advantage ``advantage`` gets the method's token-level credit under the config's
     ``credit_rows`` (``"all"``, ``"positive"``: A > 0, ``"negative"``: A < 0; docs/method.md section 12)."""
     rows = config.credit_rows
+    if rows not in CREDIT_ROWS:
+        raise ValueError(f"config.credit_rows must be one of {list(CREDIT_ROWS)}, got {rows!r}")
     return rows == "all" or (advantage > 0 if rows == "positive" else advantage < 0)
 
 
@@ -206,6 +208,7 @@ class Pipeline:
     def _step(self, batch: RolloutBatch, model, preset: str | None) -> Step:
         """The validated batch, its sequence advantages and the rows the method scores (caller's indexing)."""
         b = validate(batch)
+        _credited(0.0, self.config)  # checks credit_rows (an attribute set after parsing is not schema-checked)
         adv = batch_sequence_advantages(b, batch, self.config, preset)
         if self.method.scores_all_rows:
             active = list(range(b.B))

@@ -416,6 +416,12 @@ def test_window_plan_counts_the_masks_the_kernel_builds(tiny):
         assert sizes(planner.plan_window(pm, batch, 7, S, 3 * per_var - 1, shared=True)) == [2, 2, 2, 1]
     dense = base + (3 * T + S) * int(cpu.kv_bytes_per_token()) + (bpe + 3) * S * (T + S)
     assert sizes(planner.plan_window(cpu, batch, 4, S, 2 * dense, shared=False)) == [2, 2]
+    # the multi-rank gate passes the declaration on (else the planner would count dense masks on every rank)
+    from oar.distributed import ForwardGate
+
+    assert ForwardGate(flex, pad_id=0).window_mask_bytes(S, T) == flex.window_mask_bytes(S, T)
+    with pytest.raises(ValueError, match="slots must be >= 1 and prefix_len >= 0, got -5 and 10"):
+        cpu.window_mask_bytes(-5, 10)
 
 
 def test_entropy_scores_chunked_one_row_per_forward(tiny, monkeypatch):

@@ -69,6 +69,14 @@ def test_cluster_bootstrap_matches_the_interval_of_cluster_means():
     assert (const.lo, const.mean, const.hi) == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match=r"clusters must have one label per value \(3\), got 2"):
         bootstrap_mean([1.0, 0.0, 1.0], clusters=["a", "b"])
+    for bad, match in [({"a", "b", "c"}, "clusters must be a sequence of 3 labels .* got set"),
+                       (3, "got int"), ([[1], [2], [3]], "hashable labels .* got list"),
+                       (["a", "a", "a"], "at least 2 distinct labels .* got 1")]:
+        with pytest.raises(ValueError, match=match):
+            bootstrap_mean([1.0, 0.0, 1.0], clusters=bad)
+    # numpy labels group by value
+    assert bootstrap_mean([1.0, 0.0, 1.0, 0.0], clusters=np.array([1, 1, 2, 2])) == \
+        bootstrap_mean([1.0, 0.0, 1.0, 0.0], clusters=[1, 1, 2, 2])
 
 
 @pytest.mark.parametrize("bad, match", [([], "non-empty"), ([[[1.0]]], "1-D .* or 2-D"), ([0.0, float("nan")], r"finite, got nan at index \(0, 1\)")])
@@ -351,8 +359,17 @@ def test_method_settings_run_with_their_own_config_keys(tmp_path):
                        ("oar_q:q=0.5", "methods must be among"), ("oar_g:qq=1", 'unknown key "qq"')]:
         with pytest.raises(ValueError, match=match):
             parse_method(bad)
-    with pytest.raises(ValueError, match="must not repeat"):
-        run_compare(None, TINY, ["oar_g:q=0.5", "oar_g:q=0.5"], [0], str(tmp_path / "rep"), progress=False)
+    with pytest.raises(ValueError, match="key 'q' given twice"):
+        parse_method("oar_g:q=0.5,q=0.7")
+    # one setting spelled twice, or two whose run folders would collide, is one arm
+    for twice in (["oar_g:q=0.5", "oar_g:q=0.5"], ["oar_g:q=0.5,beta=2", "oar_g:beta=2,q=0.50"], ["oar_g", " oar_g"],
+                  ["oar_g:conclude=a b", "oar_g:conclude=a/b"]):
+        with pytest.raises(ValueError, match="must not repeat"):
+            run_compare(None, TINY, twice, [0], str(tmp_path / "rep"), progress=False)
+    # a value never makes a run folder a path outside the sweep
+    for spec in ("oar_g:answer_suffix=../../../tmp/x", "oar_g:conclude=(a/b)"):
+        name = run_name(spec, 0)
+        assert "/" not in name and ".." not in name and name.endswith("-s0")
     out = str(tmp_path / "sweep")
     res = run_compare(None, TINY, ["random", "random:credit_rows=positive"], [0], out, progress=False)
     assert res["done"] == 2 and not res["failed"]

@@ -258,6 +258,10 @@ def test_credit_rows_keeps_uniform_credit_outside_the_sign(tiny, rows):
     torch.testing.assert_close(pre.advantages, torch.where(on[:, None], every.advantages, uniform), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r'oar.credit_rows must be "all", "positive" or "negative", got "pos"'):
         _cfg(method="oar_p", credit_rows="pos")
+    cfg = _cfg(method="oar_p")
+    cfg.credit_rows = "bogus"  # an attribute set after parsing is checked by the pipeline
+    with pytest.raises(ValueError, match=r"config.credit_rows must be one of \['all', 'positive', 'negative'\], got 'bogus'"):
+        Pipeline(cfg, tok).compute(batch, model)
 
 
 # ---- entropy with -inf logits ------------------------------------------------------------------------------------

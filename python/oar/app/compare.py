@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,19 +57,28 @@ _KEEP_KEYS = ("reward", "time/generation", "time/attribution", "time/update", "s
 
 
 def run_name(method: str, seed: int) -> str:
-    """Folder / result name of one run of the grid (a setting's ``:`` and ``,`` become ``+``)."""
-    return f"{method.replace(':', '+').replace(',', '+')}-s{seed}"
+    """Folder / result name of one run of the grid: the method (setting) with every run of characters other than
+    letters, digits, ``_``, ``=``, ``-`` and single dots replaced by ``+`` (never a path separator or ``..``)."""
+    safe = re.sub(r"[^A-Za-z0-9_=.\-]+", "+", str(method).strip()).replace("..", "+")
+    return f"{safe}-s{seed}"
 
 
 def parse_method(spec: str) -> tuple[str, list[str]]:
     """A grid entry: a method name, or a method with ``oar`` config keys of its own (``oar_g:credit_rows=positive``,
     ``oar_g:q=0.5,beta=2``; docs/config.md) -> ``(method, ["oar.key=value", ...])``. Values are YAML scalars, as
-    in ``--set``.
+    in ``--set``; items are split at commas, so a value cannot hold one (set such keys with ``--set`` for the
+    whole sweep).
 
     Raises:
-        ValueError: a method not in ``oar.METHODS``, an item without ``=``, the per-run keys ``method`` / ``seed``,
-            or a key or value the config schema refuses (its message, naming the key).
+        ValueError: a method not in ``oar.METHODS``, an item without ``=``, a key given twice, the per-run keys
+            ``method`` / ``seed``, or a key or value the config schema refuses (its message, naming the key).
     """
+    return _parse_method(spec)[:2]
+
+
+def _parse_method(spec: str) -> tuple[str, list[str], str]:
+    """:func:`parse_method`, and the setting in a canonical form (method and parsed key values, sorted: two
+    spellings of one setting, ``q=0.5,beta=2`` and ``beta=2,q=0.50``, are equal)."""
     import oar
     from oar.schema import config_from_mapping, yaml_load
 
@@ -84,12 +94,14 @@ def parse_method(spec: str) -> tuple[str, list[str]]:
             raise ValueError(f"method {spec!r}: expected key=value items after ':', got {item!r}")
         if k in ("method", "seed"):
             raise ValueError(f"method {spec!r}: oar.{k} is set per run by oar compare")
+        if k in keys:
+            raise ValueError(f"method {spec!r}: key {k!r} given twice")
         keys[k] = yaml_load(v, f"method {spec!r}: the value of {k}")
         overrides.append(f"oar.{k}={v}")
     if ":" in str(spec) and not keys:
         raise ValueError(f"method {spec!r}: expected key=value items after ':'")
     config_from_mapping({"method": name, **keys})  # the schema's own checks, naming the key
-    return name, overrides
+    return name, overrides, json.dumps([name, sorted(keys.items())])
 
 
 #: Overrides ``oar compare`` sets per run; a sweep-wide override of one of them is refused.
@@ -109,10 +121,13 @@ def check_grid(methods: Sequence[str], seeds: Sequence[int], overrides: Sequence
 
     if not methods:
         raise ValueError("methods must name at least one method")
+    seen: dict = {}
     for m in methods:
-        parse_method(m)
-    if len({run_name(m, 0) for m in methods}) != len(methods):
-        raise ValueError(f"methods must not repeat, got {list(methods)}")
+        canon = _parse_method(m)[2]
+        for other, (c, name) in seen.items():
+            if c == canon or name == run_name(m, 0):
+                raise ValueError(f"methods must not repeat, got {other!r} and {m!r} (the same setting or run name)")
+        seen[m] = (canon, run_name(m, 0))
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be a non-empty list of non-negative ints, got {list(seeds)}")
     if len(set(seeds)) != len(seeds):

@@ -71,8 +71,8 @@ def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: 
     there are, with replacement, and takes the mean over their problems.
 
     Raises:
-        ValueError: empty or non-finite ``values``, ``clusters`` of another length, ``level`` outside (0, 1),
-            ``resamples`` < 1.
+        ValueError: empty or non-finite ``values``, bad ``clusters`` (:func:`bootstrap_grid_mean`), ``level``
+            outside (0, 1), ``resamples`` < 1.
     """
     _check_level(level, resamples)
     x = _finite_2d(values, "values")
@@ -92,8 +92,8 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
     instead (as many as there are, with replacement) and takes the mean over their problems.
 
     Raises:
-        ValueError: empty or non-finite ``values``, more than 2 dimensions, ``clusters`` of another length,
-            ``level`` outside (0, 1), ``resamples`` < 1.
+        ValueError: empty or non-finite ``values``, more than 2 dimensions, ``clusters`` that is not a sequence of
+            N hashable labels or holds fewer than 2 distinct ones, ``level`` outside (0, 1), ``resamples`` < 1.
     """
     _check_level(level, resamples)
     x = _finite_2d(values, "values")
@@ -101,11 +101,22 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
     if clusters is None:  # every problem its own cluster
         sums, counts = x, np.ones(N)
     else:
-        labels = list(clusters)
+        if isinstance(clusters, (set, frozenset, dict, str, bytes)) or not hasattr(clusters, "__len__"):
+            raise ValueError(f"clusters must be a sequence of {N} labels (list, tuple or 1-D array), got "
+                             f"{type(clusters).__name__}")
+        labels = [c.item() if isinstance(c, np.generic) else c for c in clusters]
         if len(labels) != N:
             raise ValueError(f"clusters must have one label per value ({N}), got {len(labels)}")
         index: dict = {}
-        inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
+        try:
+            inv = np.array([index.setdefault(c, len(index)) for c in labels], dtype=np.int64)
+        except TypeError:
+            bad = next(c for c in labels if not isinstance(c, (str, int, float, tuple, type(None))))
+            raise ValueError(f"clusters must hold hashable labels (str, int, tuple), got {type(bad).__name__} "
+                             f"{bad!r:.60}") from None
+        if len(index) < 2:
+            raise ValueError(f"clusters must hold at least 2 distinct labels (one cluster gives no interval), got "
+                             f"{len(index)}")
         sums = np.stack([np.bincount(inv, weights=row, minlength=len(index)) for row in x])
         counts = np.bincount(inv, minlength=len(index)).astype(np.float64)
     G = sums.shape[1]

@@ -592,9 +592,11 @@ def summarize(writer: MetricsWriter, evals: dict, final_step: int, clusters=None
             # Paired over the same problems: per-problem differences in {-1, 0, 1}, bootstrap over the task's
             # clusters (problems, or the arithmetic task's facts: Task.cluster).
             diffs = [a - b for a, b in zip(after.correct, before.correct)]
-            held["gain"] = bootstrap_mean(diffs, seed=0, clusters=clusters).as_dict()
             if clusters is not None:
                 held["clusters"] = len(set(clusters))
+            # one cluster (one problem, or one fact) gives no interval
+            one = len(set(clusters)) < 2 if clusters is not None else len(diffs) < 2
+            held["gain"] = None if one else bootstrap_mean(diffs, seed=0, clusters=clusters).as_dict()
             held["correct_before"] = before.correct
             held["correct_after"] = after.correct
             held["problem_ids"] = after.problem_ids

@@ -585,6 +585,8 @@ class HFProbeModel:
         MB at thousands of variants, not counted). Kernel ``"flash_cpu"``: the two additive biases it expands to, in
         the cache's dtype, and the bool masks they come from, (bytes + 1) x slots x (prefix_len + slots)."""
         slots, prefix_len = int(slots), int(prefix_len)
+        if slots < 1 or prefix_len < 0:
+            raise ValueError(f"window_mask_bytes: slots must be >= 1 and prefix_len >= 0, got {slots} and {prefix_len}")
         if self._shared_prefix_kernel() == "flex":
             q_blocks = (slots + 127) // 128 + 1
             k_blocks = (prefix_len + 127) // 128 + (slots + 127) // 128 + 2
