@@ -159,6 +159,10 @@ def test_report_resamples_the_tasks_clusters(tmp_path):
     naive = bootstrap_grid_mean(after, seed=0).as_dict()
     assert (row["gain_vs_before"]["hi"] - row["gain_vs_before"]["lo"]) > 2 * (naive["hi"] - naive["lo"])
     assert f"the problems' {G} facts, each resampled whole" in (tmp_path / "compare.md").read_text()
+    # A sweep folder copied from another machine: its config path is gone, the shipped config of that name is used.
+    write_json_atomic(str(tmp_path / "grid.json"), {"config": "/elsewhere/configs/default.yaml", "overrides": [],
+                                                    "methods": ["oar_g"], "seeds": [0, 1]})
+    assert build_report(str(tmp_path))["methods"]["oar_g"]["n_clusters"] == G
     # Without grid.json the problems are resampled, and the report says so.
     os.remove(tmp_path / "grid.json")
     rep = build_report(str(tmp_path))

@@ -392,7 +392,10 @@ def _problem_clusters(out_dir: str, ids: list) -> list | None:
         from oar.app.config import load_config
         from oar.app.train import build_task, eval_settings, heldout_problems
 
-        cfg = load_config(grid["config"], list(grid.get("overrides", [])))
+        config = grid["config"]
+        if not os.path.exists(config):  # a sweep copied from another machine: the shipped config of that name
+            config = os.path.splitext(os.path.basename(config))[0]
+        cfg = load_config(config, list(grid.get("overrides", [])))
         task, train_problems = build_task(cfg)
         by_id = {p.id: task.cluster(p) for p in heldout_problems(task, eval_settings(cfg), train_problems)}
         labels = [by_id[i] for i in ids]
