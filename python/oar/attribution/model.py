@@ -187,7 +187,7 @@ CHECKPOINT_MEMBERS = _own_members(CheckpointModel)
 PREFIX_CACHE_FLAGS = ("supports_prefix_extend",)
 #: Optional members that describe how the model runs attention (read by the engines' checks and the planner; no
 #: model call): the attention implementation, whether it takes 4-D masks, the cached keys' element size.
-ATTENTION_MEMBERS = ("attn_implementation", "supports_dense_mask", "cache_key_element_size")
+ATTENTION_MEMBERS = ("attn_implementation", "supports_dense_mask", "cache_key_element_size", "window_mask_bytes")
 
 #: Attention implementations of Hugging Face models that take a 4-D float attention mask as given (windowed
 #: OAR-P's cached path). transformers' flash-attention paths read 2-D padding masks only (a 4-D one fails or
