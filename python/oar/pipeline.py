@@ -29,19 +29,51 @@ from oar.methods import Step, method_spec
 from oar.metrics import pipeline_metrics
 from oar.schema import CREDIT_ROWS, config_arg
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "credited_rows", "scored_rows"]
 
 
 # ==== the pipeline ==========================================================================================
 
 
-def _credited(advantage: float, config) -> bool:
-    """Whether a row of sequence advantage ``advantage`` gets the method's token-level credit under the config's
-    ``credit_rows`` (``"all"``, ``"positive"``: A > 0, ``"negative"``: A < 0; docs/method.md section 12)."""
-    rows = config.credit_rows
-    if rows not in CREDIT_ROWS:
-        raise ValueError(f"config.credit_rows must be one of {list(CREDIT_ROWS)}, got {rows!r}")
-    return rows == "all" or (advantage > 0 if rows == "positive" else advantage < 0)
+def credited_rows(sequence_advantages: torch.Tensor, credit_rows: str) -> torch.Tensor:
+    """Which rows get the method's token-level credit under ``credit_rows`` (docs/method.md section 12).
+
+    Args:
+        sequence_advantages: (B,) real, the rows' sequence advantages A_i.
+        credit_rows: ``"all"`` (every row), ``"positive"`` (A_i > 0) or ``"negative"`` (A_i < 0); the other rows keep
+            GRPO's uniform credit A_i x mask and are never scored.
+
+    Returns:
+        (B,) bool CPU tensor.
+
+    Raises:
+        ValueError: ``credit_rows`` not one of :data:`oar.schema.CREDIT_ROWS`.
+    """
+    if credit_rows not in CREDIT_ROWS:
+        raise ValueError(f"credit_rows must be one of {list(CREDIT_ROWS)}, got {credit_rows!r}")
+    adv = sequence_advantages.detach().reshape(-1).cpu()
+    if credit_rows == "all":
+        return torch.ones(adv.shape, dtype=torch.bool)
+    return adv > 0 if credit_rows == "positive" else adv < 0
+
+
+def scored_rows(sequence_advantages: torch.Tensor, credit_rows: str) -> list[int]:
+    """The rows a :class:`Pipeline` scores (methods that do not score every row): a non-zero sequence advantage,
+    of the sign ``credit_rows`` credits (:func:`credited_rows`). The trainer adapters send only these rows to the
+    workers.
+
+    Args:
+        sequence_advantages: (B,) real. credit_rows: ``"all"``, ``"positive"`` or ``"negative"``.
+
+    Returns:
+        the row indices, ascending (possibly empty).
+
+    Raises:
+        ValueError: ``credit_rows`` unknown.
+    """
+    adv = sequence_advantages.detach().float().cpu().reshape(-1)
+    keep = (adv != 0) & credited_rows(adv, credit_rows)
+    return [int(i) for i in torch.nonzero(keep).reshape(-1)]
 
 
 class Pipeline:
@@ -141,7 +173,7 @@ class Pipeline:
             weights = torch.where(b.eligible, ratio, torch.zeros((), dtype=torch.float64)).float()
         if credit != "uniform" and self.config.credit_rows != "all":
             # rows outside credit_rows: GRPO's uniform credit (a scores_all_rows method scored them for its tables)
-            off = torch.tensor([not _credited(float(a), self.config) for a in adv.tolist()], dtype=torch.bool)
+            off = ~credited_rows(adv, self.config.credit_rows)
             if bool(off.any()):
                 keep = ~off[:, None]
                 tok = torch.where(keep, tok, (adv[:, None] * b.eligible).to(tok.dtype))
@@ -177,7 +209,7 @@ class Pipeline:
         else:
             sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
         if self.config.credit_rows != "all":  # rows outside credit_rows: no token-level scores (uniform credit)
-            keep = torch.tensor([_credited(float(a), self.config) for a in step.adv.tolist()], dtype=torch.bool)[:, None]
+            keep = credited_rows(step.adv, self.config.credit_rows)[:, None]
             sc = torch.where(keep, sc, torch.zeros((), dtype=sc.dtype))
             reasoning = reasoning & keep
         self._last_end = time.perf_counter()
@@ -208,12 +240,11 @@ class Pipeline:
     def _step(self, batch: RolloutBatch, model, preset: str | None) -> Step:
         """The validated batch, its sequence advantages and the rows the method scores (caller's indexing)."""
         b = validate(batch)
-        _credited(0.0, self.config)  # checks credit_rows (an attribute set after parsing is not schema-checked)
         adv = batch_sequence_advantages(b, batch, self.config, preset)
+        # checks credit_rows too (an attribute set after parsing is not schema-checked)
+        active = scored_rows(adv, self.config.credit_rows)  # rows outside credit_rows keep uniform credit
         if self.method.scores_all_rows:
             active = list(range(b.B))
-        else:  # rows outside credit_rows keep uniform credit: never scored
-            active = [i for i in range(b.B) if float(adv[i]) != 0.0 and _credited(float(adv[i]), self.config)]
         step = Step(b, adv, active, self.config, self._generator, self.memory_budget_mb, self.ignore_ids,
                     self.outside_seconds, model_pass=None, model=model)
         step.model_pass = lambda: self._model_pass(step)

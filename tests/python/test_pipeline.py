@@ -260,8 +260,24 @@ def test_credit_rows_keeps_uniform_credit_outside_the_sign(tiny, rows):
         _cfg(method="oar_p", credit_rows="pos")
     cfg = _cfg(method="oar_p")
     cfg.credit_rows = "bogus"  # an attribute set after parsing is checked by the pipeline
-    with pytest.raises(ValueError, match=r"config.credit_rows must be one of \['all', 'positive', 'negative'\], got 'bogus'"):
+    with pytest.raises(ValueError, match=r"credit_rows must be one of \['all', 'positive', 'negative'\], got 'bogus'"):
         Pipeline(cfg, tok).compute(batch, model)
+
+
+def test_scored_rows_is_the_sign_rule():
+    """``scored_rows`` / ``credited_rows`` (what the pipeline scores and what the trainer adapters send): a row is
+    scored iff A != 0 and its sign is the credited one; ``all`` credits every row, A = 0 is never scored."""
+    from oar.pipeline import credited_rows, scored_rows
+
+    adv = torch.tensor([0.5, -0.25, 0.0, -0.0, 2.0, -3.0], dtype=torch.float64)
+    assert credited_rows(adv, "all").tolist() == [True] * 6
+    assert credited_rows(adv, "positive").tolist() == [True, False, False, False, True, False]
+    assert credited_rows(adv, "negative").tolist() == [False, True, False, False, False, True]
+    assert scored_rows(adv, "all") == [0, 1, 4, 5]
+    assert scored_rows(adv, "positive") == [0, 4] and scored_rows(adv, "negative") == [1, 5]
+    assert scored_rows(torch.zeros(3), "all") == []
+    with pytest.raises(ValueError, match=r"credit_rows must be one of \['all', 'positive', 'negative'\], got 'pos'"):
+        scored_rows(adv, "pos")
 
 
 # ---- entropy with -inf logits ------------------------------------------------------------------------------------

@@ -252,6 +252,13 @@ def test_request_layout_and_padding(tiny):
             assert torch.equal(b.completion_ids[k], rows["responses"][i])
             assert torch.equal(b.eligible_mask[k], rows["eligible_mask"][i])
             assert b.answers[k] == rows["answers"][i] and float(b.sequence_advantages[k]) == float(seq[i])
+    # credit_rows: only the rows of the credited sign are sent (the others keep uniform credit on the driver)
+    for credit_rows, want in (("positive", [1, 4, 7]), ("negative", [3])):
+        req, active = dispatch.scores_request(rows, oar.OARConfig(method="oar_p", credit_rows=credit_rows), seq, 2)
+        b = dispatch.request_batch(req)
+        assert active == want and req.batch_size[0] == -(-len(want) // 2) * 2
+        assert b.sequence_advantages[: len(want)].tolist() == seq[want].tolist()
+        assert (b.sequence_advantages[len(want):] == 0).all()
 
 
 class _FakeEngine:
@@ -332,8 +339,11 @@ def test_request_bad_input(tiny):
     import verl_worker
 
     rows = oar_verl.rollout_rows(verl_worker.data_proto(verl_worker.rollouts(tok)), oar.OARConfig(method="oar_g"))
-    with pytest.raises(ValueError, match="at least one row with a non-zero sequence advantage"):
+    with pytest.raises(ValueError, match="at least one row to score: a non-zero sequence advantage, of the sign "
+                                         "credit_rows='all' credits"):
         dispatch.scores_request(rows, oar.OARConfig(method="oar_g"), torch.zeros(8), 2)
+    with pytest.raises(ValueError, match="at least one row to score.*credit_rows='positive'"):
+        dispatch.scores_request(rows, oar.OARConfig(method="oar_g", credit_rows="positive"), -torch.ones(8), 2)
     with pytest.raises(ValueError, match="dp_size must be an int >= 1, got 0"):
         dispatch.scores_request(rows, oar.OARConfig(method="oar_g"), torch.ones(8), 0)
 

@@ -25,6 +25,7 @@ from typing import Callable, ContextManager
 import torch
 
 from oar.batch import RolloutBatch
+from oar.pipeline import scored_rows
 from oar.pipeline_cache import pipeline_for
 from oar.schema import OARConfig
 
@@ -58,29 +59,34 @@ class RankSplit:
         return out
 
 
-def split_rows(sequence_advantages: torch.Tensor, ranks: int, *, only_scored: bool) -> RankSplit:
+def split_rows(sequence_advantages: torch.Tensor, ranks: int, *, only_scored: bool,
+               credit_rows: str = "all") -> RankSplit:
     """Contiguous chunks of a batch's rows, one per data-parallel rank.
 
     Args:
         sequence_advantages: (B,) real, the rows' sequence advantages (rows at exactly 0 are never scored).
         ranks: number of data-parallel ranks (int >= 1).
-        only_scored: True: only the rows with a non-zero advantage are sent, padded to a multiple of ``ranks``
-            (equal chunks, as verl's dispatch needs); False: all B rows, chunk k = rows round(k B / ranks) ..
+        only_scored: True: only the rows the pipeline scores are sent (:func:`oar.pipeline.scored_rows`: a non-zero
+            advantage, of the sign ``credit_rows`` credits), padded to a multiple of ``ranks`` (equal
+            chunks, as verl's dispatch needs); False: all B rows, chunk k = rows round(k B / ranks) ..
             round((k + 1) B / ranks) (OpenRLHF's per-actor requests).
+        credit_rows: the config's ``credit_rows`` (``"all"``, ``"positive"``, ``"negative"``); used with
+            ``only_scored``.
 
     Returns:
         :class:`RankSplit`.
 
     Raises:
-        ValueError: ``ranks`` not an int >= 1; ``only_scored`` with no row to score.
+        ValueError: ``ranks`` not an int >= 1; ``credit_rows`` unknown; ``only_scored`` with no row to score.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     adv = sequence_advantages.detach().float().cpu().reshape(-1)
     if only_scored:
-        sent = [i for i in range(adv.numel()) if float(adv[i]) != 0.0]
+        sent = scored_rows(adv, credit_rows)
         if not sent:
-            raise ValueError("split_rows(only_scored=True) needs at least one row with a non-zero sequence advantage")
+            raise ValueError(f"split_rows(only_scored=True) needs at least one row to score (a non-zero sequence "
+                             f"advantage, credit_rows={credit_rows!r})")
         n = -(-len(sent) // ranks) * ranks
         rows = sent + [sent[0]] * (n - len(sent))
     else:

@@ -42,7 +42,7 @@ from oar.integrations._config_env import CONFIG_ENV, config_from_env
 from oar.integrations._worker_scoring import score_chunk, split_rows, trainer_budget_mb
 from oar.batch import RolloutBatch
 from oar.methods import method_spec
-from oar.pipeline import Pipeline
+from oar.pipeline import Pipeline, scored_rows
 from oar.groups import group_ids_from
 from oar.schema import config_arg
 
@@ -302,8 +302,9 @@ def _take_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 
 def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of ``batch`` computed on OpenRLHF's policy actor group. Only the rows with a non-zero sequence
-    advantage are sent (a row with advantage 0 gets token advantages 0 whatever its scores), in contiguous equal
+    """Scores of ``batch`` computed on OpenRLHF's policy actor group. Only the rows the pipeline scores are sent
+    (:func:`oar.pipeline.scored_rows`: a row with advantage 0 gets token advantages 0 whatever its scores, a row
+    outside ``credit_rows`` GRPO's uniform credit), in contiguous equal
     chunks, one per data-parallel actor (:func:`oar.integrations._worker_scoring.split_rows` with ``only_scored``:
     the last chunk is padded with advantage-0 copies of a sent row, which are not scored); tensor-parallel
     duplicates get the same chunk, as in OpenRLHF's own dispatch (ring attention is refused by :func:`check_args`).
@@ -320,9 +321,9 @@ def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[tor
     actors = int(args.actor.num_nodes) * int(args.actor.num_gpus_per_node) // dup
     B, C = batch.completion_ids.shape
     adv = batch.sequence_advantages if batch.sequence_advantages is not None else torch.zeros(B)
-    if not bool((adv.detach().float() != 0).any()):
+    if not scored_rows(adv, cfg.credit_rows):  # no row the pipeline scores
         return torch.zeros((B, C), dtype=torch.float32), torch.zeros((B, C), dtype=torch.bool)
-    split = split_rows(adv, actors, only_scored=True)
+    split = split_rows(adv, actors, only_scored=True, credit_rows=cfg.credit_rows)
     sent = _take_rows(batch, split.rows)
     sent.sequence_advantages = split.sequence_advantages(adv)
     requests = [dict(config=cfg.to_json(), tokenizer=tokenizer, batch=_sub_batch(sent, split.bounds[k],

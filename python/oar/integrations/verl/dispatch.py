@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from oar.integrations._worker_scoring import split_rows
+from oar.pipeline import scored_rows
 from oar.integrations.verl.rollouts import rollout_rows
 from oar.batch import RolloutBatch
 
@@ -33,12 +34,12 @@ def _request(rows: dict, config, sequence_advantages: torch.Tensor, dp_size: int
     from verl.utils import tensordict_utils as tu
 
     adv = sequence_advantages.detach().float().cpu().reshape(-1)
-    if not bool((adv != 0).any()):
-        raise ValueError("scores_request needs at least one row with a non-zero sequence advantage (group_scores "
-                         "sends nothing otherwise)")
+    if not scored_rows(adv, config.credit_rows):
+        raise ValueError(f"scores_request needs at least one row to score: a non-zero sequence advantage, of the sign "
+                         f"credit_rows={config.credit_rows!r} credits (group_scores sends nothing otherwise)")
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    split = split_rows(adv, dp_size, only_scored=True)
+    split = split_rows(adv, dp_size, only_scored=True, credit_rows=config.credit_rows)
     pick, n = split.rows, len(split.rows)
     lengths = torch.tensor([int(rows["prompt_ids"][i].numel()) for i in pick], dtype=torch.int64)
     P = max(1, int(lengths.max()))
@@ -59,7 +60,8 @@ def _request(rows: dict, config, sequence_advantages: torch.Tensor, dp_size: int
 
 
 def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_size: int) -> tuple:
-    """The ``oar_scores`` request: the rows with a non-zero sequence advantage, padded to a multiple of ``dp_size``.
+    """The ``oar_scores`` request: the rows the pipeline scores (:func:`oar.pipeline.scored_rows`: a non-zero sequence
+    advantage, of the sign ``config.credit_rows`` credits), padded to a multiple of ``dp_size``.
 
     Args:
         rows: :func:`oar.integrations.verl.rollout_rows` of the batch (B rows, responses (B, R)).
@@ -68,7 +70,7 @@ def scores_request(rows: dict, config, sequence_advantages: torch.Tensor, dp_siz
         dp_size: data-parallel size of the actor mesh (>= 1).
 
     Raises:
-        ValueError: no row with a non-zero advantage; ``dp_size`` not an int >= 1.
+        ValueError: no row to score (a non-zero advantage of the credited sign); ``dp_size`` not an int >= 1.
 
     Returns:
         ``(request, active)``: a ``TensorDict`` of n = ceil(len(active) / dp_size) * dp_size rows (the padding rows
@@ -108,7 +110,7 @@ def group_scores(worker_group, rows: dict, config, sequence_advantages: torch.Te
         raise AttributeError("the actor worker group has no oar_scores method: run the actor role on "
                              "oar.integrations.verl.workers.OARActorRolloutRefWorker (the OAR trainers do) or mix "
                              "OARWorkerMixin into your worker class")
-    if not any(float(a) != 0.0 for a in sequence_advantages.reshape(-1)):
+    if not scored_rows(sequence_advantages, config.credit_rows):  # no row the pipeline scores: nothing is sent
         return torch.zeros((B, R), dtype=torch.float32), torch.zeros((B, R), dtype=torch.bool)
     td, split = _request(rows, config, sequence_advantages, _dp_size(worker_group))
     out = worker_group.oar_scores(td)
@@ -132,7 +134,8 @@ class WorkerGroupScorer:
             (or any ``ActorRolloutRefWorker`` subclass with :class:`~oar.integrations.verl.workers.OARWorkerMixin`).
         answer_key: where the reference answer is, as :class:`oar.integrations.verl.HFScorer`.
 
-    Calling it with ``(data, config, seq_adv)`` sends only the rows with ``seq_adv != 0`` to the workers
+    Calling it with ``(data, config, seq_adv)`` sends only the rows the pipeline scores (``seq_adv != 0``, of the
+    sign ``config.credit_rows`` credits) to the workers
     (:func:`scores_request`: contiguous chunks, one per data-parallel rank, padded with unscored rows to a multiple
     of the data-parallel size), calls the workers' ``oar_scores`` through verl's dispatch, and returns
     ``(scores (B, R) float32, reasoning_mask (B, R) bool)`` on the CPU in ``data``'s row order (0 / False on the
