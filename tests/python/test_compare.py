@@ -398,3 +398,47 @@ def test_compare_cli_report_only_and_usage_errors(tmp_path):
     assert p.returncode == 2 and "--out must be a folder, got the file" in p.stderr
     p = subprocess.run(cmd + ["--set", "eval.problems=100000"], capture_output=True, text=True, env=env)
     assert p.returncode == 2 and "eval.problems=100000" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_per_fact_table_counts_each_fact_of_each_run(tmp_path):
+    """benchmarks/python/per_fact.py: each fact's accuracy before and after, per run, is the mean of its problems'
+    0/1 outcomes (computed here from the facts the task gives each held-out problem), and the last row is the
+    run's accuracy; a run on other problems or a sweep without runs is refused."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
+    import per_fact
+    from oar.app.config import load_config, resolve_config
+    from oar.app.train import build_task, eval_settings, heldout_problems
+
+    cfg = load_config("default", [])
+    task, train = build_task(cfg)
+    held = heldout_problems(task, eval_settings(cfg), train)
+    facts = [task.cluster(p) for p in held]
+    rng = np.random.default_rng(5)
+    before = [int(v) for v in rng.integers(0, 2, len(held))]
+    after = {s: [int(v) for v in rng.integers(0, 2, len(held))] for s in (0, 1)}
+    sweep = tmp_path / "sweep"
+    for s in (0, 1):
+        os.makedirs(sweep / "runs" / f"oar_g-s{s}")
+        write_json_atomic(str(sweep / "runs" / f"oar_g-s{s}" / "summary.json"),
+                          {"heldout/accuracy": {"problem_ids": [p.id for p in held], "correct_before": before,
+                                                "correct_after": after[s]}})
+    write_json_atomic(str(sweep / "grid.json"), {"config": resolve_config("default"), "overrides": [],
+                                                 "methods": ["oar_g"], "seeds": [0, 1]})
+    lines = per_fact.per_fact_table([str(sweep)]).splitlines()
+    assert lines[0] == "| fact | problems | before | sweep/oar_g-s0 | sweep/oar_g-s1 |"
+    body = {ln.split("|")[1].strip().strip("`"): [c.strip() for c in ln.split("|")[2:-1]] for ln in lines[2:]}
+    assert set(body) == set(facts) | {"all"}
+    for f in set(facts):
+        idx = [i for i, g in enumerate(facts) if g == f]
+        want = [str(len(idx))] + [f"{sum(v[i] for i in idx) / len(idx):.2f}" for v in (before, after[0], after[1])]
+        assert body[f] == want
+    assert body["all"] == [str(len(held))] + [f"{sum(v) / len(v):.3f}" for v in (before, after[0], after[1])]
+    other = dict(json.load(open(sweep / "runs" / "oar_g-s1" / "summary.json")))
+    other["heldout/accuracy"]["problem_ids"] = other["heldout/accuracy"]["problem_ids"][::-1]
+    write_json_atomic(str(sweep / "runs" / "oar_g-s1" / "summary.json"), other)
+    with pytest.raises(SystemExit, match="other held-out problems"):
+        per_fact.per_fact_table([str(sweep)])
+    with pytest.raises(SystemExit, match="has no finished run"):
+        per_fact.per_fact_table([str(tmp_path / "empty")])

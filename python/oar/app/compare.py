@@ -46,7 +46,8 @@ require("train", "oar.app.compare")  # runs `oar train`, plots with matplotlib, 
 from oar.app.stats import bootstrap_grid_mean, paired_t, sign_flip_pvalue  # noqa: E402
 from oar.app.train import write_json_atomic  # noqa: E402
 
-__all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name", "unpaused_steps", "PAUSE_FACTOR"]
+__all__ = ["DEFAULT_METHODS", "run_compare", "build_report", "run_name", "unpaused_steps", "PAUSE_FACTOR",
+           "problem_clusters"]
 
 #: Methods compared by default: plain GRPO, OAR-G, OAR-P, and the random-importance control (OAR's
 #: reshaping with U(0,1) scores: shows whether the reshaping alone, not the attribution, is what helps).
@@ -382,7 +383,7 @@ def _paired(per_seed: list[float], seeds: list[int], resamples: int, seed: int) 
     return out
 
 
-def _problem_clusters(out_dir: str, ids: list) -> list | None:
+def problem_clusters(out_dir: str, ids: list) -> list | None:
     """The task's cluster (``Task.cluster``: the arithmetic task's fact) of each held-out problem ``ids``, from the
     sweep's config and overrides (``grid.json``); None when every problem is its own cluster, or when the task cannot
     be rebuilt here (then the intervals resample problems, as the report says)."""
@@ -435,7 +436,7 @@ def build_report(out_dir: str, *, baseline: str | None = None, resamples: int = 
         if r["heldout"]["problem_ids"] != ids:
             raise ValueError(f"run {run_name(r['method'], r['seed'])} was evaluated on other held-out problems than "
                              "the rest of this sweep folder")
-    clusters = _problem_clusters(out_dir, ids)
+    clusters = problem_clusters(out_dir, ids)
     methods = list(dict.fromkeys(r["method"] for r in results))
     if baseline is None:
         try:
