@@ -29,7 +29,8 @@ def _runs(sweep: str) -> list[tuple[str, dict]]:
 
 
 def per_fact_table(sweeps: list[str]) -> str:
-    """Markdown: one row per cluster (problems, accuracy before, after per run), one column per finished run.
+    """Markdown: one row per cluster (problems, accuracy before, after per run), one column per finished run; then
+    the accuracy over all problems, and the mean of the clusters' accuracies (each fact weighted equally).
 
     Raises:
         SystemExit: a sweep with no finished run, runs of different held-out problems, or a task whose clusters
@@ -63,6 +64,9 @@ def per_fact_table(sweeps: list[str]) -> str:
         lines.append(f"| `{label}` | {len(idx)} | " + " | ".join(cells) + " |")
     total = [f"{sum(v) / len(v):.3f}" for _, v in columns]
     lines.append(f"| all | {len(ids)} | " + " | ".join(total) + " |")
+    # Each fact weighted equally: a fact drawn 25 times no longer counts 8x one drawn 3 times.
+    equal = [f"{sum(sum(v[i] for i in idx) / len(idx) for idx in rows.values()) / len(rows):.3f}" for _, v in columns]
+    lines.append(f"| facts, equally weighted | {len(rows)} | " + " | ".join(equal) + " |")
     return "\n".join(lines) + "\n"
 
 

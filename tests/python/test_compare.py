@@ -402,8 +402,9 @@ def test_compare_cli_report_only_and_usage_errors(tmp_path):
 
 def test_per_fact_table_counts_each_fact_of_each_run(tmp_path):
     """benchmarks/python/per_fact.py: each fact's accuracy before and after, per run, is the mean of its problems'
-    0/1 outcomes (computed here from the facts the task gives each held-out problem), and the last row is the
-    run's accuracy; a run on other problems or a sweep without runs is refused."""
+    0/1 outcomes (computed here from the facts the task gives each held-out problem), the "all" row is the
+    run's accuracy and the last row the mean of its facts' accuracies; a run on other problems or a sweep without
+    runs is refused."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python"))
@@ -429,12 +430,15 @@ def test_per_fact_table_counts_each_fact_of_each_run(tmp_path):
     lines = per_fact.per_fact_table([str(sweep)]).splitlines()
     assert lines[0] == "| fact | problems | before | sweep/oar_g-s0 | sweep/oar_g-s1 |"
     body = {ln.split("|")[1].strip().strip("`"): [c.strip() for c in ln.split("|")[2:-1]] for ln in lines[2:]}
-    assert set(body) == set(facts) | {"all"}
+    assert set(body) == set(facts) | {"all", "facts, equally weighted"}
     for f in set(facts):
         idx = [i for i, g in enumerate(facts) if g == f]
         want = [str(len(idx))] + [f"{sum(v[i] for i in idx) / len(idx):.2f}" for v in (before, after[0], after[1])]
         assert body[f] == want
     assert body["all"] == [str(len(held))] + [f"{sum(v) / len(v):.3f}" for v in (before, after[0], after[1])]
+    per_fact_means = [np.mean([np.mean([v[i] for i, g in enumerate(facts) if g == f]) for f in set(facts)])
+                      for v in (before, after[0], after[1])]
+    assert body["facts, equally weighted"] == [str(len(set(facts)))] + [f"{m:.3f}" for m in per_fact_means]
     other = dict(json.load(open(sweep / "runs" / "oar_g-s1" / "summary.json")))
     other["heldout/accuracy"]["problem_ids"] = other["heldout/accuracy"]["problem_ids"][::-1]
     write_json_atomic(str(sweep / "runs" / "oar_g-s1" / "summary.json"), other)
