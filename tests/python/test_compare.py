@@ -341,6 +341,17 @@ def test_compare_runs_resumes_and_never_reports_a_partial_run(tmp_path):
         run_compare(None, TINY + ["oar.q=0.5"], ["grpo"], [0], out, progress=False)
     with pytest.raises(ValueError, match="set per run"):
         run_compare(None, TINY + ["oar.method=oar_p"], ["grpo"], [0], str(tmp_path / "other"), progress=False)
+    # A grid written before an oar key existed (credit_rows, here) resumes while that key keeps its default,
+    # and is refused once an override sets it to something else.
+    grid_path = os.path.join(out, "grid.json")
+    grid = json.load(open(grid_path))
+    del grid["resolved"]["oar"]["credit_rows"]
+    json.dump(grid, open(grid_path, "w"))
+    assert run_compare(None, TINY, ["grpo", "random"], [0, 1], out, progress=False)["done"] == 4
+    assert json.load(open(grid_path))["resolved"]["oar"]["credit_rows"] == "all"
+    json.dump(grid, open(grid_path, "w"))  # again without the key
+    with pytest.raises(ValueError, match=r"differs in \['oar.credit_rows'\]"):
+        run_compare(None, TINY + ["oar.credit_rows=positive"], ["grpo"], [0], out, progress=False)
     # A second sweep on the same folder while one runs is refused (it would delete the other's live run folder).
     import fcntl
 

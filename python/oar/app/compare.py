@@ -137,7 +137,13 @@ def check_grid(methods: Sequence[str], seeds: Sequence[int], overrides: Sequence
 
 def _grid_file(out_dir: str, config: str | None, overrides: list[str], methods, seeds) -> None:
     """Writes ``grid.json``, or checks that a resumed sweep has the same resolved configuration (the config
-    file's values after the overrides; comments and formatting may change)."""
+    file's values after the overrides; comments and formatting may change). An ``oar`` key the stored grid lacks
+    (added by a later oar) counts as its built-in default, so a sweep stays resumable across such additions.
+
+    Raises:
+        ValueError: the stored grid resolves to another configuration (the message lists the differing keys).
+    """
+    import oar
     from oar.app.config import load_config, resolve_config
 
     path = os.path.join(out_dir, "grid.json")
@@ -149,6 +155,8 @@ def _grid_file(out_dir: str, config: str | None, overrides: list[str], methods, 
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
+        if "oar" in old.get("resolved", {}):
+            old["resolved"]["oar"] = {**json.loads(oar.OARConfig().to_json()), **old["resolved"]["oar"]}
         if old.get("resolved") != resolved:
             diff = sorted(f"{sec}.{k}" for sec in resolved for k in set(resolved[sec]) | set(old.get("resolved", {}).get(sec, {}))
                           if resolved[sec].get(k) != old.get("resolved", {}).get(sec, {}).get(k))
