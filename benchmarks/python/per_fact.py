@@ -3,7 +3,8 @@ more ``oar compare`` sweeps (issue 25: which facts a run's gain or loss comes fr
 
 A fact's problems are mostly answered alike, so a run's held-out accuracy moves in steps of whole facts; this table
 shows which ones. Reads each sweep's ``grid.json`` (the task, to rebuild the facts:
-``oar.app.compare.problem_clusters``) and its runs' ``runs/*/summary.json``; runs nothing.
+``oar.app.compare.problem_clusters``) and its finished runs' ``results/*.json`` (what ``oar compare`` keeps of a run
+once it finished, and what a copied sweep without its ``runs/`` folder still has); runs nothing.
 
 Usage: python benchmarks/python/per_fact.py SWEEP [SWEEP ...] [--out FILE.md]
 """
@@ -20,11 +21,12 @@ from collections import defaultdict
 
 def _runs(sweep: str) -> list[tuple[str, dict]]:
     out = []
-    for path in sorted(glob.glob(os.path.join(sweep, "runs", "*", "summary.json"))):
+    for path in sorted(glob.glob(os.path.join(sweep, "results", "*.json"))):
         with open(path) as f:
-            held = json.load(f).get("heldout/accuracy")
+            held = json.load(f).get("heldout")
         if held and held.get("correct_before") and held.get("correct_after"):
-            out.append((f"{os.path.basename(sweep.rstrip(os.sep))}/{os.path.basename(os.path.dirname(path))}", held))
+            name = os.path.splitext(os.path.basename(path))[0]
+            out.append((f"{os.path.basename(sweep.rstrip(os.sep))}/{name}", held))
     return out
 
 
@@ -42,7 +44,7 @@ def per_fact_table(sweeps: list[str]) -> str:
     for sweep in sweeps:
         runs = _runs(sweep)
         if not runs:
-            sys.exit(f"per_fact: {sweep!r} has no finished run (runs/*/summary.json with held-out results)")
+            sys.exit(f"per_fact: {sweep!r} has no finished run (results/*.json with held-out results)")
         for name, held in runs:
             if ids is None:
                 ids = held["problem_ids"]

@@ -431,11 +431,11 @@ def test_per_fact_table_counts_each_fact_of_each_run(tmp_path):
     before = [int(v) for v in rng.integers(0, 2, len(held))]
     after = {s: [int(v) for v in rng.integers(0, 2, len(held))] for s in (0, 1)}
     sweep = tmp_path / "sweep"
+    os.makedirs(sweep / "results")
     for s in (0, 1):
-        os.makedirs(sweep / "runs" / f"oar_g-s{s}")
-        write_json_atomic(str(sweep / "runs" / f"oar_g-s{s}" / "summary.json"),
-                          {"heldout/accuracy": {"problem_ids": [p.id for p in held], "correct_before": before,
-                                                "correct_after": after[s]}})
+        write_json_atomic(str(sweep / "results" / f"oar_g-s{s}.json"),
+                          {"method": "oar_g", "seed": s, "heldout": {"problem_ids": [p.id for p in held],
+                                                                     "correct_before": before, "correct_after": after[s]}})
     write_json_atomic(str(sweep / "grid.json"), {"config": resolve_config("default"), "overrides": [],
                                                  "methods": ["oar_g"], "seeds": [0, 1]})
     lines = per_fact.per_fact_table([str(sweep)]).splitlines()
@@ -450,9 +450,9 @@ def test_per_fact_table_counts_each_fact_of_each_run(tmp_path):
     per_fact_means = [np.mean([np.mean([v[i] for i, g in enumerate(facts) if g == f]) for f in set(facts)])
                       for v in (before, after[0], after[1])]
     assert body["facts, equally weighted"] == [str(len(set(facts)))] + [f"{m:.3f}" for m in per_fact_means]
-    other = dict(json.load(open(sweep / "runs" / "oar_g-s1" / "summary.json")))
-    other["heldout/accuracy"]["problem_ids"] = other["heldout/accuracy"]["problem_ids"][::-1]
-    write_json_atomic(str(sweep / "runs" / "oar_g-s1" / "summary.json"), other)
+    other = dict(json.load(open(sweep / "results" / "oar_g-s1.json")))
+    other["heldout"]["problem_ids"] = other["heldout"]["problem_ids"][::-1]
+    write_json_atomic(str(sweep / "results" / "oar_g-s1.json"), other)
     with pytest.raises(SystemExit, match="other held-out problems"):
         per_fact.per_fact_table([str(sweep)])
     with pytest.raises(SystemExit, match="has no finished run"):
