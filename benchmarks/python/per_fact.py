@@ -12,21 +12,19 @@ Usage: python benchmarks/python/per_fact.py SWEEP [SWEEP ...] [--out FILE.md]
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 from collections import defaultdict
 
 
 def _runs(sweep: str) -> list[tuple[str, dict]]:
+    from oar.app.compare import load_results, run_name
+
     out = []
-    for path in sorted(glob.glob(os.path.join(sweep, "results", "*.json"))):
-        with open(path) as f:
-            held = json.load(f).get("heldout")
+    for r in load_results(sweep):
+        held = r.get("heldout")
         if held and held.get("correct_before") and held.get("correct_after"):
-            name = os.path.splitext(os.path.basename(path))[0]
-            out.append((f"{os.path.basename(sweep.rstrip(os.sep))}/{name}", held))
+            out.append((f"{os.path.basename(sweep.rstrip(os.sep))}/{run_name(r['method'], r['seed'])}", held))
     return out
 
 
