@@ -161,3 +161,53 @@ def test_install_docs_use_no_build_isolation():
         readme = f.read()
     assert "pip install --no-build-isolation" in readme
     assert 'pip install --no-build-isolation ".[train]"' in readme or "oar[train]" in readme
+
+
+def test_trainer_extras_are_the_tested_ranges():
+    """oar[trl] / oar[verl] / oar[openrlhf] (and the train extra's trl) install the release series the tests ran
+    (issue 40: they allowed any newer version), the same ranges as oar.integrations._versions.TESTED, each holding
+    the exact version requirements/ pins for the tests."""
+    from oar.integrations import _versions
+
+    pins = {**_pins("train.txt")}
+    with open(os.path.join(ROOT, "requirements", "trainers-nodeps.txt")) as f:
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line:
+                req = Requirement(line)
+                pins[_name(req)] = next(iter(req.specifier)).version
+    for package in _versions.TESTED:
+        (declared,) = PROJECT["optional-dependencies"][package]
+        assert Requirement(declared) == Requirement(_versions.requirement(package)), (package, declared)
+        assert Requirement(declared).specifier.contains(pins[package]), (package, pins[package])
+        assert _versions.in_tested_range(package, pins[package])
+    train_trl = next(r for r in PROJECT["optional-dependencies"]["train"] if _name(Requirement(r)) == "trl")
+    assert Requirement(train_trl) == Requirement(_versions.requirement("trl"))
+
+
+@pytest.mark.parametrize("package, version, ok", [("trl", "1.13.0", True), ("trl", "1.13.4", True),
+                                                  ("trl", "1.14.0", False), ("trl", "1.12.9", False),
+                                                  ("verl", "0.9.1", True), ("verl", "0.9.0", False),
+                                                  ("verl", "0.10.0.dev0", False), ("openrlhf", "0.11.2", True),
+                                                  ("openrlhf", "0.11.10", True), ("openrlhf", "1.0", False),
+                                                  ("trl", "1.13.0.dev1+local", True)])
+def test_an_untested_trainer_version_is_named_once(monkeypatch, package, version, ok):
+    import warnings
+
+    from oar.integrations import _versions
+
+    monkeypatch.setattr(_versions, "_SAID", set())
+    assert _versions.in_tested_range(package, version) is ok
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _versions.check_tested(package, version) is ok
+        _versions.check_tested(package, version)
+    said = [str(w.message) for w in caught]
+    if ok:
+        assert said == []
+    else:
+        low, high = _versions.TESTED[package]
+        assert len(said) == 1 and f"{package} {version} is installed" in said[0]
+        assert f'pip install "{package}>={low},<{high}"' in said[0]
+    with pytest.raises(ValueError, match="version must start with a release number"):
+        _versions.release("latest")

@@ -157,6 +157,23 @@ def test_v1_trainer_folds_worker_scores(run, tiny):
     assert run["v1_ranks"][0]["forwards"] == run["v1_ranks"][1]["forwards"] > 0
 
 
+def test_pi_old_scores_at_a_later_mini_batch(run):
+    """Which weights score (issue 40): verl's separate-async trainer with parameter_sync_step 2 computes the second
+    mini-batch's old log-probs with the weights of the cycle's start (its DetachActorWorker's CPU slot 0,
+    trainer_separate_async.py:187-211), so GRPO's ratio is taken against those; OAR's scores at that mini-batch are
+    exactly those of the original weights (OAR-P is deterministic), not of the updated ones, and the updated weights
+    are back on the workers after (the scores of the sync trainer before and after are equal)."""
+    po = run["pi_old"]
+    first, second = po["first"]["scores"], po["second"]["scores"]
+    before, after = po["changed_before"]["scores"], po["changed_after"]["scores"]
+    assert int((po["first"]["seq"] != 0).sum()) > 0 and first.abs().sum() > 0
+    torch.testing.assert_close(po["second"]["seq"], po["first"]["seq"], rtol=0, atol=0)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)  # pi_old scored
+    torch.testing.assert_close(after, before, rtol=0, atol=0)  # the updated weights were put back
+    assert (before - first).abs().max() > 1e-3 * first.abs().max()  # the update changed the scores
+    torch.testing.assert_close(po["second"]["advantages"], po["first"]["advantages"], rtol=0, atol=0)
+
+
 # ---- in-process: registration, worker swap, request layout, refusals ------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """Test worker script (tests/python/test_verl_workers.py): OAR scores on verl 0.9.1's REAL actor workers.
 
 ``python verl_worker.py OUT_DIR`` starts a local Ray (2 CPUs), saves the tiny model, builds a 2-rank worker group of
-``OARActorRolloutRefWorker`` (verl's ``ActorRolloutRefWorker`` with the FSDP2 engine over gloo; test scaffold
-``_verl_cpu.py``) and runs, saving what the test checks in ``OUT_DIR/verl.pt``:
+``OARDetachActorWorker`` (verl's ``ActorRolloutRefWorker`` subclass of its separate-async trainer with the FSDP2
+engine over gloo; test scaffold ``_verl_cpu.py``) and runs, saving what the test checks in ``OUT_DIR/verl.pt``:
 
 1. ``log_probs``: verl's own ``compute_log_prob`` (the old log-probs), as ``RayPPOTrainer._compute_old_log_prob``
    calls it, to check the scaffold runs verl's engine faithfully;
@@ -13,7 +13,10 @@
    trainer's ``init_workers`` wrapper records it (the scores the workers returned are captured);
 4. ``v1``: verl's v1 ``_compute_advantage`` of the registered ``oar_sync`` trainer, with an in-memory stand-in
    for the transfer queue (``kv_batch_get`` / ``kv_batch_put``) holding the rollouts as verl's agent loop puts
-   them (per-row prompts / responses / response_mask, ``rm_scores``, ``uid``, ``reward_model``).
+   them (per-row prompts / responses / response_mask, ``rm_scores``, ``uid``, ``reward_model``);
+5. ``pi_old``: which weights the ``oar_separate_async`` trainer scores with at the second mini-batch of a
+   parameter-sync cycle (:func:`pi_old_steps`). The workers are verl's ``DetachActorWorker`` (the separate-async
+   trainer's actor class) with the OAR mixin.
 """
 
 import os
@@ -40,8 +43,37 @@ REWARDS = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]  # group 0: all four rows act
 ORDER = [4, 0, 5, 1, 6, 2, 7, 3]  # rows in shuffled group order (verl balances batches across ranks)
 
 
-class Worker(verl_workers.OARActorRolloutRefWorker):
-    """The OAR worker plus two test probes (counted policy forwards, parameter grads)."""
+from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402
+
+
+class Worker(verl_workers.oar_worker_class(DetachActorWorker)):
+    """The OAR worker of verl's ``DetachActorWorker`` (``ActorRolloutRefWorker`` plus the CPU weight slots of the
+    separate-async trainer, nothing else) plus test probes (counted policy forwards, parameter grads, a stand-in
+    for an actor update)."""
+
+    def _get_strategy_handlers(self):
+        """verl's FSDP2 save / restore of the CPU weight slots, with the saved shards cloned. verl's save moves each
+        local shard to the CPU with ``.cpu()``, a copy from a GPU but the same tensor on the CPU: on this scaffold
+        a saved slot would alias the live parameters, and the next in-place update would change it too. Cloning
+        gives the CPU what ``.cpu()`` gives on a GPU (CPU scaffold only; FSDP2, the scaffold's engine)."""
+        save, load = super()._get_strategy_handlers()
+        if self.config.actor.strategy != "fsdp2":
+            return save, load
+
+        def save_copy(module):
+            state, spec = save(module)
+            return {name: (t.clone(), s) for name, (t, s) in state.items()}, spec
+
+        return save_copy, load
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def scale_weights(self, factor: float):
+        """Multiplies every parameter shard by ``factor`` in place: a stand-in for an actor update (the weights
+        change, identically on every rank)."""
+        with torch.no_grad():
+            for p in self.actor.engine.module.parameters():
+                p.mul_(factor)
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def count_forwards(self, reset: bool = True):
@@ -172,9 +204,10 @@ class FakeTQ:
         return TensorDict(out, batch_size=[len(keys)])
 
 
-def v1_step(wg, rows, method):
-    """verl's v1 ``_compute_advantage`` of the ``oar_sync`` trainer on a fake transfer queue; returns the advantages
-    it wrote back (padded (B, R)) and the scores the workers returned for it."""
+def v1_step(wg, rows, method, mode: str = "sync", **attrs):
+    """verl's v1 ``_compute_advantage`` of the ``oar_<mode>`` trainer on a fake transfer queue, the trainer's
+    attributes ``attrs`` set as verl's ``step`` sets them (``parameter_sync_step``, ``local_trigger_step``); returns the
+    advantages it wrote back (padded (B, R)) and the scores the workers returned for it."""
     import transfer_queue
     from omegaconf import OmegaConf
     from tensordict import TensorDict
@@ -195,7 +228,9 @@ def v1_step(wg, rows, method):
     meta = fake.put(keys, "train", td)
     saved = (transfer_queue.kv_batch_get, transfer_queue.kv_batch_put)
     transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = fake.get, fake.put
-    trainer = object.__new__(get_trainer_cls("oar_sync"))
+    trainer = object.__new__(get_trainer_cls(f"oar_{mode}"))
+    for k, v in attrs.items():
+        setattr(trainer, k, v)
     trainer.config = OmegaConf.create({"algorithm": {"adv_estimator": method, "gamma": 1.0, "lam": 1.0,
                                                      "use_kl_in_reward": False, "norm_adv_by_std_in_grpo": True},
                                        "actor_rollout_ref": {"rollout": {"n": N}}})
@@ -216,6 +251,24 @@ def v1_step(wg, rows, method):
         transfer_queue.kv_batch_get, transfer_queue.kv_batch_put = saved
     adv = fake.get(keys, "train", ["advantages"])["advantages"].to_padded_tensor(0.0)
     return dict(advantages=adv, **captured)
+
+
+def pi_old_steps(wg, rows) -> dict:
+    """Which weights score in verl's separate-async trainer with ``parameter_sync_step`` 2 (OAR-P: deterministic, so
+    equal weights give equal scores): the cycle's first mini-batch scores with the current weights after verl's
+    ``_compute_old_log_prob`` saved them as slot 0; the actor is then updated (:meth:`Worker.scale_weights`); the
+    second mini-batch scores (``first``, ``second``), and the sync trainer scores with whatever the workers hold just
+    before and just after it (``changed_before``, ``changed_after``)."""
+    oar_verl.configure(config("oar_p"))
+    out = {}
+    wg.save_model_to_cpu(0)  # verl's separate-async _compute_old_log_prob at local_trigger_step 0
+    out["first"] = v1_step(wg, rows, "oar_p", "separate_async", parameter_sync_step=2, local_trigger_step=0)
+    wg.scale_weights(1.25)  # the actor update after the first mini-batch
+    out["changed_before"] = v1_step(wg, rows, "oar_p")
+    out["second"] = v1_step(wg, rows, "oar_p", "separate_async", parameter_sync_step=2, local_trigger_step=1)
+    out["changed_after"] = v1_step(wg, rows, "oar_p")
+    wg.clear_cpu_model(0)
+    return out
 
 
 def gpu_worker_group(config, n: int):
@@ -299,6 +352,7 @@ def main(out_dir, device: str = "cpu", model: str = "tiny", ranks: int = 2, lora
             out["legacy"] = dict(advantages=res.batch["advantages"].clone(), **captured)
             out["v1"] = v1_step(wg, rows, "oar_g")
             out["v1_ranks"] = wg.count_forwards()
+            out["pi_old"] = pi_old_steps(wg, rows)
             oar_verl.configure(None)
             torch.save(out, os.path.join(out_dir, "verl.pt"))
     finally:

@@ -14,6 +14,9 @@ from oar.schema import config_from_mapping, with_method, yaml_load
 #: Environment variable read by the verl plugin and the OpenRLHF launcher when no config was passed in code:
 #: a JSON object (the ``oar`` schema of docs/config.md) or a path to a JSON/YAML file holding one.
 CONFIG_ENV = "OAR_CONFIG"
+#: The working spellings, named by every refusal of $OAR_CONFIG (docs/trainers/verl.md, docs/trainers/openrlhf.md).
+SPELLINGS = ("a JSON object, e.g. OAR_CONFIG='{\"probe\": \"answer_mean\"}' in a POSIX shell, or the path of a "
+             "JSON/YAML file; with verl, give the keys in verl's own config instead: +oar.probe=answer_mean")
 
 
 def config_from_env(method: str | None = None):
@@ -32,10 +35,11 @@ def config_from_env(method: str | None = None):
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise ValueError(f"${CONFIG_ENV} must be a JSON object or a file path, got invalid JSON: {e}") from None
+                raise ValueError(f"${CONFIG_ENV} must be {SPELLINGS}; got invalid JSON {raw[:80]!r}: {e}") from None
         else:
             if not os.path.isfile(raw):
-                raise ValueError(f"${CONFIG_ENV} must be a JSON object or an existing file, got {raw!r}")
+                raise ValueError(f"${CONFIG_ENV} must be {SPELLINGS}; got {raw[:80]!r}, which is neither JSON nor an "
+                                 "existing file")
             is_yaml = raw.endswith((".yaml", ".yml"))
             what = f"${CONFIG_ENV} file {raw!r}"
             try:
@@ -53,7 +57,7 @@ def config_from_env(method: str | None = None):
             # a whole run config (configs/*.yaml, runs/*/config.json) holds the schema under "oar"
             obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
         if not isinstance(obj, dict):
-            raise ValueError(f"${CONFIG_ENV} must hold a JSON object, got {type(obj).__name__}")
+            raise ValueError(f"${CONFIG_ENV} must hold a JSON object ({SPELLINGS}), got {type(obj).__name__}")
     cfg = config_from_mapping(obj)
     return with_method(cfg, method) if method is not None else cfg
 

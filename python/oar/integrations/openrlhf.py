@@ -56,10 +56,14 @@ PIPELINE_SCOPE = "oar.integrations.openrlhf"
 
 
 def _experience_maker_cls():
+    from oar.integrations._versions import check_tested, requirement
+
     try:
         from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     except ImportError as e:
-        raise ImportError("oar.integrations.openrlhf needs the `openrlhf` package (0.11.2)") from e
+        raise ImportError(f"oar.integrations.openrlhf needs the `openrlhf` package: pip install "
+                          f"\"{requirement('openrlhf')}\" (what oar[openrlhf] installs)") from e
+    check_tested("openrlhf")
     return RemoteExperienceMaker
 
 

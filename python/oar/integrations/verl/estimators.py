@@ -25,8 +25,9 @@ order: ``batch["oar_scores"]`` + ``batch["oar_reasoning_mask"]`` attached earlie
 Hugging Face policy held by the driver process), or the actor worker group of the running OAR trainer
 (:class:`oar.integrations.verl.WorkerGroupScorer`, set in the call's context by :mod:`oar.integrations.verl.workers`).
 
-Config: :func:`configure` in the driver process, else ``$OAR_CONFIG`` (JSON or a JSON/YAML file; set it in
-the Ray runtime env so the TaskRunner sees it); the advantage estimator's name overrides ``method``.
+Config: :func:`configure` in the driver process, else the ``oar`` section of verl's own config
+(``+oar.probe=answer_mean`` on the command line, :func:`use_trainer_config`), else ``$OAR_CONFIG`` (JSON or a
+JSON/YAML file, in the Ray runtime env); the advantage estimator's name overrides ``method``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from oar.integrations.verl.rollouts import response_masks, rollout_rows
 from oar.batch import RolloutBatch
 from oar.schema import config_arg, with_method
 
+#: verl versions the tests ran (the tested range, which pyproject's ``oar[verl]`` extra installs, is
+#: :data:`oar.integrations._versions.TESTED`; another version gets a warning at :func:`register_estimators`).
 SUPPORTED_VERL = ("0.9.1",)
 
 #: verl advantage estimator name (``algorithm.adv_estimator``) -> OAR method ("oar": the configured method).
@@ -71,6 +74,9 @@ class _Settings:
 
 
 _SETTINGS = [_Settings()]
+#: The OAR config of the running verl trainer's own config (``+oar.<key>=<value>``), set by
+#: :func:`use_trainer_config` when the trainer is built; None when it has no ``oar`` section.
+_TRAINER_CONFIG: list = [None]
 #: The registered estimator function of each name (one function per name for the process: idempotent).
 _REGISTERED: dict[str, Callable] = {}
 
@@ -88,6 +94,8 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
     Raises:
         ValueError: ``config`` not an ``oar.OARConfig`` / None, ``scorer`` not callable / None, ``ignore_ids`` not a
             sequence of ints (checked here, not at the first training step).
+
+    A trainer config's ``oar`` section read earlier (:func:`use_trainer_config`) is forgotten.
     """
     from oar import _args
 
@@ -97,6 +105,7 @@ def configure(config=None, scorer: Callable | None = None, ignore_ids=()) -> Non
                          f"got {type(scorer).__name__}")
     ids = _args.token_ids_arg("ignore_ids", ignore_ids)
     _SETTINGS[0] = _Settings(config=config, scorer=scorer, ignore_ids=ids)
+    _TRAINER_CONFIG[0] = None
 
 
 def driver_scorer():
@@ -176,16 +185,57 @@ class HFScorer:
         return res.scores, res.reasoning_mask
 
 
+def use_trainer_config(config):
+    """Reads the ``oar`` section of verl's trainer config (``+oar.probe=answer_mean``, docs/trainers/verl.md) into
+    the config the estimators run (:func:`estimator_config`), checked against the schema now, when the trainer is
+    built, not at the first advantage step. Called by the OAR v1 trainers' constructor and the legacy
+    ``init_workers`` wrapper.
+
+    Args:
+        config: verl's trainer config (``DictConfig``).
+
+    Returns:
+        The ``oar.OARConfig`` the estimators will run (method not yet set by the estimator name).
+
+    Raises:
+        ValueError: a key or value the schema refuses (naming ``oar.<key>``); the OAR config given twice (``+oar.*``
+            and ``$OAR_CONFIG``, or ``+oar.*`` and :func:`configure`); an invalid ``$OAR_CONFIG``.
+    """
+    import os
+
+    from oar.integrations._config_env import CONFIG_ENV
+    from oar.integrations.verl.launch import CONFIG_LINE, trainer_oar_section
+    from oar.schema import config_from_mapping
+
+    section = trainer_oar_section(config)
+    if section is None:
+        _TRAINER_CONFIG[0] = None
+        return estimator_config("oar")
+    if os.environ.get(CONFIG_ENV, "").strip():
+        raise ValueError(f"the OAR config is given twice: as verl config keys (+oar.*: {sorted(section)}) and as "
+                         f"${CONFIG_ENV}; keep one (e.g. {CONFIG_LINE})")
+    if _SETTINGS[0].config is not None:
+        raise ValueError(f"the OAR config is given twice: as verl config keys (+oar.*: {sorted(section)}) and by "
+                         "oar.integrations.verl.configure(config=...); keep one")
+    try:
+        cfg = config_from_mapping(section)
+    except ValueError as e:
+        raise ValueError(f"verl config key 'oar' (+oar.<key>=<value>, docs/config.md): {e}") from None
+    _TRAINER_CONFIG[0] = cfg
+    return cfg
+
+
 def estimator_config(name: str):
-    """The ``oar.OARConfig`` a registered estimator runs: :func:`configure`'s config, else ``$OAR_CONFIG``, with the
-    estimator's method (:data:`ADV_ESTIMATORS`; ``oar`` keeps the config's method).
+    """The ``oar.OARConfig`` a registered estimator runs: :func:`configure`'s config, else the verl trainer config's
+    ``oar`` section (:func:`use_trainer_config`), else ``$OAR_CONFIG``, with the estimator's method
+    (:data:`ADV_ESTIMATORS`; ``oar`` keeps the config's method).
 
     Raises:
         KeyError: ``name`` is not one of :data:`ADV_ESTIMATORS`. ValueError: an invalid ``$OAR_CONFIG``.
     """
     if name not in ADV_ESTIMATORS:
         raise KeyError(f"not an OAR estimator: {name!r} (one of {sorted(ADV_ESTIMATORS)})")
-    config = _SETTINGS[0].config
+    config = _SETTINGS[0].config if _SETTINGS[0].config is not None else _TRAINER_CONFIG[0]
     base = config if config is not None else config_from_env()
     method = ADV_ESTIMATORS[name]
     return with_method(base, method) if method is not None else base
@@ -342,19 +392,21 @@ def register_estimators() -> list[str]:
     Raises:
         ImportError: verl is not installed. RuntimeError: the verl version lacks the hook points.
     """
-    import warnings
+    from oar.integrations._versions import requirement
 
     try:
         import verl
         from verl.trainer.ppo import core_algos
     except ImportError as e:
-        raise ImportError("oar.integrations.verl needs the `verl` package (pip install 'oar[verl]')") from e
+        raise ImportError(f"oar.integrations.verl needs the `verl` package: pip install \"{requirement('verl')}\" "
+                          "(what oar[verl] installs)") from e
     version = getattr(verl, "__version__", "?")
     for attr in ("register_adv_est", "get_adv_estimator_fn", "ADV_ESTIMATOR_REGISTRY"):
         if not hasattr(core_algos, attr):
             raise RuntimeError(f"verl {version}: core_algos has no {attr}; oar supports verl {SUPPORTED_VERL}")
-    if version not in SUPPORTED_VERL:
-        warnings.warn(f"oar.integrations.verl is tested with verl {SUPPORTED_VERL}, found {version}", stacklevel=3)
+    from oar.integrations._versions import check_tested
+
+    check_tested("verl", None if version == "?" else version)
     for name, method in ADV_ESTIMATORS.items():
         if name not in _REGISTERED:
             _REGISTERED[name] = _estimator(name, method)

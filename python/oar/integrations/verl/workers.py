@@ -131,6 +131,70 @@ def check_trainer_config(config) -> None:
         raise NotImplementedError(fused_kernels_refusal())
 
 
+def start_checks(config, oar_trainer: bool) -> None:
+    """Everything an OAR run of verl can be refused for, checked when the trainer is built (before any worker,
+    data loader or generation): the OAR config (the ``oar`` section of verl's config or ``$OAR_CONFIG``, read by
+    :func:`oar.integrations.verl.estimators.use_trainer_config`), then, for an OAR estimator,
+    :func:`check_trainer_config`; and, for verl's v1 trainer, that an OAR estimator runs on an OAR trainer mode.
+
+    Args:
+        config: verl's trainer config (``DictConfig``).
+        oar_trainer: whether the trainer being built is an OAR v1 trainer (``trainer.v1.trainer_mode=oar_<mode>``) or
+            the legacy trainer's ``init_workers`` (True), or one of verl's own v1 trainers (False).
+
+    Raises:
+        ValueError: an invalid OAR config (naming the key); an OAR estimator (``algorithm.adv_estimator=oar_*``)
+            with one of verl's own v1 trainer modes (the message names the line to add,
+            ``trainer.v1.trainer_mode=oar_<mode>``).
+        NotImplementedError / TypeError: see :func:`check_trainer_config`, :func:`require_oar_workers`.
+    """
+    from oar.integrations.verl.estimators import use_trainer_config
+
+    name = _estimator_name(config)
+    if name not in ADV_ESTIMATORS:
+        return
+    if not oar_trainer:
+        mode = str(config.trainer.v1.get("trainer_mode", "sync"))
+        raise ValueError(
+            f"algorithm.adv_estimator={name!r} needs oar's v1 trainer, which hands the estimator the rollouts and the "
+            f"actor workers: trainer.v1.trainer_mode={mode!r} runs verl's own {mode!r} trainer without them. Add "
+            f"trainer.v1.trainer_mode=oar_{mode} to the command (verl's {mode!r} trainer plus OAR; or "
+            "trainer.use_v1=False for the legacy trainer)")
+    use_trainer_config(config)
+    check_trainer_config(config)
+
+
+def _separate_async(trainer) -> bool:
+    """Whether ``trainer`` is (a subclass of) verl's separate-async v1 trainer (its own pi_old slots)."""
+    try:
+        from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+    except ImportError:  # pragma: no cover - verl without the separate-async trainer
+        return False
+    return isinstance(trainer, PPOTrainerSeparateAsync)
+
+
+def wrap_v1_trainer_init() -> None:
+    """Makes verl's v1 ``PPOTrainer.__init__`` refuse an OAR advantage estimator on one of verl's own trainer modes
+    (the user forgot ``trainer.v1.trainer_mode=oar_<mode>``) when the trainer is built, instead of at the first
+    advantage step after a whole generation (:func:`start_checks`). Check only: verl's ``__init__`` then runs
+    unchanged, and nothing changes for any other estimator. verl has no extension point at trainer construction,
+    so this wraps the method (idempotent)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    orig = PPOTrainer.__init__
+    if getattr(orig, "__oar_wrapped__", False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, config, *args, **kwargs):
+        if not isinstance(self, OARTrainerMixin):
+            start_checks(config, oar_trainer=False)
+        return orig(self, config, *args, **kwargs)
+
+    __init__.__oar_wrapped__ = True
+    PPOTrainer.__init__ = __init__
+
+
 def worker_scores(worker, data: TensorDict) -> TensorDict:
     """Body of ``oar_scores`` on one rank: the importance scores of this rank's chunk with the actor's policy.
 
@@ -319,8 +383,8 @@ def require_oar_workers(config, role_worker_mapping: dict) -> bool:
 
 def wrap_init_workers(orig):
     """``RayPPOTrainer.init_workers`` (legacy trainer) with an OAR advantage estimator: first the start checks
-    (:func:`check_trainer_config`, :func:`require_oar_workers`: NotImplementedError / TypeError before verl starts
-    any worker), then the actor role runs on its class plus :class:`OARWorkerMixin`, and the estimator gets a
+    (:func:`start_checks`: the OAR config and :func:`check_trainer_config`; :func:`require_oar_workers`: ValueError /
+    NotImplementedError / TypeError before verl starts any worker), then the actor role runs on its class plus :class:`OARWorkerMixin`, and the estimator gets a
     :class:`oar.integrations.verl.WorkerGroupScorer` of the trainer's actor worker group
     (:func:`oar.integrations.verl.context.set_trainer_scorer`). Idempotent: returns ``orig`` when it is already
     wrapped."""
@@ -332,7 +396,7 @@ def wrap_init_workers(orig):
         name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
         if name not in ADV_ESTIMATORS:
             return orig(self, *args, **kwargs)
-        check_trainer_config(self.config)  # before any worker starts or any generation
+        start_checks(self.config, oar_trainer=True)  # before any worker starts or any generation
         has_method = require_oar_workers(self.config, self.role_worker_mapping)
         out = orig(self, *args, **kwargs)
         if has_method:
@@ -381,9 +445,51 @@ def _v1_rollouts(fields: TensorDict, answer_key: tuple[str, str]) -> Any:
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
 
+#: The CPU slot of verl's ``DetachActorWorker`` where oar keeps the weights of the start of a parameter-sync cycle
+#: when verl keeps none (``algorithm.rollout_correction.bypass_mode``: verl's pi_old is the rollout's log-probs).
+PI_OLD_SLOT = "oar_pi_old"
+#: The slot holding the current weights while the workers score with pi_old (cleared after).
+CURRENT_SLOT = "oar_current"
+
+
+def _bypass_mode(config) -> bool:
+    rc = config.algorithm.get("rollout_correction", None) if hasattr(config.algorithm, "get") else None
+    return bool(rc and rc.get("bypass_mode", False))
+
+
+class _PiOldScorer:
+    """A :class:`oar.integrations.verl.WorkerGroupScorer` that scores with the weights of CPU slot ``slot`` of
+    verl's ``DetachActorWorker`` (pi_old) and puts the current weights back after, the sequence verl's
+    separate-async ``_compute_old_log_prob`` runs (verl 0.9.1 ``trainer_separate_async.py:187-211``): save the
+    current weights, restore pi_old, compute, restore the current weights, clear their copy."""
+
+    def __init__(self, scorer, wg, slot):
+        self.scorer, self.wg, self.slot = scorer, wg, slot
+
+    def __getattr__(self, name):  # last_info, answer_key, ...: the wrapped scorer's
+        return getattr(self.scorer, name)
+
+    def __call__(self, data, config, seq_adv):
+        self.wg.save_model_to_cpu(CURRENT_SLOT)
+        try:
+            self.wg.restore_model_from_cpu(self.slot)
+            return self.scorer(data, config, seq_adv)
+        finally:
+            self.wg.restore_model_from_cpu(CURRENT_SLOT)
+            self.wg.clear_cpu_model(CURRENT_SLOT)
+
+
 class OARTrainerMixin:
     """verl v1 trainer extension (``trainer.v1.trainer_mode=oar_sync``, ...): OAR scores on the actor workers.
 
+    * ``__init__``: the trainer of ``oar_<mode>`` is verl's trainer of ``<mode>`` (:attr:`oar_base_mode`) and must
+      behave exactly as it: verl decides its parameter sync, replay buffer, data-loader refill, checkpointed
+      transfer queue and staleness from the literal ``trainer.v1.trainer_mode`` (verl 0.9.1 ``trainer_base.py``
+      lines 129-130, 153-157, 731, 902, 912, 1004, 1499; ``utils/skip/rollout_skip.py:189``), so the config's
+      ``trainer_mode`` is set to ``<mode>`` before verl reads it (the trainer's class stays the OAR one). The
+      ``oar`` section of verl's config (``+oar.probe=answer_mean``) is read and checked
+      (:func:`oar.integrations.verl.estimators.use_trainer_config`), and the start checks run
+      (:func:`check_trainer_config`): everything is refused here, before any worker or generation.
     * ``_init_resource_pool_mgr``: refuses what the workers cannot serve (:func:`check_trainer_config`, before
       verl's own), then the actor role runs on the class verl's trainer picked plus :class:`OARWorkerMixin`
       (:func:`require_oar_workers`; TypeError when that class cannot get it).
@@ -398,6 +504,52 @@ class OARTrainerMixin:
 
     #: where the reference answers are (``reward_model.ground_truth``, verl's RL datasets)
     oar_answer_key: tuple[str, str] = ("reward_model", "ground_truth")
+    #: verl's trainer mode this trainer extends (set per registered class by :func:`register_trainers`)
+    oar_base_mode: str = "sync"
+
+    def __init__(self, config, *args, **kwargs):
+        start_checks(config, oar_trainer=True)
+        v1 = config.trainer.v1
+        mode = str(v1.get("trainer_mode", ""))
+        if mode not in (self.oar_base_mode, f"oar_{self.oar_base_mode}"):
+            raise ValueError(f"{type(self).__name__} is the OAR trainer of verl's trainer mode "
+                             f"{self.oar_base_mode!r}: trainer.v1.trainer_mode must be 'oar_{self.oar_base_mode}', "
+                             f"got {mode!r}")
+        own = f"oar_{self.oar_base_mode}"
+        if v1.get(own, None) is not None:
+            raise ValueError(f"trainer.v1.{own} is not read by verl: the OAR trainer of mode {self.oar_base_mode!r} "
+                             f"runs verl's trainer of that mode, which reads trainer.v1.{self.oar_base_mode}; move "
+                             f"these keys there: {list(v1.get(own))}")
+        if mode != self.oar_base_mode:
+            v1.trainer_mode = self.oar_base_mode  # what verl reads to decide the mode's behaviour
+            import logging
+
+            logging.getLogger(__name__).info(
+                "oar: trainer.v1.trainer_mode=%s runs verl's %r trainer with OAR scores on the actor workers "
+                "(trainer.v1.trainer_mode is now %r, as verl reads it)", own, self.oar_base_mode, self.oar_base_mode)
+        super().__init__(config, *args, **kwargs)
+
+    def _oar_scorer(self, method: str):
+        """The worker-group scorer of this advantage step, scoring with the weights verl computed this mini-batch's
+        old log-probs with (pi_old, the weights of GRPO's ratio denominator). verl's separate-async trainer with
+        ``parameter_sync_step`` > 1 updates the actor after each mini-batch while the rollouts come from the
+        weights of the cycle's start: from the second mini-batch on (``local_trigger_step`` >= 1) the workers
+        score with those (verl's CPU slot 0; with ``rollout_correction.bypass_mode`` verl keeps none, so oar
+        saves them at the cycle's first mini-batch, :data:`PI_OLD_SLOT`). Elsewhere the actor's current weights
+        are pi_old (verl's base ``_compute_old_log_prob`` uses them)."""
+        from oar.methods import method_spec
+
+        scorer = WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
+        cycle = int(getattr(self, "parameter_sync_step", 1) or 1)
+        k = int(getattr(self, "local_trigger_step", 0) or 0)
+        if cycle <= 1 or not method_spec(method).needs_model or not _separate_async(self):
+            return scorer
+        bypass = _bypass_mode(self.config)
+        if k == 0:
+            if bypass:  # the weights at the cycle's start are the rollouts' (verl keeps no copy in bypass mode)
+                self.actor_rollout_wg.save_model_to_cpu(PI_OLD_SLOT)
+            return scorer
+        return _PiOldScorer(scorer, self.actor_rollout_wg, PI_OLD_SLOT if bypass else 0)
 
     def _init_resource_pool_mgr(self):
         check_trainer_config(self.config)  # before any worker starts or any generation
@@ -425,7 +577,7 @@ class OARTrainerMixin:
                              f"(the reference answers are read from the dataset field {self.oar_answer_key[0]!r}"
                              f"[{self.oar_answer_key[1]!r}]): {e}") from e
         rollouts = _v1_rollouts(fields, self.oar_answer_key)
-        scorer = WorkerGroupScorer(self.actor_rollout_wg, self.oar_answer_key)
+        scorer = self._oar_scorer(spec.name)
         # verl's v1 GRPO takes the group statistics from each agent session's final output (the keys say which)
         with context.advantage_call(rollouts=rollouts, scorer=scorer, sessions=list(batch.keys)):
             return super()._compute_advantage(batch, metrics)
@@ -446,8 +598,9 @@ def register_trainers() -> list[str]:
             continue
         name = f"oar_{mode}"
         if name not in trainer_base.TRAINER_REGISTRY:
-            cls = type(f"OAR{base.__name__}", (OARTrainerMixin, base), {"__module__": __name__,
-                        "__doc__": f"verl's {base.__name__} (trainer mode {mode!r}) with :class:`OARTrainerMixin`."})
+            cls = type(f"OAR{base.__name__}", (OARTrainerMixin, base), {
+                "__module__": __name__, "oar_base_mode": mode,
+                "__doc__": f"verl's {base.__name__} (trainer mode {mode!r}) with :class:`OARTrainerMixin`."})
             globals()[cls.__name__] = cls  # importable by name (Ray pickles classes by reference)
             trainer_base.register_trainer(name)(cls)
         names.append(name)
