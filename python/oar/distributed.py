@@ -113,14 +113,20 @@ def replica_group(model):
 class RankError(RuntimeError):
     """Raised on every rank of a group when one or more of its ranks failed during a synchronised pass.
 
+    Args:
+        failures: {global rank: "ExceptionType: message"}.
+        during: what the ranks were doing, for the message ("attribution", "the reward functions").
+
     Attributes:
         failures: {global rank: "ExceptionType: message"} of every rank that failed, sorted by rank.
+        during: as given.
     """
 
-    def __init__(self, failures: dict):
+    def __init__(self, failures: dict, during: str = "attribution"):
         self.failures = dict(sorted(failures.items()))
+        self.during = during
         what = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
-        super().__init__(f"oar: {len(self.failures)} rank(s) failed during attribution, so every rank stops here "
+        super().__init__(f"oar: {len(self.failures)} rank(s) failed during {during}, so every rank stops here "
                          f"(the others would wait in a collective): {what}")
 
 
@@ -144,7 +150,7 @@ def _min_round(kind: int, group) -> int:
     return int(t.item())
 
 
-def _gathered_error(own: dict, group) -> RankError:
+def _gathered_error(own: dict, group, during: str = "attribution") -> RankError:
     """Second step of a round that agreed on an error: every rank's known failures, merged (a collective)."""
     import torch.distributed as dist
 
@@ -153,21 +159,22 @@ def _gathered_error(own: dict, group) -> RankError:
     merged = {}
     for d in objs:
         merged.update(d or {})
-    return RankError(merged)
+    return RankError(merged, during)
 
 
-def _error_round(error, group) -> RankError | None:
+def _error_round(error, group, during: str = "attribution") -> RankError | None:
     """One error round over ``group``: None when no rank of it failed, else the agreed :class:`RankError`."""
     own = _own_failures(error)
     if _min_round(KIND_ERROR if own else KIND_DONE, group) != KIND_ERROR:
         return None
-    return _gathered_error(own, group)
+    return _gathered_error(own, group, during)
 
 
-def agree_on_errors(error: BaseException | None = None, group=None) -> None:
+def agree_on_errors(error: BaseException | None = None, group=None, during: str = "attribution") -> None:
     """One error round (a collective over ``group``, default the world; every rank calls it): raises the same
     :class:`RankError` on every rank when any rank passed an ``error`` (chained to it on that rank), else returns.
-    Without a distributed world, ``error`` (when given) is raised as it is.
+    Without a distributed world, ``error`` (when given) is raised as it is. ``during`` names the pass in the
+    message (``RankError.during``).
 
     Raises:
         RankError: some rank of the group passed an error.
@@ -176,7 +183,7 @@ def agree_on_errors(error: BaseException | None = None, group=None) -> None:
         if error is not None:
             raise error
         return
-    agreed = _error_round(error, group)
+    agreed = _error_round(error, group, during)
     if agreed is not None:
         raise agreed from error
 
@@ -429,7 +436,10 @@ class ForwardGate:
             self._dummy(agreed)
 
     def finish(self) -> None:
-        """Runs dummy calls until every rank is done. Collective: every rank must call it once."""
+        """Runs dummy calls until every rank is done. Collective: every rank must call it once, inside the
+        ``eval_mode`` scope as the real calls (``Pipeline`` does): in training mode, a policy with activation
+        checkpointing (TRL's default) would recompute a dummy's layers in its backward, and under ZeRO-3 that
+        recomputation gathers parameters that no real call of a peer gathers."""
         if self._finished:
             return
         while True:

@@ -264,6 +264,12 @@ class Pipeline:
         try:
             with pm.eval_mode():  # a required ProbeModel member (as_probe_model checked the model)
                 yield pm
+                # The dummy calls of the other ranks' remaining work run in eval mode too, as the real calls do: in
+                # training mode, a policy with activation checkpointing (TRL's default gradient_checkpointing=True)
+                # would recompute a dummy's layers in its backward, and under ZeRO-3 that recomputation gathers
+                # parameters again: collectives no real call of a peer issues (a gloo "collective mismatch").
+                if step.gate is not None:
+                    step.gate.finish()
         finally:
             if step.gate is not None:
                 step.gate.finish()

@@ -5,8 +5,10 @@ accelerate selects ``DistributedType.FSDP`` only on accelerator devices (``Accel
 gloo. :func:`enable` makes a CPU process group behave as a GPU one does under ``accelerate launch --use_fsdp``:
 after ``AcceleratorState`` is built as ``MULTI_CPU`` with an FSDP plugin (the one ``transformers.Trainer`` builds
 from ``TrainingArguments(fsdp=..., fsdp_config=...)``), the state's distributed type becomes
-``FSDP`` and the plugin is kept, so ``Accelerator.prepare`` wraps the model exactly as it would on GPUs. Nothing
-else of accelerate, TRL or oar is changed. Used only by test worker scripts; never imported by oar.
+``FSDP`` and the plugin is kept, with the mixed-precision policy accelerate gives it on accelerator devices (bf16:
+``param_dtype`` / ``reduce_dtype`` bfloat16, FSDP1 also ``buffer_dtype``, FSDP2 ``output_dtype``), so
+``Accelerator.prepare`` wraps the model exactly as it would on GPUs. Nothing else of accelerate, TRL or oar is
+changed. Used only by test worker scripts; never imported by oar.
 """
 
 import torch
@@ -26,6 +28,8 @@ def enable() -> None:
         orig(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":  # FSDP's own mixed-precision policy, as accelerate sets it on GPUs
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
             state.PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does
 

@@ -834,16 +834,20 @@ def oar_g_reference(model, batch, noises, probe: str = "answer_mean", sigma: flo
     return torch.stack(out)
 
 
-def pipeline_scores_estimate(cfg, tokenizer, batch, model) -> Bounded:
+def pipeline_scores_estimate(cfg, tokenizer, batch, model, bytes_per_element: int | None = None) -> Bounded:
     """``Pipeline(cfg, tokenizer).scores(batch, ...)`` on the float64 copy of a Hugging Face ``model`` (logits rounded
     once to the float32 that oar's probe ops take; chunks planned as for ``model``, so OAR-G draws the same noise),
-    with the :func:`random_rounding` estimate of the float32 error of its scores: :class:`Bounded`, (B, T)."""
+    with the :func:`random_rounding` estimate of the float32 error of its scores: :class:`Bounded`, (B, T).
+    ``bytes_per_element``: the element size the chunks are planned with (default ``model``'s parameters'; a run under
+    bf16 autocast or bf16 parameters plans with 2)."""
     from oar.attribution import HFProbeModel
     from oar.pipeline import Pipeline
 
     from _tolerance import float64_model
 
-    m64 = HFProbeModel(float64_model(model), bytes_per_element=next(model.parameters()).element_size())
+    if bytes_per_element is None:
+        bytes_per_element = next(model.parameters()).element_size()
+    m64 = HFProbeModel(float64_model(model), bytes_per_element=bytes_per_element)
     return random_rounding(lambda: Pipeline(cfg, tokenizer).scores(batch, m64).scores)
 
 

@@ -12,7 +12,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "python"
 #: lowest first; a module belongs to the layer of its longest matching prefix (docs/architecture.md, "Layers")
 LAYERS = [
     ("foundation", ["oar._C", "oar._lib", "oar._logging", "oar._args", "oar.app._extras", "oar.schema", "oar.cuda_checks",
-                    "oar.groups", "oar.reference"]),
+                    "oar.groups", "oar.reference", "oar.answers"]),
     ("ops", ["oar.ops", "oar.metrics"]),
     ("attribution", ["oar.attribution", "oar.distributed", "oar.baselines", "oar.batch"]),
     ("methods", ["oar.methods"]),

@@ -211,3 +211,21 @@ def test_an_untested_trainer_version_is_named_once(monkeypatch, package, version
         assert f'pip install "{package}>={low},<{high}"' in said[0]
     with pytest.raises(ValueError, match="version must start with a release number"):
         _versions.release("latest")
+
+
+def test_each_integration_names_an_untested_trainer_version():
+    """The check runs where each integration is set up: importing oar.integrations.trl, verl's register(), OpenRLHF's
+    install; here with the installed (tested) versions nothing is said, and a stand-in version outside is named."""
+    import subprocess
+    import sys
+
+    from _subproc import child_env
+
+    code = ("import warnings, importlib.metadata as md; real = md.version; "
+            "md.version = lambda p: {'trl': '1.15.0', 'verl': '0.10.2'}.get(p) or real(p); "
+            "warnings.simplefilter('always'); "
+            "import oar.integrations.trl; from oar.integrations import verl; verl.register()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=child_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "trl 1.15.0 is installed" in p.stderr and 'pip install "trl>=1.13.0,<1.14"' in p.stderr
+    assert "verl 0.10.2 is installed" in p.stderr and 'pip install "verl>=0.9.1,<0.10"' in p.stderr

@@ -6,6 +6,7 @@ that training runs and logs oar metrics, and that incompatible settings are refu
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -138,6 +139,12 @@ OAR_ARGS_BAD_INPUT = [
     pytest.param(dict(answer_column="solution"), KeyError,
                  r"needs the reference answer in dataset column 'solution'; "
                  r"train_dataset has columns \['prompt', 'answer'\]", id="answer_column_missing"),
+    pytest.param(dict(answer_extractor="gsm8k"), ValueError,
+                 r"answer_extractor must be a callable str -> str \(e\.g\. oar\.answers\.gsm8k_final_answer\) or None, "
+                 r"got str 'gsm8k'", id="answer_extractor_str"),
+    pytest.param(dict(answer_extractor=lambda s: ""), ValueError,
+                 r"answer_extractor <lambda> must return the final answer as a non-empty str; on dataset column "
+                 r"'answer', row 0 \('3'\) it returned ''", id="answer_extractor_empty"),
 ]
 
 
@@ -317,12 +324,13 @@ def _standin_out(tok, prompts, texts, C=24):
             "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5][: len(texts)])}
 
 
-def _standin(tok, model, out, rpf, method="oar_g", **cfg):
+def _standin(tok, model, out, rpf, method="oar_g", answer_extractor=None, **cfg):
     from oar.integrations.trl import _make_trainer_class
 
     cls = _make_trainer_class(_StandInGRPO)
     model.train()
-    return cls(model, tok, out, rpf, 2, oar_config=oar.OARConfig.from_json(json.dumps(dict(method=method, **cfg))))
+    return cls(model, tok, out, rpf, 2, oar_config=oar.OARConfig.from_json(json.dumps(dict(method=method, **cfg))),
+               answer_extractor=answer_extractor)
 
 
 TEXTS4 = ["so 2 and 3 \\boxed{5}", "hmm 9 \\boxed{9}", "4 4 \\boxed{8}", "5 \\boxed{5}"]
@@ -369,6 +377,24 @@ def test_none_answer_is_missing(tiny_trl):
     t = _standin(tok, model, _standin_out(tok, [p1] * 4, TEXTS4), torch.ones(4, 1))
     with pytest.raises(KeyError, match=r"reference answer in dataset column 'answer'; rows \[1\] lack it or hold None"):
         t._generate_and_score_completions([{"answer": "3"}, {"answer": None}, {"answer": "3"}, {"answer": "3"}])
+
+
+def test_answers_are_extracted_and_checked_at_the_step(tiny_trl):
+    """The step reads each row's answer through answer_extractor; without one, a worked solution in a row the step
+    samples is refused naming that row of the process's batch (the first rows were checked at construction)."""
+    from oar.answers import gsm8k_final_answer
+
+    model, tok = tiny_trl
+    p1 = tok.encode("Q: 2+3?", add_special_tokens=False)
+    out = _standin_out(tok, [p1] * 4, TEXTS4)
+    solution = "2 and 3 make <<2+3=5>>5.\n#### 5"
+    t = _standin(tok, model, out, torch.ones(4, 1), answer_extractor=gsm8k_final_answer)
+    assert t._oar_batch([{"answer": solution}] * 4, out).answers == ["5"] * 4
+    t = _standin(tok, model, out, torch.ones(4, 1))
+    with pytest.raises(ValueError, match=r"dataset column 'answer', row 1 of process 0's batch holds a worked "
+                                         r"solution, not a final answer: it contains the final-answer marker '####'"
+                                         r".*pass answer_extractor=oar\.answers\.gsm8k_final_answer"):
+        t._generate_and_score_completions([{"answer": "5"}, {"answer": solution}, {"answer": "5"}, {"answer": "5"}])
 
 
 def test_all_nan_rewards_are_ktae_failures(tiny_trl):
@@ -425,20 +451,249 @@ def test_error_on_one_rank_is_raised_on_every_rank(tmp_path, scenario, original)
     """2 gloo ranks (trl_error_ranks.py), rank 1's batch broken: both ranks raise the same RankError naming rank 1
     and its original error, without waiting for a collective timeout (the worker's gloo timeout is 30 s, the
     subprocess's 300 s: a rank left waiting ends with a gloo error, never a hang)."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, os.path.join(here, "trl_error_ranks.py"), scenario, str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stderr[-4000:]
+    _run_error_ranks(scenario, tmp_path)
     got = [(tmp_path / f"rank{k}.txt").read_text() for k in range(2)]
     assert got[0] == got[1], got
     assert got[0].startswith("RankError: oar: 1 rank(s) failed during attribution"), got[0]
     assert "rank 1: " + original in got[0], got[0]
     assert "rank 0:" not in got[0], got[0]
+
+
+def _run_error_ranks(scenario: str, out) -> None:
+    """``python trl_error_ranks.py SCENARIO OUT`` with the oar this process imported (``_subproc.child_env``)."""
+    import os
+    import subprocess
+    import sys
+
+    from _subproc import child_env
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([here, env["PYTHONPATH"]])
+    p = subprocess.run([sys.executable, os.path.join(here, "trl_error_ranks.py"), scenario, str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+# ---- a reward function failing on one rank (issue 40, item A) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reward_ranks(tmp_path_factory):
+    """One run of ``trl_error_ranks.py rewards``: the real GRPOTrainer on 2 gloo ranks, each scenario in turn."""
+    out = tmp_path_factory.mktemp("reward_ranks")
+    _run_error_ranks("rewards", out)
+    return out
+
+
+@pytest.mark.parametrize("scenario, original", [
+    ("reward_raises", "ValueError: reward server unreachable from this rank"),
+    ("reward_count", "ValueError: the reward function 'reward_wrong_count' returned 1 rewards, but 2 were expected"),
+])
+def test_reward_error_on_one_rank_is_raised_on_every_rank(reward_ranks, scenario, original):
+    """A reward function that raises (sync, oar_p) or returns one reward too few (async, grpo) on rank 1 only: both
+    ranks leave TRL's step with the same RankError naming rank 1 and its error, chained to it on rank 1, within
+    seconds of the failure, by the ranks' own clocks (before the wrapping, rank 0 waited in TRL's gather of the
+    rewards until the process group's timeout, TRL's ddp_timeout: 30 minutes by default, 30 s in the worker)."""
+    d = reward_ranks / scenario
+    got = [(d / f"rank{k}.txt").read_text() for k in range(2)]
+    assert got[0] == got[1], got
+    assert got[0].startswith("RankError: oar: 1 rank(s) failed during the reward functions, so every rank stops "
+                             "here"), got[0]
+    assert "rank 1: " + original in got[0] and "rank 0:" not in got[0], got[0]
+    rec = [json.loads((d / f"rank{k}.json").read_text()) for k in range(2)]
+    assert rec[0]["cause"] is None and rec[1]["cause"][0] == "ValueError", rec
+    assert "rank 1: " + ": ".join(rec[1]["cause"]) in got[1]  # chained to the original on the failing rank
+    failed_at = float((d / "failed_at.txt").read_text())
+    took = max(r["ended_at"] for r in rec) - failed_at
+    assert 0 <= took < 10, f"the ranks ended {took:.1f} s after the reward function failed"
+
+
+def _short_step_args(tmp_path):
+    return _args(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=6)
+
+
+class RewardServerError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("failure", ["raises", "raises_async", "count"])
+def test_reward_error_with_one_process_is_raised_unchanged(tmp_path, failure):
+    """With one process the reward functions' wrappers are the functions: a reward function's exception is raised
+    by train() as itself (the same object, sync or async), and a wrong number of rewards gets TRL's own error."""
+    from oar.integrations.trl import OARGRPOTrainer
+
+    raised = []
+
+    def flaky_reward(prompts, completions, **kw):
+        raised.append(RewardServerError("reward server unreachable"))
+        raise raised[-1]
+
+    async def flaky_async_reward(prompts, completions, **kw):
+        raised.append(RewardServerError("judge timed out"))
+        raise raised[-1]
+
+    def short_reward(prompts, completions, **kw):
+        return [0.0] * (len(completions) - 1)
+
+    func = {"raises": flaky_reward, "raises_async": flaky_async_reward, "count": short_reward}[failure]
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    trainer = OARGRPOTrainer(model=model, reward_funcs=[func], args=_short_step_args(tmp_path),
+                             train_dataset=_dataset(), processing_class=tok,
+                             oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))
+    if failure == "count":
+        with pytest.raises(ValueError, match=r"^The reward function 'short_reward' returned 3 rewards, but 4 were "
+                                             r"expected \(one per prompt-completion pair\)"):
+            trainer.train()
+        return
+    with pytest.raises(RewardServerError) as e:
+        trainer.train()
+    assert e.value is raised[-1]
+
+
+def test_reward_functions_are_wrapped_keeping_what_trl_reads(tmp_path):
+    """Every callable reward function is wrapped (sync, async, a functools.partial, a callable instance): TRL's name
+    for it and whether it is a coroutine function are unchanged; the user's list is left as it was, and a second
+    trainer built from it wraps the original functions."""
+    import functools
+    import inspect
+
+    from trl.trainer.utils import get_callable_name
+
+    from oar.integrations.trl import OARGRPOTrainer
+
+    async def judge(prompts, completions, **kw):
+        return [0.5] * len(completions)
+
+    class Scorer:
+        def __call__(self, prompts, completions, **kw):
+            return [1.0] * len(completions)
+
+    def weighted(prompts, completions, weight, **kw):
+        return [weight] * len(completions)
+
+    funcs = [reward_has_digit, judge, functools.partial(weighted, weight=2.0), Scorer()]
+    before = list(funcs)
+    model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+    for _ in range(2):
+        trainer = OARGRPOTrainer(model=model, reward_funcs=funcs, args=_short_step_args(tmp_path),
+                                 train_dataset=_dataset(), processing_class=tok)
+        assert all(a is b for a, b in zip(funcs, before)) and len(funcs) == len(before)
+        assert trainer.reward_func_names == ["reward_has_digit", "judge", "weighted", "Scorer"]
+        for g, f in zip(trainer.reward_funcs, funcs):
+            assert g is not f and g.__wrapped__ is f
+            assert get_callable_name(g) == get_callable_name(f)
+            assert inspect.iscoroutinefunction(g) == inspect.iscoroutinefunction(f)
+
+
+def test_guard_records_a_failure_and_returns_placeholders_with_several_processes(monkeypatch):
+    """With several processes (stood in for), a correct output is returned as the same object (TRL reads the same
+    values: the rewards are bit-identical), a failure is recorded and replaced by one None (NaN) per row, so the rank
+    reaches TRL's gather; with one process the function's error and output pass through."""
+    import asyncio
+
+    from oar.integrations import trl as oar_trl
+
+    errors = []
+    ok = [1.0, None, 0.25]
+
+    def good(prompts, completions, **kw):
+        return ok
+
+    def boom(prompts, completions, **kw):
+        raise RewardServerError("down")
+
+    async def short(prompts, completions, **kw):
+        return ok[:2]
+
+    def words(prompts, completions, **kw):
+        return ["high", "low", "low"]
+
+    def lazy(prompts, completions, **kw):
+        return iter(ok)
+
+    call = dict(prompts=["p"] * 3, completions=["c"] * 3, completion_ids=[[1]] * 3)
+    g = {f.__name__: oar_trl.guard_reward_func(f, errors) for f in (good, boom, short, words, lazy)}
+    with pytest.raises(RewardServerError):  # one process: the function itself
+        g["boom"](**call)
+    assert asyncio.run(g["short"](**call)) == ok[:2] and not errors
+    monkeypatch.setattr(oar_trl, "distributed_world", lambda: True)
+    assert g["good"](**call) is ok and g["lazy"](**call) == ok and not errors
+    assert g["boom"](**call) == [None] * 3 and isinstance(errors[-1], RewardServerError)
+    assert asyncio.run(g["short"](**call)) == [None] * 3
+    assert str(errors[-1]) == ("the reward function 'short' returned 2 rewards, but 3 were expected (one per "
+                               "prompt-completion pair of this process's batch)")
+    assert g["words"](**call) == [None] * 3 and isinstance(errors[-1], (TypeError, ValueError))
+    assert len(errors) == 3
+    with pytest.raises(ValueError, match=r"got Linear \(reward models are called by TRL as models"):
+        oar_trl.guard_reward_func(torch.nn.Linear(1, 1), errors)
+
+
+def test_reward_models_are_not_wrapped(tiny_trl):
+    from oar.integrations.trl import _make_trainer_class
+
+    reward_model = torch.nn.Linear(1, 1)
+
+    class WithRewards(_StandInGRPO):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.reward_funcs = [reward_model, reward_has_digit]
+
+    model, tok = tiny_trl
+    p1 = tok.encode("Q: 2+3?", add_special_tokens=False)
+    t = _make_trainer_class(WithRewards)(model, tok, _standin_out(tok, [p1] * 4, TEXTS4), torch.ones(4, 2), 2)
+    assert t.reward_funcs[0] is reward_model and t.reward_funcs[1].__wrapped__ is reward_has_digit
+
+
+# ---- the reference answer the probe reads (issue 40, item B) -------------------------------------------------
+
+def _gsm8k_rows(n: int) -> list[dict]:
+    import os
+    from pathlib import Path
+
+    path = Path(os.environ.get("OAR_DATA_DIR") or Path(__file__).resolve().parents[3] / "shared" / "data")
+    path = path / "gsm8k" / "test.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not found (set OAR_DATA_DIR)")
+    with open(path) as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+def test_trainer_refuses_gsm8k_solutions_at_construction(tiny_trl, tmp_path):
+    """GSM8K rows as TRL's examples load them (``answer``: the worked solution ending in ``#### 42``): OAR-G refuses
+    them before TRL builds anything, naming the column, row 0, the start of its value and the extractor; with
+    ``answer_extractor=oar.answers.gsm8k_final_answer`` the trainer builds; method grpo reads no answer."""
+    from oar.answers import gsm8k_final_answer
+    from oar.integrations.trl import OARGRPOTrainer
+
+    model, tok = tiny_trl
+    rows = _gsm8k_rows(8)
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                                     for r in rows])
+    kw = dict(model=model, reward_funcs=[reward_has_digit], args=_short_step_args(tmp_path), train_dataset=ds,
+              processing_class=tok)
+    start = re.escape(repr(rows[0]["answer"][:20])[:-1])  # the start of the value, as the message quotes it
+    with pytest.raises(ValueError, match=rf"^dataset column 'answer', row 0 holds a worked solution, not a final "
+                                         rf"answer: it contains the final-answer marker '####' \({start}"
+                                         rf".*: pass answer_extractor=oar\.answers\.gsm8k_final_answer"):
+        OARGRPOTrainer(**kw)
+    trainer = OARGRPOTrainer(**kw, answer_extractor=gsm8k_final_answer)
+    assert trainer.oar_answer_extractor is gsm8k_final_answer
+    OARGRPOTrainer(**kw, oar_config=oar.OARConfig.from_json('{"method": "grpo"}'))
+
+
+def test_trainer_warns_about_a_long_single_line_answer(tiny_trl, tmp_path, monkeypatch):
+    from oar import answers
+    from oar.integrations.trl import OARGRPOTrainer
+
+    monkeypatch.setattr(answers, "_warned_long", set())
+    model, tok = tiny_trl
+    long = "the answer is the number of apples that Mary has left after giving half of them to each of her friends"
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "1+2?"}], "answer": long}] * 4)
+    n = len(tok.encode(long, add_special_tokens=False))
+    assert n > answers.MAX_ANSWER_TOKENS
+    with pytest.warns(UserWarning, match=rf"dataset column 'answer', row 0: the reference answer is {n} tokens long"):
+        OARGRPOTrainer(model=model, reward_funcs=[reward_has_digit], args=_short_step_args(tmp_path),
+                       train_dataset=ds, processing_class=tok)
 
 
 # ---- parity with TRL's own GRPO loss under uniform credit (issue 24, item 3) ----------------------------------

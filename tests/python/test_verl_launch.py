@@ -306,3 +306,101 @@ def test_a_failed_trainer_registration_is_said_once(monkeypatch, caplog):
         monkeypatch.undo()
         oar_verl.register()
     assert oar_verl.V1_TRAINERS["error"] is None and "oar_sync" in oar_verl.V1_TRAINERS["names"]
+
+
+def _solutions(n=4, level=3):
+    """(worked solution, final answer) pairs of the built-in arithmetic task (GSM8K's '#### x' format)."""
+    import random
+
+    from oar.app.tasks.arithmetic import generate_problem
+
+    rng = random.Random(0)
+    return [(sol, str(ans)) for _, ans, sol, _ in (generate_problem(rng, level) for _ in range(n))]
+
+
+class _Dataset:
+    """verl's RLHFDataset as the OAR trainer reads it: rows in ``dataframe``."""
+
+    def __init__(self, rows):
+        self.dataframe = rows
+
+    def __len__(self):
+        return len(self.dataframe)
+
+
+def test_worked_solutions_in_verls_ground_truth_are_refused_at_start():
+    """The probe reads reward_model.ground_truth verbatim: a worked solution there (GSM8K's raw 'answer') is refused
+    when the OAR trainer loads the data, before any worker or generation, naming the row and the fix; final answers
+    pass; a missing one is a KeyError; methods that read no answers check nothing."""
+    from omegaconf import OmegaConf
+
+    check = oar_verl.workers.check_dataset_answers
+    pairs = _solutions()
+    cfg = OmegaConf.create({"algorithm": {"adv_estimator": "oar_g"}})
+    good = _Dataset([{"reward_model": {"style": "rule", "ground_truth": a}} for _, a in pairs])
+    assert check(cfg, good) == len(pairs)
+    bad = _Dataset([{"reward_model": {"ground_truth": a}} for _, a in pairs[:2]]
+                   + [{"reward_model": {"ground_truth": s}} for s, _ in pairs[2:]])
+    with pytest.raises(ValueError, match=r"dataset column 'reward_model.ground_truth', row 2 holds a worked solution"
+                                         r".*'####'.*reward_model.ground_truth.*examples/data_preprocess/gsm8k.py"):
+        check(cfg, bad)
+    with pytest.raises(KeyError, match=r"train row 1 has none"):
+        check(cfg, _Dataset([good.dataframe[0], {"reward_model": {"style": "rule"}}]))
+    assert check(OmegaConf.create({"algorithm": {"adv_estimator": "oar_grpo"}}), bad) == 0
+    assert check(OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}}), bad) == 0
+
+
+def test_worked_solutions_in_a_batch_are_refused_naming_the_row():
+    """Every batch's answers are checked when the driver reads them (rows beyond the ones checked at start)."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    pairs = _solutions(3)
+    B, P, R = 3, 2, 4
+    data = DataProto.from_dict(
+        tensors=dict(prompts=torch.ones((B, P), dtype=torch.long), responses=torch.ones((B, R), dtype=torch.long),
+                     attention_mask=torch.ones((B, P + R), dtype=torch.long),
+                     response_mask=torch.ones((B, R), dtype=torch.long)),
+        non_tensors=dict(reward_model=np.array([{"ground_truth": pairs[0][1]}, {"ground_truth": pairs[1][1]},
+                                                {"ground_truth": pairs[2][0]}], dtype=object)))
+    import oar
+
+    with pytest.raises(ValueError, match=r"'reward_model.ground_truth', row 2 holds a worked solution"):
+        oar_verl.rollout_rows(data, oar.OARConfig(method="oar_p"))
+    data.non_tensor_batch["reward_model"][2] = {"ground_truth": pairs[2][1]}
+    assert oar_verl.rollout_rows(data, oar.OARConfig(method="oar_p"))["answers"] == [a for _, a in pairs]
+
+
+def test_the_oar_trainer_checks_the_answers_when_verl_loads_the_data(tmp_path):
+    """Through the real trainer: verl's own _init_tokenizer / _init_dataloader (trainer.init() runs them before any
+    worker) read a parquet file of verl's RL layout whose ground truths are worked solutions; the OAR trainer refuses
+    there. With final answers, the data loads."""
+    import pandas as pd
+
+    import _verl_cpu
+
+    model = _verl_cpu.save_tiny_model(str(tmp_path / "tiny"))
+    pairs = _solutions(6)
+
+    def parquet(name, key):
+        rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"question {i}"}],
+                 "reward_model": {"style": "rule", "ground_truth": p[key]}} for i, p in enumerate(pairs)]
+        path = tmp_path / f"{name}.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+        return str(path)
+
+    def trainer(train):
+        settings = [s for s in USER_SETTINGS if not s.startswith(("actor_rollout_ref.model.path", "data."))]
+        t = _build(settings + [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}",
+                               f"data.val_files={parquet('val', 1)}", "data.train_batch_size=2",
+                               "algorithm.adv_estimator=oar_p", "trainer.v1.trainer_mode=oar_sync"])
+        t._init_tokenizer()
+        return t
+
+    t = trainer(parquet("solutions", 0))
+    with pytest.raises(ValueError, match=r"'reward_model.ground_truth', row 0 holds a worked solution"):
+        t._init_dataloader()
+    t = trainer(parquet("answers", 1))
+    t._init_dataloader()
+    assert len(t.train_dataset) == len(pairs)

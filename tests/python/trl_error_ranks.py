@@ -12,13 +12,26 @@ broken as SCENARIO says, rank 0's is fine:
 
 Each rank writes what it ended with (``ok`` or ``ExceptionType: message``) to ``OUT/rank<k>.txt``. A gloo timeout
 of 30 s turns a rank left waiting in a collective into an error instead of a hang.
+
+``python trl_error_ranks.py rewards OUT``: the real ``trl.GRPOTrainer`` (OARGRPOTrainer, one ``train()`` step on a tiny
+random Llama; accelerate initializes the gloo process group from the environment, ``ddp_timeout=30``), where a
+reward function fails on rank 1 only, one scenario after the other in the same two processes (:data:`REWARD_SCENARIOS`):
+
+- ``reward_raises``: oar_p, a sync reward function raises on rank 1 (rank 0 goes on to TRL's gather of the rewards);
+- ``reward_count``: grpo, an async reward function returns one reward too few on rank 1.
+
+Each rank writes ``OUT/<scenario>/rank<k>.txt`` (what ``train()`` ended with) and ``rank<k>.json`` (the wall-clock
+time it ended, the type and message of the exception's ``__cause__``); rank 1's reward function writes the time it
+failed to ``OUT/<scenario>/failed_at.txt``.
 """
 
 import collections
 import datetime
+import json
 import os
 import socket
 import sys
+import time
 import types
 
 import torch
@@ -95,6 +108,75 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
         pass
 
 
+#: scenario: (oar method, reward function name) of the ``rewards`` run.
+REWARD_SCENARIOS = {"reward_raises": ("oar_p", "reward_raising"), "reward_count": ("grpo", "reward_wrong_count")}
+#: What the failing reward function raises on rank 1.
+REWARD_ERROR = "reward server unreachable from this rank"
+_OUT = {"dir": None}
+
+
+def _failed_now() -> None:
+    with open(os.path.join(_OUT["dir"], "failed_at.txt"), "w") as f:
+        f.write(repr(time.time()))
+
+
+def _rewards(completions) -> list:
+    return [float(len(c[-1]["content"] if isinstance(c, list) else c) % 3) for c in completions]
+
+
+def reward_raising(prompts, completions, **kwargs):
+    if dist.get_rank() == 1:
+        _failed_now()
+        raise ValueError(REWARD_ERROR)
+    return _rewards(completions)
+
+
+async def reward_wrong_count(prompts, completions, **kwargs):
+    out = _rewards(completions)
+    if dist.get_rank() == 1:
+        _failed_now()
+        return out[:-1]
+    return out
+
+
+def _reward_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TOKENIZERS_PARALLELISM="false")
+    import datasets
+    import trl
+
+    from oar.integrations.trl import OARGRPOTrainer
+
+    ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
+                                     for a, b in [(1, 2), (3, 4)]])
+    for scenario, (method, func) in REWARD_SCENARIOS.items():
+        _OUT["dir"] = os.path.join(out_dir, scenario)
+        os.makedirs(_OUT["dir"], exist_ok=True)
+        model, tok = tiny_random_llama(hidden_size=32, num_layers=1, num_heads=2, tokenizer="minimal", seed=0)
+        args = trl.GRPOConfig(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=2,
+                              num_generations=2, max_completion_length=8, max_steps=1, report_to="none",
+                              save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False,
+                              gradient_checkpointing=False, ddp_timeout=30)
+        trainer = OARGRPOTrainer(model=model, reward_funcs=[globals()[func]], args=args, train_dataset=ds,
+                                 processing_class=tok, oar_config=oar.OARConfig.from_json(f'{{"method": "{method}"}}'))
+        cause = None
+        try:
+            trainer.train()
+            result = "ok"
+        except Exception as e:  # noqa: BLE001 - what each rank ended with is the test's subject
+            result = f"{type(e).__name__}: {e}"
+            cause = None if e.__cause__ is None else [type(e.__cause__).__name__, str(e.__cause__)]
+        ended = time.time()
+        with open(os.path.join(_OUT["dir"], f"rank{rank}.txt"), "w") as f:
+            f.write(result)
+        with open(os.path.join(_OUT["dir"], f"rank{rank}.json"), "w") as f:
+            json.dump({"ended_at": ended, "cause": cause}, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank whose collective timed out may not tear down cleanly
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,4 +184,7 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    mp.spawn(_worker, args=(_free_port(), sys.argv[1], sys.argv[2]), nprocs=2, join=True)
+    if sys.argv[1] == "rewards":
+        mp.spawn(_reward_worker, args=(_free_port(), sys.argv[2]), nprocs=2, join=True)
+    else:
+        mp.spawn(_worker, args=(_free_port(), sys.argv[1], sys.argv[2]), nprocs=2, join=True)

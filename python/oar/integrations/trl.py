@@ -15,7 +15,12 @@ Usage (one changed import, one extra argument)::
 
 Every method of :data:`oar.METHODS` works: ``grpo``, ``dr_grpo`` (sets TRL's ``scale_rewards="none"``),
 ``random``, ``entropy``, ``entropy_shaping``, ``ktae``, ``oar_p``, ``oar_g``. The dataset rows must carry
-the reference answer in ``answer_column`` (default ``"answer"``) for ``oar_p`` / ``oar_g``.
+the reference answer in ``answer_column`` (default ``"answer"``) for ``oar_p`` / ``oar_g``: the final answer, which
+the probe reads after the conclude string; ``answer_extractor`` (a callable str -> str, e.g.
+:func:`oar.answers.gsm8k_final_answer` for GSM8K's worked solutions ending in ``#### 42``) derives it from the
+column's value. A value that is a solution rather than an answer (a final-answer marker, several lines) is refused,
+a long one warned about (:func:`oar.answers.check_reference_answer`), at construction on the first
+:data:`CHECKED_ROWS` rows of an indexable ``train_dataset`` and at each step on the rows it scores.
 
 Multi-process (accelerate, DDP / DeepSpeed / FSDP1 / FSDP2): attribution runs on each process's own rows with the
 advantages TRL normalized over the gathered batch, on the policy being trained (the FSDP1 wrapper itself, else the
@@ -23,26 +28,32 @@ unwrapped model: :meth:`OARTrainerMixin._oar_policy`). Every model call is a roo
 embeddings through a hook inside the forward) and the forwards are kept in step across ranks
 (:mod:`oar.distributed`, over the replica's shard group: :func:`oar.distributed.replica_group`), which ZeRO-3 / FSDP
 require. KTAE needs whole groups, which may span processes: its token tables are built on the gathered completions
-and sliced back. An error on some ranks only (a row without its answer, a malformed batch, an engine error) is
-raised on every rank as one :class:`oar.distributed.RankError` instead of leaving the others in a collective
-(docs/trainers/trl.md, "Errors").
+and sliced back. An error on some ranks only (a row without its answer, a malformed batch, an engine error, a
+reward function that raises or returns the wrong number of rewards) is raised on every rank as one
+:class:`oar.distributed.RankError` instead of leaving the others in a collective (docs/trainers/trl.md, "Errors").
+Reward functions are wrapped for that (:func:`guard_reward_func`); reward models (``nn.Module``) are not.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
+from collections.abc import Mapping
 
 import torch
 
+from oar.answers import prepare_reference_answers
 from oar.batch import RolloutBatch
-from oar.distributed import agree_on_errors, agreed_call, replica_group
+from oar.distributed import agree_on_errors, agreed_call, distributed_world, replica_group
 from oar.pipeline import Pipeline
 from oar.groups import group_ids_from
 from oar.schema import OARConfig, config_arg
 
 #: trl versions the tests run against (other versions are accepted when they have :data:`HOOK_POINTS`).
+#: trl versions the tests ran (the tested series, which ``oar[trl]`` installs, is
+#: :data:`oar.integrations._versions.TESTED`; another installed version gets a warning at import).
 TESTED_TRL = ("1.13.0",)
 #: TRL's loss types whose loss and gradients are TRL's own under uniform credit (tests/python/test_trl.py,
 #: test_uniform_credit_is_trl_grpo): every loss_type of trl 1.13 but "luspo".
@@ -58,6 +69,12 @@ HOOK_POINTS = {
 }
 #: Keys of the dict ``_generate_and_score_completions`` returns that we read.
 OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+#: Rows of an indexable ``train_dataset`` whose reference answers are checked at construction (the rest at the steps
+#: that sample them).
+CHECKED_ROWS = 8
+#: What a user changes when a reference answer is refused (the end of :mod:`oar.answers`' messages).
+ANSWER_FIX = ("pass answer_extractor=oar.answers.gsm8k_final_answer (GSM8K's '#### x' format) or another callable "
+              "str -> str to OARGRPOTrainer, or answer_column=... naming a column that holds only the final answer")
 
 
 def check_trl_features(trainer_cls) -> None:
@@ -85,19 +102,49 @@ def check_trl_features(trainer_cls) -> None:
                                f"point oar overrides (tested: {TESTED_TRL})")
 
 
-def _check_oar_args(oar_config, answer_column, train_dataset=None) -> None:
-    """Checks the OAR arguments before TRL builds anything: config type, answer column name and, for the methods
-    that read reference answers, that a dataset with known columns has the answer column."""
+def _check_oar_args(oar_config, answer_column, train_dataset=None, answer_extractor=None, tokenizer=None) -> None:
+    """Checks the OAR arguments before TRL builds anything: config type, answer column name, answer extractor and,
+    for the methods that read reference answers, that a dataset with known columns has the answer column and that
+    the answers of its first rows are final answers (:func:`_check_first_answers`)."""
     from oar.methods import method_spec
 
     config_arg(oar_config, "oar_config")
     if not isinstance(answer_column, str) or not answer_column:
         raise ValueError(f"answer_column must be a non-empty str (a dataset column), got {answer_column!r}")
+    if answer_extractor is not None and not callable(answer_extractor):
+        raise ValueError(f"answer_extractor must be a callable str -> str (e.g. oar.answers.gsm8k_final_answer) or "
+                         f"None, got {type(answer_extractor).__name__} {answer_extractor!r}")
     spec = method_spec(oar_config.method if oar_config is not None else OARConfig().method)
     columns = getattr(train_dataset, "column_names", None)
     if spec.needs_answers and isinstance(columns, (list, tuple)) and answer_column not in columns:
         raise KeyError(f"oar method {spec.name!r} needs the reference answer in dataset column {answer_column!r}; "
                        f"train_dataset has columns {list(columns)} (set answer_column=... to the right column)")
+    if spec.needs_answers:
+        _check_first_answers(train_dataset, answer_column, answer_extractor, tokenizer)
+
+
+def _text_tokenizer(processing_class):
+    """The tokenizer of a processing class (a processor's ``.tokenizer``), None when it has no ``encode``."""
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    return tok if callable(getattr(tok, "encode", None)) else None
+
+
+def _check_first_answers(train_dataset, answer_column: str, answer_extractor, tokenizer) -> None:
+    """:func:`oar.answers.prepare_reference_answers` on the first :data:`CHECKED_ROWS` rows of an indexable
+    ``train_dataset`` (``len`` and ``[i]`` giving a mapping; a ``datasets.Dataset``), named by their dataset index;
+    rows without the column or with None are left to the step (which refuses them). Nothing for an iterable
+    dataset."""
+    if train_dataset is None or not hasattr(train_dataset, "__getitem__") or not hasattr(train_dataset, "__len__"):
+        return
+    try:
+        n = min(len(train_dataset), CHECKED_ROWS)
+        rows = [(i, train_dataset[i]) for i in range(n)]
+    except Exception:  # noqa: BLE001 - not indexable by position after all: the steps check every row
+        return
+    got = [(i, r[answer_column]) for i, r in rows if isinstance(r, Mapping) and r.get(answer_column) is not None]
+    if got:
+        prepare_reference_answers([v for _, v in got], column=answer_column, rows=[i for i, _ in got],
+                                  extractor=answer_extractor, tokenizer=tokenizer, fix=ANSWER_FIX)
 
 
 def _check_args(args, method: str | None = None) -> None:
@@ -128,6 +175,94 @@ def _check_args(args, method: str | None = None) -> None:
                       "sum preservation of the advantage mass", stacklevel=3)
 
 
+def _callable_name(func) -> str:
+    """The name TRL gives a reward function (trl/trainer/utils.py, ``get_callable_name``): a ``functools.partial``'s
+    function's, else ``__name__``, else the class name of a callable instance."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _checked_rewards(out, n: int, name: str):
+    """A reward function's output as TRL reads it (grpo_trainer.py, ``_calculate_rewards``: None -> NaN, one reward
+    per row, converted to a float32 tensor), checked: raises where TRL would after the call. Returns ``out`` itself
+    when it is a list or tuple (TRL then reads exactly what the function returned), else its values as a list (an
+    iterator is read once)."""
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+        raise TypeError(f"the reward function {name!r} must return a list of {n} rewards (float or None), got "
+                        f"{type(out).__name__}")
+    values = out if isinstance(out, (list, tuple)) else list(out)
+    if len(values) != n:
+        raise ValueError(f"the reward function {name!r} returned {len(values)} rewards, but {n} were expected (one "
+                         "per prompt-completion pair of this process's batch)")
+    torch.tensor([float("nan") if r is None else r for r in values], dtype=torch.float32)  # TRL's conversion
+    return values
+
+
+def guard_reward_func(func, errors: list):
+    """``func`` (a TRL reward function: ``func(prompts=..., completions=..., completion_ids=..., **columns)``, sync
+    or async) wrapped so that, with several processes, a failure on one rank reaches TRL's gather of the rewards
+    instead of leaving the other ranks waiting in it: an exception, or an output TRL would refuse after the call (not
+    one reward per row, a value that is not a number or None), is appended to ``errors`` and the wrapper returns
+    ``[None] * len(prompts)`` (NaN rewards for TRL); the trainer then raises the first recorded error on every rank
+    (:meth:`OARTrainerMixin._calculate_rewards`). A correct output is returned as it is, so the rewards are
+    bit-identical. With one process (or a call without ``prompts``) the wrapper is ``func`` itself: its errors and
+    TRL's are raised as without oar.
+
+    The wrapper is a coroutine function exactly when ``func`` is one (TRL awaits those on its event loop), and keeps
+    ``func``'s ``__name__`` (TRL's ``get_callable_name(func)``: TRL logs rewards under it), ``__qualname__``,
+    ``__doc__``, ``__module__``; ``__wrapped__`` is ``func``. Wrapping a wrapper wraps its original function.
+
+    Args:
+        func: a callable reward function (not an ``nn.Module`` reward model, which TRL calls as a model).
+        errors: the list the errors of the current step are appended to.
+
+    Returns:
+        the wrapper.
+
+    Raises:
+        ValueError: ``func`` is an ``nn.Module`` or not callable.
+    """
+    func = getattr(func, "__oar_reward_func__", func)
+    if isinstance(func, torch.nn.Module) or not callable(func):
+        raise ValueError(f"guard_reward_func wraps a callable reward function, got {type(func).__name__} (reward "
+                         "models are called by TRL as models and are not wrapped)")
+    name = _callable_name(func)
+
+    def rows(kwargs) -> int | None:
+        prompts = kwargs.get("prompts")
+        return len(prompts) if prompts is not None and distributed_world() else None
+
+    if inspect.iscoroutinefunction(func):
+        async def guarded(*args, **kwargs):
+            n = rows(kwargs)
+            if n is None:
+                return await func(*args, **kwargs)
+            try:
+                return _checked_rewards(await func(*args, **kwargs), n, name)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after TRL's gather
+                errors.append(e)
+                return [None] * n
+    else:
+        def guarded(*args, **kwargs):
+            n = rows(kwargs)
+            if n is None:
+                return func(*args, **kwargs)
+            try:
+                return _checked_rewards(func(*args, **kwargs), n, name)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after TRL's gather
+                errors.append(e)
+                return [None] * n
+
+    guarded.__name__ = name
+    guarded.__qualname__ = getattr(func, "__qualname__", name)
+    guarded.__doc__ = getattr(func, "__doc__", None)
+    guarded.__module__ = getattr(func, "__module__", guarded.__module__)
+    guarded.__wrapped__ = func
+    guarded.__oar_reward_func__ = func
+    return guarded
+
+
 def combined_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """(B,) weighted sum of TRL's per-function rewards (B, F), NaN (a function that returned None) left out as
     TRL does, except that a row whose rewards are ALL NaN stays NaN: an unscorable rollout, a failure for KTAE,
@@ -147,28 +282,59 @@ class OARTrainerMixin:
                 self._oar_setup(oar_config)
 
     Adds per-token advantages and logs ``oar/*`` metrics plus ``time/generation``, ``time/attribution``
-    (seconds per generation batch).
+    (seconds per generation batch). ``_oar_setup(oar_config, answer_column="answer", answer_extractor=None)`` takes
+    :class:`OARGRPOTrainer`'s extra arguments, checks the reference answers of the first rows of ``train_dataset``,
+    and wraps the callable reward functions so that a failure on one rank is raised on every rank
+    (:func:`guard_reward_func`).
     """
 
-    def _oar_setup(self, oar_config, answer_column: str = "answer") -> None:
+    def _oar_setup(self, oar_config, answer_column: str = "answer", answer_extractor=None) -> None:
+        """Builds oar's pipeline for ``oar_config`` (None: ``OARConfig()``), checks the trainer's settings, the answer
+        arguments and the first rows of ``train_dataset`` (:func:`_check_oar_args`), and wraps the callable reward
+        functions (:func:`guard_reward_func`). ``answer_column`` / ``answer_extractor``: as for
+        :class:`OARGRPOTrainer`.
 
+        Raises:
+            RuntimeError: the trl version lacks a hook point (:func:`check_trl_features`).
+            ValueError, KeyError: as :class:`OARGRPOTrainer`'s constructor.
+        """
         check_trl_features(type(self))
+        tokenizer = _text_tokenizer(self.processing_class)
+        _check_oar_args(oar_config, answer_column, getattr(self, "train_dataset", None), answer_extractor, tokenizer)
         if oar_config is None:
             oar_config = OARConfig()
         _check_args(self.args, oar_config.method)
         self.oar_config = oar_config
         self.oar_answer_column = answer_column
+        self.oar_answer_extractor = answer_extractor
+        # Reward functions report their errors here, for every rank to raise after TRL's gather; reward models
+        # (nn.Module) are called by TRL as models and are not wrapped. A new list: the user's list stays as it was.
+        self._oar_reward_errors = []
+        funcs = getattr(self, "reward_funcs", None)
+        if funcs is not None:
+            self.reward_funcs = [f if isinstance(f, torch.nn.Module) else guard_reward_func(f, self._oar_reward_errors)
+                                 for f in funcs]
         if oar_config.advantages.estimator == "dr_grpo" and getattr(self, "scale_rewards", "none") != "none":
             warnings.warn(f"oar estimator 'dr_grpo' uses sequence advantages without std scaling: setting TRL's "
                           f"scale_rewards='none' (was {self.scale_rewards!r})", stacklevel=3)
             self.scale_rewards = "none"
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self.oar_pipeline = Pipeline(oar_config, tokenizer)
+        self.oar_tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self.oar_pipeline = Pipeline(oar_config, self.oar_tokenizer)
         self._oar_rewards = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # TRL returns the rewards of every process (gathered): keep their combination for KTAE's correctness.
+        """TRL's rewards of every process (gathered), after one error round: a reward function that failed on some
+        rank (recorded by :func:`guard_reward_func`, which let that rank reach TRL's gather) is raised on every rank
+        as the same :class:`oar.distributed.RankError` (one scalar all-reduce per call; with one process nothing is
+        recorded and this is TRL's method). Keeps the rewards' combination for KTAE's correctness."""
+        errors = getattr(self, "_oar_reward_errors", None)
+        if errors is not None:
+            errors.clear()
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        error = errors[0] if errors else None
+        if errors is not None:
+            errors.clear()
+        agree_on_errors(error, during="the reward functions")
         self._oar_rewards = combined_rewards(rewards_per_func, self.reward_weights)
         return rewards_per_func
 
@@ -199,11 +365,16 @@ class OARTrainerMixin:
                                  "of num_generations rows as one prompt's group")
         answers = None
         if self.oar_pipeline.method.needs_answers:
-            bad = [i for i, x in enumerate(inputs) if x.get(self.oar_answer_column) is None]
+            col = self.oar_answer_column
+            bad = [i for i, x in enumerate(inputs) if x.get(col) is None]
             if bad:
-                raise KeyError(f"OAR needs the reference answer in dataset column {self.oar_answer_column!r}; rows "
+                raise KeyError(f"OAR needs the reference answer in dataset column {col!r}; rows "
                                f"{bad[:5]} lack it or hold None (set answer_column=... to the right column)")
-            answers = [str(x[self.oar_answer_column]) for x in inputs]
+            rank = self.accelerator.process_index
+            answers = prepare_reference_answers(
+                [x[col] for x in inputs], column=col, rows=[f"{i} of process {rank}'s batch" for i in range(B)],
+                extractor=getattr(self, "oar_answer_extractor", None), tokenizer=_text_tokenizer(self.oar_tokenizer),
+                fix=ANSWER_FIX)
         return RolloutBatch(cids, cmask, prompt_ids=prompt_ids, eligible_mask=eligible, group_ids=groups,
                             answers=answers, sequence_advantages=out["advantages"])
 
@@ -280,12 +451,17 @@ class OARTrainerMixin:
 
 
 def _make_trainer_class(base=None):
-    """``OARGRPOTrainer`` over ``base`` (default ``trl.GRPOTrainer``), after :func:`check_trl_features`."""
+    """``OARGRPOTrainer`` over ``base`` (default ``trl.GRPOTrainer``), after :func:`check_trl_features`; an installed
+    trl outside the tested series gets a warning (:func:`oar.integrations._versions.check_tested`)."""
+    from oar.integrations._versions import check_tested, requirement
+
     if base is None:
         try:
             from trl import GRPOTrainer as base
         except ImportError as e:  # pragma: no cover - exercised only without trl
-            raise ImportError("oar.integrations.trl needs the `trl` package (pip install \"oar[train]\")") from e
+            raise ImportError(f"oar.integrations.trl needs the `trl` package: pip install \"{requirement('trl')}\" "
+                              "(what oar[trl] installs)") from e
+        check_tested("trl")
     check_trl_features(base)
 
     class OARGRPOTrainer(OARTrainerMixin, base):
@@ -295,27 +471,43 @@ def _make_trainer_class(base=None):
             oar_config: ``oar.OARConfig`` (default: OAR-G, answer_mean probe, q=0.25, beta=1, floor=0.1); any
                 method of ``oar.METHODS``.
             answer_column: dataset column holding the reference answer (needed by oar_p / oar_g).
+            answer_extractor: None (the column holds the final answer), or a callable str -> str applied to each
+                row's ``answer_column`` value (``str()`` of it) before probing, returning the final answer as a
+                non-empty str: ``oar.answers.gsm8k_final_answer`` for GSM8K's worked solutions ending in
+                ``#### 42``.
+
+        The answers (after the extractor) of the first ``CHECKED_ROWS`` rows of an indexable ``train_dataset`` are
+        checked here, those of each step's rows at the step (:func:`oar.answers.check_reference_answer`): a
+        final-answer marker (``####``, ``\\boxed``) or several lines are refused, an answer over
+        ``oar.answers.MAX_ANSWER_TOKENS`` tokens is warned about once.
 
         Raises:
             ValueError: ``use_liger_kernel=True`` or ``loss_type="luspo"`` (per-token advantages would be lost);
-                ``oar_config`` not an ``oar.OARConfig``; ``answer_column`` not a non-empty str; at a step, a
-                block of ``num_generations`` rows that are not one prompt's group, a ``tool_mask`` of another
-                shape than the completions.
+                ``oar_config`` not an ``oar.OARConfig``; ``answer_column`` not a non-empty str;
+                ``answer_extractor`` neither None nor callable; method oar_p / oar_g and a reference answer (here
+                among the first rows, or at a step) that holds a final-answer marker or several lines, or is empty,
+                or an extractor that raised or returned no non-empty str on a row (the message names the column,
+                the row and the start of its value); at a step, a block of ``num_generations`` rows that are not
+                one prompt's group, a ``tool_mask`` of another shape than the completions.
             KeyError: method oar_p / oar_g and a ``train_dataset`` without ``answer_column`` (checked here; rows
                 whose answer is missing or None are refused at the step that samples them).
             oar.distributed.RankError: at a step with several processes, in place of any of the step's errors
-                above (or of the scoring) raised on some rank: on every rank, naming each failed rank and its
-                message.
+                above (or of the scoring, or of a reward function: an exception, or not one reward per row) raised
+                on some rank: on every rank, naming each failed rank and its message. With one process a reward
+                function's error is raised as without oar.
         """
 
-        def __init__(self, *args, oar_config=None, answer_column: str = "answer", **kwargs):
-            # Refuse incompatible settings before TRL builds anything (GRPOTrainer(model, reward_funcs, args, ...)).
-            _check_oar_args(oar_config, answer_column, kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
+        def __init__(self, *args, oar_config=None, answer_column: str = "answer", answer_extractor=None, **kwargs):
+            # Refuse incompatible settings before TRL builds anything (GRPOTrainer(model, reward_funcs, args,
+            # train_dataset, eval_dataset, processing_class, ...)).
+            _check_oar_args(oar_config, answer_column, kwargs.get("train_dataset", args[3] if len(args) > 3 else None),
+                            answer_extractor, _text_tokenizer(kwargs.get("processing_class",
+                                                                         args[5] if len(args) > 5 else None)))
             grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
             if grpo_args is not None:
                 _check_args(grpo_args, oar_config.method if oar_config is not None else None)
             super().__init__(*args, **kwargs)
-            self._oar_setup(oar_config, answer_column)
+            self._oar_setup(oar_config, answer_column, answer_extractor)
 
     return OARGRPOTrainer
 

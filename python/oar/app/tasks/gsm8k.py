@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from oar.answers import split_gsm8k_answer
 from oar.app.tasks.base import Problem, Task, check_split, read_jsonl, register_task, resolve_data_path, take
 
 __all__ = ["GSM8KTask", "load_gsm8k", "parse_gsm8k_answer", "solution_steps"]
@@ -27,20 +28,15 @@ _CALC_RE = re.compile(r"<<[^<>]*>>")
 
 
 def parse_gsm8k_answer(answer_field: str) -> tuple[str, str]:
-    """Split a GSM8K ``answer`` field into ``(solution, final_answer)``.
+    """Split a GSM8K ``answer`` field into ``(solution, final_answer)``: :func:`oar.answers.split_gsm8k_answer`
+    (the library's copy, which the trainer adapters' ``answer_extractor=oar.answers.gsm8k_final_answer`` uses).
 
     ``final_answer`` is the text after the last ``####``, stripped, thousands commas removed.
 
     Raises:
         ValueError: no ``####`` marker or nothing after it.
     """
-    pos = answer_field.rfind("####")
-    if pos == -1:
-        raise ValueError(f"GSM8K answer has no '####' marker: {answer_field[-80:]!r}")
-    final = answer_field[pos + 4 :].strip().replace(",", "")
-    if not final:
-        raise ValueError(f"GSM8K answer has nothing after '####': {answer_field[-80:]!r}")
-    return answer_field[:pos].rstrip(), final
+    return split_gsm8k_answer(answer_field)
 
 
 def solution_steps(solution: str) -> int:

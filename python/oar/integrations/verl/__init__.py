@@ -9,6 +9,8 @@ worker group visible to the estimator. Importing this package does not import ve
 
 Modules, each importing only those above it in this list:
 
+* :mod:`.launch`: the command-line spellings (``+oar.<key>=<value>``, the Hydra-quoted ``OAR_VERL_PLUGIN``) and
+  their checks (imports nothing of verl);
 * :mod:`.context`: the state one ``compute_advantage`` call shares (the batch, the rollouts, the worker scorer);
 * :mod:`.rollouts`: verl's padded rollout layout (:func:`rollout_rows`, :func:`attach_scores`);
 * :mod:`.estimators`: driver side, the registered advantage estimators (:func:`configure`, :class:`HFScorer`);

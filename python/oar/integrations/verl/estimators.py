@@ -406,7 +406,7 @@ def register_estimators() -> list[str]:
             raise RuntimeError(f"verl {version}: core_algos has no {attr}; oar supports verl {SUPPORTED_VERL}")
     from oar.integrations._versions import check_tested
 
-    check_tested("verl", None if version == "?" else version)
+    check_tested("verl")  # the installed distribution's version
     for name, method in ADV_ESTIMATORS.items():
         if name not in _REGISTERED:
             _REGISTERED[name] = _estimator(name, method)

@@ -44,6 +44,12 @@ def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> N
     data.batch["oar_reasoning_mask"] = rm.to(scores.device)
 
 
+#: What a verl user changes when a reference answer is not a final answer (named by the refusals).
+ANSWER_FIX = ("put the final answer alone in reward_model.ground_truth, as verl's data preprocessing scripts do (e.g. "
+              "examples/data_preprocess/gsm8k.py extracts the number after '####'), or give the OAR trainer another "
+              "oar_answer_key")
+
+
 def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "ground_truth")) -> dict:
     """The rollouts of a verl ``DataProto`` in verl's padded layout, as the pipeline reads them.
 
@@ -59,7 +65,8 @@ def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "g
 
     Raises:
         KeyError: a missing batch key, or answers missing for ``oar_p`` / ``oar_g`` (naming the rows).
-        ValueError: no ``non_tensor_batch[answer_key[0]]`` for a method that needs answers.
+        ValueError: no ``non_tensor_batch[answer_key[0]]`` for a method that needs answers; an answer that is not a
+            final answer (a worked solution: :func:`oar.answers.check_reference_answer`, naming the row).
     """
     b = data.batch
     for key in ("prompts", "responses", "attention_mask", "response_mask"):
@@ -82,6 +89,9 @@ def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "g
         if missing:
             raise KeyError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
                            f"[i][{k1!r}]; rows {missing[:5]} have none (answer_key=... to change)")
-        answers = [str(x) for x in raw]
+        from oar.answers import check_reference_answer
+
+        answers = [check_reference_answer(str(x), column=f"{k0}.{k1}", row=i, fix=ANSWER_FIX)
+                   for i, x in enumerate(raw)]
     return dict(prompt_ids=prompt_ids, responses=responses, completion_mask=completion, eligible_mask=eligible,
                 answers=answers)

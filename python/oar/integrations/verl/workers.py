@@ -164,6 +164,50 @@ def start_checks(config, oar_trainer: bool) -> None:
     check_trainer_config(config)
 
 
+def check_dataset_answers(config, dataset, answer_key=("reward_model", "ground_truth"), tokenizer=None,
+                          rows: int = 8) -> int:
+    """Checks the reference answers of the first ``rows`` rows of verl's train dataset when the estimator's method
+    probes them (``oar_p`` / ``oar_g``), when the OAR trainer loads the data (before any worker or generation): each
+    row must hold ``row[answer_key[0]][answer_key[1]]`` and it must be a final answer, not a worked solution
+    (:func:`oar.answers.check_reference_answer`). Every batch's answers are checked again when they are read
+    (:func:`oar.integrations.verl.rollout_rows`).
+
+    Args:
+        config: verl's trainer config. dataset: verl's ``RLHFDataset`` (its ``dataframe`` is read, or its rows by
+            index), or None (nothing checked). answer_key: where the answer is (verl: ``reward_model.ground_truth``).
+        tokenizer: the policy's tokenizer (the length check in tokens). rows: how many leading rows to check.
+
+    Returns:
+        The number of rows checked.
+
+    Raises:
+        KeyError: a checked row without the answer (naming the row and the key).
+        ValueError: an answer that is not a final answer (naming the row, the start of the value and the fix).
+    """
+    from oar.answers import check_reference_answer
+    from oar.integrations.verl.rollouts import ANSWER_FIX
+    from oar.methods import method_spec
+
+    name = _estimator_name(config)
+    if dataset is None or name not in ADV_ESTIMATORS or not method_spec(estimator_config(name).method).needs_answers:
+        return 0
+    table = getattr(dataset, "dataframe", None)
+    try:
+        n = min(rows, len(table if table is not None else dataset))
+    except TypeError:  # a dataset without a length: checked per batch only
+        return 0
+    k0, k1 = answer_key
+    for i in range(n):
+        row = table[i] if table is not None else dataset[i]
+        holder = row.get(k0) if isinstance(row, dict) else None
+        value = holder.get(k1) if isinstance(holder, dict) else None
+        if value is None:
+            raise KeyError(f"algorithm.adv_estimator={name!r} probes the reference answers, read from each dataset "
+                           f"row's {k0}.{k1} (verl's RL datasets); train row {i} has none ({k0} = {holder!r})")
+        check_reference_answer(str(value), column=f"{k0}.{k1}", row=i, tokenizer=tokenizer, fix=ANSWER_FIX)
+    return n
+
+
 def _separate_async(trainer) -> bool:
     """Whether ``trainer`` is (a subclass of) verl's separate-async v1 trainer (its own pi_old slots)."""
     try:
@@ -550,6 +594,11 @@ class OARTrainerMixin:
                 self.actor_rollout_wg.save_model_to_cpu(PI_OLD_SLOT)
             return scorer
         return _PiOldScorer(scorer, self.actor_rollout_wg, PI_OLD_SLOT if bypass else 0)
+
+    def _init_dataloader(self):
+        super()._init_dataloader()  # verl's: the train dataset, before any worker or generation (trainer.init())
+        check_dataset_answers(self.config, getattr(self, "train_dataset", None), self.oar_answer_key,
+                              tokenizer=getattr(self, "tokenizer", None))
 
     def _init_resource_pool_mgr(self):
         check_trainer_config(self.config)  # before any worker starts or any generation
