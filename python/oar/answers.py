@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Sequence
 
-__all__ = ["ANSWER_MARKERS", "MAX_ANSWER_TOKENS", "CHARS_PER_TOKEN", "check_reference_answer",
+__all__ = ["ANSWER_MARKERS", "MAX_ANSWER_TOKENS", "CHARS_PER_TOKEN", "answer_text", "check_reference_answer",
            "prepare_reference_answers", "gsm8k_final_answer", "split_gsm8k_answer"]
 
 #: Final-answer markers: a value holding one is a solution that ends in its final answer, not the answer itself.
@@ -55,6 +55,34 @@ _DEFAULT_FIX = ("extract the final answer first (GSM8K's '#### x' format: oar.an
 
 def _start(value: str) -> str:
     return repr(value[:_QUOTE] + ("..." if len(value) > _QUOTE else ""))
+
+
+def answer_text(value: Any, *, column: str = "answer", row: Any = None, fix: str | None = None) -> str:
+    """A dataset's answer value as the text the probe reads: a str as it is, a number (int, float, numpy scalar) as
+    ``str(value)``; containers are refused, because their ``repr`` would be probed (verl's Search-R1 layout keeps
+    ``{"target": [...]}`` in ``ground_truth``; parquet turns lists into numpy arrays).
+
+    Args:
+        value: one row's answer value. column, row, fix: named in messages (as :func:`check_reference_answer`).
+
+    Returns:
+        The text (not yet checked: :func:`check_reference_answer`).
+
+    Raises:
+        ValueError: ``value`` is None, bytes, a mapping, or a sequence / array / set (naming its type and start).
+    """
+    where = f"dataset column {column!r}, row {row}" if row is not None else f"dataset column {column!r}"
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bytes, bytearray)) or hasattr(value, "keys") or (
+            hasattr(value, "__len__") and not hasattr(value, "item")) or (
+            hasattr(value, "shape") and getattr(value, "shape", ()) != ()):
+        raise ValueError(f"{where}: the reference answer must be a str or a number, got {type(value).__name__} "
+                         f"{_start(repr(value))}, whose repr the probe would read: "
+                         f"{_DEFAULT_FIX if fix is None else fix}")
+    if hasattr(value, "item"):  # a numpy / torch scalar
+        value = value.item()
+    return str(value)
 
 
 def check_reference_answer(answer: str, *, column: str = "answer", row: Any = None, tokenizer=None,
@@ -114,7 +142,7 @@ def check_reference_answer(answer: str, *, column: str = "answer", row: Any = No
 def prepare_reference_answers(values: Sequence[Any], *, column: str = "answer", rows: Sequence[Any] | None = None,
                               extractor: Callable[[str], str] | None = None, tokenizer=None,
                               max_tokens: int = MAX_ANSWER_TOKENS, fix: str | None = None) -> list[str]:
-    """The reference answers the probe reads, from a column's ``values``: each value as a str (``str(value)``),
+    """The reference answers the probe reads, from a column's ``values``: each value as text (:func:`answer_text`),
     through ``extractor`` when given, then checked by :func:`check_reference_answer`.
 
     Args:
@@ -129,10 +157,14 @@ def prepare_reference_answers(values: Sequence[Any], *, column: str = "answer", 
         list[str], one answer per row.
 
     Raises:
-        ValueError: ``extractor`` is neither None nor callable; ``rows`` of another length than ``values``; the
+        ValueError: ``values`` is a str; a value that is None or a container (:func:`answer_text`); ``extractor`` is
+            neither None nor callable; ``rows`` of another length than ``values``; the
             extractor raised on a row, or returned something else than a non-empty str (naming the row and the
             start of its value); a checked answer is refused (:func:`check_reference_answer`).
     """
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"values must be a sequence with one answer per row, got {type(values).__name__} "
+                         f"{_start(repr(values))}")
     if extractor is not None and not callable(extractor):
         raise ValueError(f"answer_extractor must be a callable str -> str or None, got {type(extractor).__name__} "
                          f"{extractor!r}")
@@ -141,7 +173,7 @@ def prepare_reference_answers(values: Sequence[Any], *, column: str = "answer", 
         raise ValueError(f"rows must have one index per value: {len(values)} values, got {len(rows)} rows")
     out = []
     for value, row in zip(values, rows):
-        text = value if isinstance(value, str) else str(value)
+        text = answer_text(value, column=column, row=row, fix=fix)
         if extractor is not None:
             name = getattr(extractor, "__name__", type(extractor).__name__)
             try:

@@ -190,7 +190,9 @@ def test_trainer_extras_are_the_tested_ranges():
                                                   ("verl", "0.9.1", True), ("verl", "0.9.0", False),
                                                   ("verl", "0.10.0.dev0", False), ("openrlhf", "0.11.2", True),
                                                   ("openrlhf", "0.11.10", True), ("openrlhf", "1.0", False),
-                                                  ("trl", "1.13.0.dev1+local", True)])
+                                                  ("trl", "1.13.0.dev1+local", False), ("trl", "1.13.0rc1", False),
+                                                  ("trl", "1.13.1rc1", True), ("trl", "V1.13.2", True),
+                                                  ("TRL", "1.13.2", True)])
 def test_an_untested_trainer_version_is_named_once(monkeypatch, package, version, ok):
     import warnings
 
@@ -211,6 +213,8 @@ def test_an_untested_trainer_version_is_named_once(monkeypatch, package, version
         assert f'pip install "{package}>={low},<{high}"' in said[0]
     with pytest.raises(ValueError, match="version must start with a release number"):
         _versions.release("latest")
+    with pytest.raises(ValueError, match=r"package must be one of \['openrlhf', 'trl', 'verl'\], got 'trlx'"):
+        _versions.check_tested("trlx", "1.0")
 
 
 def test_each_integration_names_an_untested_trainer_version():

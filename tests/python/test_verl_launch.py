@@ -221,6 +221,9 @@ BUILD_REFUSALS = [
     pytest.param(["+trainer.v1.oar_sync.parameter_sync_step=2"], {},
                  r"trainer.v1.oar_sync is not read by verl.*reads trainer.v1.sync; move these keys there: "
                  r"\['parameter_sync_step'\]", id="oar_mode_section"),
+    pytest.param([], {"OAR_CONFIG": "[1]"}, r"\$OAR_CONFIG must be a JSON object.*got '\[1\]', which is JSON list, not "
+                 r"an object", id="env_json_list"),
+    pytest.param([], {"OAR_CONFIG": '{"probe": "lastt"}'}, r"^\$OAR_CONFIG: oar.probe must be one of", id="env_schema"),
 ]
 
 
@@ -404,3 +407,135 @@ def test_the_oar_trainer_checks_the_answers_when_verl_loads_the_data(tmp_path):
     t = trainer(parquet("answers", 1))
     t._init_dataloader()
     assert len(t.train_dataset) == len(pairs)
+
+
+# ---- bad input (review of issue 40's launch path) -----------------------------------------------------------------
+
+
+def test_check_overrides_looks_only_at_oar_overrides():
+    """No false alarm for words that merely contain OAR_ (a run name, a pytest -k); the fix named for each kind of
+    key; an OAR_VERL_PLUGIN value that leaves the plugin off; null / empty configs are not 'given twice'."""
+    env = "+ray_kwargs.ray_init.runtime_env.env_vars."
+    for quiet in (["--run-name", "OAR_test"], ["-k", "test_OAR_"], ["data.train_files=/d/OAR_a.parquet"],
+                  ["~oar"], ["+oar=null", env + 'OAR_CONFIG="x.json"'], [env + 'OAR_CONFIG=""', "+oar.probe=last"],
+                  [env + 'OAR_VERL_PLUGIN="on"']):
+        assert launch.check_overrides(quiet) == [], quiet
+    (p,) = launch.check_overrides([env + "OAR_DEBUG=1"])
+    assert "the int 1" in p and f"'{env}OAR_DEBUG=\"<value>\"'" in p
+    (p,) = launch.check_overrides([env + 'OAR_VERL_PLUGIN="2"'])
+    assert "leaves the plugin off" in p and "got '2'" in p and launch.PLUGIN_LINE in p
+    (p,) = launch.check_overrides(["+oar.probe = last"])
+    assert "Hydra cannot parse" in p and "without spaces around '='" in p
+
+
+def test_more_refusals_when_the_trainer_is_built(monkeypatch):
+    """+oar.method that disagrees with the estimator's name (it used to be overridden silently), a mistyped oar
+    estimator, a second trainer built from a config the first one set back to verl's mode name, a read-only config."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    monkeypatch.delenv("OAR_CONFIG", raising=False)
+    base = USER_SETTINGS + ["trainer.v1.trainer_mode=oar_sync"]
+    with pytest.raises(ValueError, match=r"\+oar.method=oar_p disagrees with algorithm.adv_estimator='oar_g'.*"
+                                         r"algorithm.adv_estimator=oar_p"):
+        _build(base + ["algorithm.adv_estimator=oar_g", "+oar.method=oar_p"])
+    assert _build(base + ["algorithm.adv_estimator=oar", "+oar.method=oar_p"]).config.oar.method == "oar_p"
+    assert _build(base + ["algorithm.adv_estimator=oar_g", "+oar.method=oar_g"])  # the same method: fine
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator must be one of oar's estimators .*got 'OAR_G'"):
+        _build(base + ["algorithm.adv_estimator=OAR_G"])
+    config = compose(base + ["algorithm.adv_estimator=oar_g"])
+    OmegaConf.resolve(config)
+    OmegaConf.set_readonly(config, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        get_trainer_cls("oar_sync")(config=config)
+        assert config.trainer.v1.trainer_mode == "sync"
+        with pytest.raises(ValueError, match=r"this config was already used to build the OAR trainer of "
+                                             r"trainer.v1.trainer_mode=oar_sync"):
+            get_trainer_cls(config.trainer.v1.trainer_mode)(config=config)
+    oar_verl.configure(None, None)
+
+
+def test_answers_that_are_containers_are_refused():
+    """verl's Search-R1 layout keeps {"target": [...]} in ground_truth, parquet turns lists into arrays: their repr
+    would be probed; refused naming the row and the type. Numbers (numpy scalars too) are their text; a pandas
+    dataframe (a custom dataset class) is read by position."""
+    import numpy as np
+    import pandas as pd
+    from omegaconf import OmegaConf
+
+    check = oar_verl.workers.check_dataset_answers
+    cfg = OmegaConf.create({"algorithm": {"adv_estimator": "oar_p"}})
+    for value, kind in (({"target": ["Paris"]}, "dict"), (np.array(["1", "2"]), "ndarray"), (["1"], "list")):
+        with pytest.raises(ValueError, match=rf"row 1: the reference answer must be a str or a number, got {kind}"):
+            check(cfg, _Dataset([{"reward_model": {"ground_truth": "3"}}, {"reward_model": {"ground_truth": value}}]))
+    assert check(cfg, _Dataset([{"reward_model": {"ground_truth": np.int64(7)}}])) == 1
+    frame = pd.DataFrame({"reward_model": [{"ground_truth": "4"}, {"ground_truth": "5 apples\nso 5"}]})
+    with pytest.raises(ValueError, match=r"row 1 holds 2 lines"):
+        check(cfg, _Dataset(frame))
+
+
+def test_legacy_init_workers_checks_the_dataset_answers():
+    """The legacy trainer (trainer.use_v1=False) has its train dataset before init_workers: a worked solution there is
+    refused before verl starts any worker."""
+    import types
+
+    from omegaconf import OmegaConf
+
+    called = []
+    wrapped = oar_verl.workers.wrap_init_workers(lambda self: called.append(1))
+    sol, _ = _solutions(1)[0]
+    me = types.SimpleNamespace(config=OmegaConf.create({"algorithm": {"adv_estimator": "oar_g"}}),
+                               role_worker_mapping={},
+                               train_dataset=_Dataset([{"reward_model": {"ground_truth": sol}}]))
+    with pytest.raises(ValueError, match=r"row 0 holds a worked solution"):
+        wrapped(me)
+    assert not called
+
+
+class _FakeGroup:
+    """A worker group that records the weight-slot calls and fails where told."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name,) + args)
+            if (name,) + args == self.fail:
+                raise RuntimeError(f"{name} failed")
+        return call
+
+
+def test_pi_old_swap_only_when_rows_are_scored_and_always_put_back():
+    """No save / restore when no row is sent to the workers (every advantage 0: common early in training); the
+    current weights are restored and their copy cleared even when scoring or the restore itself fails."""
+    import torch
+
+    import oar
+
+    cfg = oar.OARConfig(method="oar_g")
+    scored = []
+    inner = lambda data, config, seq: scored.append(1) or "scores"  # noqa: E731
+    wg = _FakeGroup()
+    scorer = oar_verl.workers._PiOldScorer(inner, wg, 0)
+    assert scorer(None, cfg, torch.zeros(4)) == "scores" and wg.calls == []
+    assert scorer(None, cfg, torch.tensor([1.0, 0.0, -1.0, 0.0])) == "scores"
+    cur = oar_verl.workers.CURRENT_SLOT
+    assert wg.calls == [("save_model_to_cpu", cur), ("restore_model_from_cpu", 0), ("restore_model_from_cpu", cur),
+                        ("clear_cpu_model", cur)]
+
+    def broken(data, config, seq):
+        raise KeyError("scoring failed")
+
+    wg = _FakeGroup()
+    with pytest.raises(KeyError, match="scoring failed"):
+        oar_verl.workers._PiOldScorer(broken, wg, 0)(None, cfg, torch.ones(2))
+    assert wg.calls[-2:] == [("restore_model_from_cpu", cur), ("clear_cpu_model", cur)]
+    wg = _FakeGroup(fail=("restore_model_from_cpu", cur))
+    with pytest.raises(RuntimeError, match="restore_model_from_cpu failed"):
+        oar_verl.workers._PiOldScorer(inner, wg, 0)(None, cfg, torch.ones(2))
+    assert wg.calls[-1] == ("clear_cpu_model", cur)
+    import copy
+
+    assert copy.copy(oar_verl.workers._PiOldScorer(inner, wg, 0)).slot == 0

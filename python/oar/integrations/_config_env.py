@@ -38,8 +38,12 @@ def config_from_env(method: str | None = None):
                 raise ValueError(f"${CONFIG_ENV} must be {SPELLINGS}; got invalid JSON {raw[:80]!r}: {e}") from None
         else:
             if not os.path.isfile(raw):
-                raise ValueError(f"${CONFIG_ENV} must be {SPELLINGS}; got {raw[:80]!r}, which is neither JSON nor an "
-                                 "existing file")
+                try:
+                    kind = type(json.loads(raw)).__name__  # valid JSON, but not an object
+                except json.JSONDecodeError:
+                    kind = None
+                what = f"JSON {kind}, not an object" if kind else "neither JSON nor an existing file"
+                raise ValueError(f"${CONFIG_ENV} must be {SPELLINGS}; got {raw[:80]!r}, which is {what}")
             is_yaml = raw.endswith((".yaml", ".yml"))
             what = f"${CONFIG_ENV} file {raw!r}"
             try:
@@ -54,10 +58,14 @@ def config_from_env(method: str | None = None):
                     obj = json.loads(text) or {}
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{what} is not valid JSON: {e}") from None
-            # a whole run config (configs/*.yaml, runs/*/config.json) holds the schema under "oar"
-            obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
+        # a whole run config (configs/*.yaml, runs/*/config.json) holds the schema under "oar", in a file or inline
+        obj = obj.get("oar", obj) if isinstance(obj, dict) else obj
         if not isinstance(obj, dict):
             raise ValueError(f"${CONFIG_ENV} must hold a JSON object ({SPELLINGS}), got {type(obj).__name__}")
-    cfg = config_from_mapping(obj)
+    try:
+        cfg = config_from_mapping(obj)
+    except ValueError as e:  # the schema's own error type (it names the key), said to come from $OAR_CONFIG
+        e.args = (f"${CONFIG_ENV}: {e}",) + e.args[1:]
+        raise
     return with_method(cfg, method) if method is not None else cfg
 

@@ -28,30 +28,50 @@ def release(version: str) -> tuple[int, ...]:
     Raises:
         ValueError: ``version`` does not start with a number.
     """
-    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", str(version))
+    m = re.match(r"\s*[vV]?(\d+(?:\.\d+)*)", str(version))
     if m is None:
         raise ValueError(f"version must start with a release number like 1.13.0, got {version!r}")
     return tuple(int(x) for x in m.group(1).split("."))
 
 
+def _tested(package: str) -> tuple[str, str]:
+    try:
+        return TESTED[str(package).lower()]
+    except KeyError:
+        raise ValueError(f"package must be one of {sorted(TESTED)}, got {package!r}") from None
+
+
+def _prerelease(version: str) -> bool:
+    """Whether ``version`` is a pre-release (``a``, ``b``, ``rc``, ``dev`` after the release number), as pip reads it."""
+    return re.match(r"\s*[vV]?\d+(?:\.\d+)*[-_.]?(a|b|c|rc|alpha|beta|pre|preview|dev)", str(version).lower()) is not None
+
+
 def requirement(package: str) -> str:
-    """The pip requirement of the tested range, e.g. ``"trl>=1.13.0,<1.14"`` (pyproject's extra)."""
-    low, high = TESTED[package]
+    """The pip requirement of the tested range, e.g. ``"trl>=1.13.0,<1.14"`` (pyproject's extra).
+
+    Raises:
+        ValueError: ``package`` is not one of :data:`TESTED`.
+    """
+    low, high = _tested(package)
+    package = str(package).lower()
     return f"{package}>={low},<{high}"
 
 
 def in_tested_range(package: str, version: str) -> bool:
-    """Whether ``version`` of ``package`` is within :data:`TESTED` (``low <= version < high``, by release number).
+    """Whether ``version`` of ``package`` is within :data:`TESTED` (``low <= version < high`` by release number; a
+    pre-release of ``low`` is below it, as for pip's ``>=``).
 
     Raises:
-        KeyError: ``package`` is not one of :data:`TESTED`. ValueError: an unreadable version.
+        ValueError: ``package`` is not one of :data:`TESTED`; an unreadable version.
     """
-    low, high = TESTED[package]
+    low, high = _tested(package)
     v = release(version)
 
     def pad(t):
-        return t + (0,) * (max(len(v), 3) - len(t))
+        return t + (0,) * (max(len(v), len(release(low)), len(release(high)), 3) - len(t))
 
+    if pad(v) == pad(release(low)) and _prerelease(version):
+        return False
     return pad(release(low)) <= pad(v) < pad(release(high))
 
 
@@ -60,12 +80,14 @@ def check_tested(package: str, version: str | None = None) -> bool:
     range, naming both and the extra that installs a tested one.
 
     Args:
-        package: one of :data:`TESTED`.
+        package: one of :data:`TESTED` (ValueError otherwise).
         version: the installed version (default: ``importlib.metadata.version(package)``; unknown: no warning).
 
     Returns:
         True when the version is within the range (or unknown).
     """
+    low, high = _tested(package)
+    package = str(package).lower()
     if version is None:
         from importlib import metadata
 
@@ -79,7 +101,6 @@ def check_tested(package: str, version: str | None = None) -> bool:
         ok = False
     if not ok and (package, version) not in _SAID:
         _SAID.add((package, version))
-        low, high = TESTED[package]
         warnings.warn(f"oar.integrations.{package} is tested with {package} >= {low}, < {high}; {package} {version} "
                       f"is installed. It runs where the hook points it needs exist (checked when it is set up), but "
                       f"this version was not tested: pip install \"{requirement(package)}\" (what oar[{package}] "

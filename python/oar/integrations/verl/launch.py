@@ -22,6 +22,7 @@ own error.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Sequence
 
@@ -41,50 +42,72 @@ def _config_hint() -> str:
             "docs/config.md), or set OAR_CONFIG in the runtime env to a quoted Hydra string holding JSON or a file path")
 
 
+#: The values of ``OAR_VERL_PLUGIN`` that turn the plugin on (:mod:`oar.integrations.verl.plugin`).
+PLUGIN_ON = ("1", "true", "yes", "on")
+#: A Hydra override's key, as the plugin's scan of a command line recognizes one (``+``, ``++`` or ``~`` prefix).
+_KEY = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w.\-]*)(\s*=|$)")
+
+
+def _names_oar(key: str) -> bool:
+    """Whether a Hydra override key is one of oar's: the ``oar`` section or an ``OAR_*`` Ray env var."""
+    return key == CONFIG_KEY or key.startswith(CONFIG_KEY + ".") or (
+        key.startswith(_ENV_PREFIX) and key[len(_ENV_PREFIX):].startswith("OAR_"))
+
+
 def check_overrides(overrides: Sequence[str]) -> list[str]:
     """The problems of a verl launch command's OAR overrides, each message naming the override and the working
-    spelling; empty when there are none. Overrides that do not name an OAR key are not looked at.
+    spelling; empty when there are none. Only Hydra overrides whose key is oar's (``oar.*``, ``oar``,
+    ``ray_kwargs.ray_init.runtime_env.env_vars.OAR_*``) are looked at; anything else on the command line is not.
 
     Args:
         overrides: the command's Hydra overrides as the shell passes them (``sys.argv[1:]`` of
             ``python -m verl.trainer.main_ppo``), a sequence of str.
 
     Returns:
-        One message per problem: an ``env_vars.OAR_*`` value Hydra does not read as a string (Ray refuses it),
-        an OAR override Hydra cannot parse, an ``oar`` config given both as ``+oar.*`` keys and as ``OAR_CONFIG``.
+        One message per problem: an ``env_vars.OAR_*`` value Hydra does not read as a string (Ray refuses it), an
+        ``OAR_VERL_PLUGIN`` value that leaves the plugin off, an OAR override Hydra cannot parse, an OAR config
+        given both as ``+oar.*`` keys and as ``OAR_CONFIG``.
 
     Raises:
         TypeError: ``overrides`` is not a sequence of str.
     """
     if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
         raise TypeError(f"overrides must be a sequence of str (the command's Hydra overrides), got {overrides!r}")
-    mentions = [o for o in overrides if "OAR_" in o or o.lstrip("+~").startswith(CONFIG_KEY + ".")
-                or o.lstrip("+~").startswith(CONFIG_KEY + "=")]
+    mentions = []
+    for text in overrides:
+        m = _KEY.match(text)
+        if m is not None and _names_oar(m.group(2)):
+            mentions.append((text, m.group(2)))
     if not mentions:
         return []
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
     problems, has_env_config, has_keys = [], False, False
-    for text in mentions:
-        name = text.split("=", 1)[0]
+    for text, key in mentions:
+        var = key[len(_ENV_PREFIX):] if key.startswith(_ENV_PREFIX) else None
+        quoted = f"'{text.split('=', 1)[0]}=\"<value>\"'"
+        fix = PLUGIN_LINE if var == "OAR_VERL_PLUGIN" else _config_hint() if var == "OAR_CONFIG" else (
+            f"quote the value for Hydra: {quoted}" if var is not None else
+            f"one key and one value per override, without spaces around '=': {CONFIG_LINE}")
         try:
             override = parser.parse_override(text)
         except Exception as e:  # noqa: BLE001 - Hydra's own parse errors, reported with the working spelling
-            hint = _config_hint() if "OAR_CONFIG" in name else f"quote the value for Hydra: {PLUGIN_LINE}"
-            problems.append(f"Hydra cannot parse the override {text!r} ({type(e).__name__}: {e}); {hint}")
+            problems.append(f"Hydra cannot parse the override {text!r} ({type(e).__name__}: {e}); {fix}")
             continue
-        key = override.key_or_group
-        if key.startswith(_ENV_PREFIX):
-            value = override.value()
-            var = key[len(_ENV_PREFIX):]
-            has_env_config |= var == "OAR_CONFIG"
+        if override.is_delete():
+            continue
+        value = override.value()
+        if var is not None:
             if not isinstance(value, str):
-                fix = PLUGIN_LINE if var == "OAR_VERL_PLUGIN" else _config_hint()
                 problems.append(f"{text!r} gives the Ray env var {var} the {type(value).__name__} {value!r}: Hydra "
                                 "reads an unquoted value by its type and Ray refuses env vars that are not strings "
-                                f"(TypeError: runtime_env['env_vars'] must be of type Dict[str, str]); write {fix}")
-        elif key == CONFIG_KEY or key.startswith(CONFIG_KEY + "."):
+                                f"(TypeError: runtime_env['env_vars'] must be of type Dict[str, str]); {fix}")
+            elif var == "OAR_VERL_PLUGIN" and value.strip().lower() not in PLUGIN_ON:
+                problems.append(f"{text!r} leaves the plugin off: OAR_VERL_PLUGIN turns it on with one of "
+                                f"{list(PLUGIN_ON)}, got {value!r}; write {PLUGIN_LINE}")
+            has_env_config |= var == "OAR_CONFIG" and isinstance(value, str) and bool(value.strip())
+        elif value is not None and value != {}:
             has_keys = True
     if has_env_config and has_keys:
         problems.append(f"the OAR config is given twice, as +{CONFIG_KEY}.* overrides and as OAR_CONFIG in the "

@@ -19,7 +19,7 @@ import warnings
 ENV = "OAR_VERL_PLUGIN"
 REGISTERED: list = []
 
-if os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+if os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on"):  # launch.PLUGIN_ON
     try:
         from oar.integrations.verl import register as _register
 
@@ -27,7 +27,7 @@ if os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on"):
     except Exception as _e:  # noqa: BLE001 - a plugin must never break `import verl`
         warnings.warn(f"oar verl plugin not loaded: {type(_e).__name__}: {_e}", RuntimeWarning, stacklevel=2)
 
-if any(isinstance(_a, str) and ("OAR_" in _a or _a.lstrip("+~").startswith("oar.")) for _a in sys.argv[1:]):
+if any(isinstance(_a, str) and ("env_vars.OAR_" in _a or _a.lstrip("+~").startswith(("oar.", "oar="))) for _a in sys.argv[1:]):
     try:
         from oar.integrations.verl.launch import warn_about_argv
 

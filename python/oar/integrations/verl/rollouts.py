@@ -46,8 +46,8 @@ def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> N
 
 #: What a verl user changes when a reference answer is not a final answer (named by the refusals).
 ANSWER_FIX = ("put the final answer alone in reward_model.ground_truth, as verl's data preprocessing scripts do (e.g. "
-              "examples/data_preprocess/gsm8k.py extracts the number after '####'), or give the OAR trainer another "
-              "oar_answer_key")
+              "examples/data_preprocess/gsm8k.py extracts the number after '####'; a subclass of the OAR trainer "
+              "can read another field through its oar_answer_key)")
 
 
 def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "ground_truth")) -> dict:
@@ -89,9 +89,10 @@ def rollout_rows(data, config, answer_key: tuple[str, str] = ("reward_model", "g
         if missing:
             raise KeyError(f"method {config.method!r} needs the reference answers in non_tensor_batch[{k0!r}]"
                            f"[i][{k1!r}]; rows {missing[:5]} have none (answer_key=... to change)")
-        from oar.answers import check_reference_answer
+        from oar.answers import answer_text, check_reference_answer
 
-        answers = [check_reference_answer(str(x), column=f"{k0}.{k1}", row=i, fix=ANSWER_FIX)
-                   for i, x in enumerate(raw)]
+        column = f"{k0}.{k1}"
+        answers = [check_reference_answer(answer_text(x, column=column, row=i, fix=ANSWER_FIX), column=column,
+                                          row=i, fix=ANSWER_FIX) for i, x in enumerate(raw)]
     return dict(prompt_ids=prompt_ids, responses=responses, completion_mask=completion, eligible_mask=eligible,
                 answers=answers)

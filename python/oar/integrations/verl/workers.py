@@ -152,15 +152,31 @@ def start_checks(config, oar_trainer: bool) -> None:
 
     name = _estimator_name(config)
     if name not in ADV_ESTIMATORS:
+        if oar_trainer and name.lower().replace("-", "_").startswith("oar"):
+            raise ValueError(f"algorithm.adv_estimator must be one of oar's estimators {sorted(ADV_ESTIMATORS)} (or "
+                             f"one of verl's), got {name!r}")
         return
     if not oar_trainer:
         mode = str(config.trainer.v1.get("trainer_mode", "sync"))
+        if _REWRITTEN.get(id(config)) == f"oar_{mode}":
+            raise ValueError(f"this config was already used to build the OAR trainer of trainer.v1.trainer_mode="
+                             f"oar_{mode}, which set trainer.v1.trainer_mode to {mode!r} as verl reads it; build each "
+                             f"trainer from its own config (or set trainer.v1.trainer_mode=oar_{mode} again)")
         raise ValueError(
             f"algorithm.adv_estimator={name!r} needs oar's v1 trainer, which hands the estimator the rollouts and the "
             f"actor workers: trainer.v1.trainer_mode={mode!r} runs verl's own {mode!r} trainer without them. Add "
             f"trainer.v1.trainer_mode=oar_{mode} to the command (verl's {mode!r} trainer plus OAR; or "
             "trainer.use_v1=False for the legacy trainer)")
-    use_trainer_config(config)
+    cfg = use_trainer_config(config)
+    from oar.integrations.verl.launch import trainer_oar_section
+
+    section = trainer_oar_section(config) or {}
+    wanted = ADV_ESTIMATORS[name]
+    if "method" in section and wanted is not None and cfg.method != wanted:
+        raise ValueError(f"+oar.method={section['method']} disagrees with algorithm.adv_estimator={name!r}, which "
+                         f"runs method {wanted!r}: drop +oar.method, or use algorithm.adv_estimator=oar_"
+                         f"{section['method'].removeprefix('oar_')} (or algorithm.adv_estimator=oar, which takes the "
+                         "method from the config)")
     check_trainer_config(config)
 
 
@@ -184,7 +200,7 @@ def check_dataset_answers(config, dataset, answer_key=("reward_model", "ground_t
         KeyError: a checked row without the answer (naming the row and the key).
         ValueError: an answer that is not a final answer (naming the row, the start of the value and the fix).
     """
-    from oar.answers import check_reference_answer
+    from oar.answers import answer_text, check_reference_answer
     from oar.integrations.verl.rollouts import ANSWER_FIX
     from oar.methods import method_spec
 
@@ -198,14 +214,21 @@ def check_dataset_answers(config, dataset, answer_key=("reward_model", "ground_t
         return 0
     k0, k1 = answer_key
     for i in range(n):
-        row = table[i] if table is not None else dataset[i]
+        row = (table.iloc[i].to_dict() if hasattr(table, "iloc") else table[i]) if table is not None else dataset[i]
         holder = row.get(k0) if isinstance(row, dict) else None
         value = holder.get(k1) if isinstance(holder, dict) else None
         if value is None:
             raise KeyError(f"algorithm.adv_estimator={name!r} probes the reference answers, read from each dataset "
                            f"row's {k0}.{k1} (verl's RL datasets); train row {i} has none ({k0} = {holder!r})")
-        check_reference_answer(str(value), column=f"{k0}.{k1}", row=i, tokenizer=tokenizer, fix=ANSWER_FIX)
+        column = f"{k0}.{k1}"
+        check_reference_answer(answer_text(value, column=column, row=i, fix=ANSWER_FIX), column=column, row=i,
+                               tokenizer=tokenizer, fix=ANSWER_FIX)
     return n
+
+
+#: id of each trainer config whose ``trainer.v1.trainer_mode`` an OAR trainer set back to verl's name -> the OAR mode
+#: the command gave (a second trainer built from the same config object is told so instead of "add the line").
+_REWRITTEN: dict[int, str] = {}
 
 
 def _separate_async(trainer) -> bool:
@@ -441,6 +464,8 @@ def wrap_init_workers(orig):
         if name not in ADV_ESTIMATORS:
             return orig(self, *args, **kwargs)
         start_checks(self.config, oar_trainer=True)  # before any worker starts or any generation
+        check_dataset_answers(self.config, getattr(self, "train_dataset", None),
+                              tokenizer=getattr(self, "tokenizer", None))
         has_method = require_oar_workers(self.config, self.role_worker_mapping)
         out = orig(self, *args, **kwargs)
         if has_method:
@@ -511,16 +536,24 @@ class _PiOldScorer:
         self.scorer, self.wg, self.slot = scorer, wg, slot
 
     def __getattr__(self, name):  # last_info, answer_key, ...: the wrapped scorer's
+        if name == "scorer":  # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.scorer, name)
 
     def __call__(self, data, config, seq_adv):
+        from oar.pipeline import scored_rows
+
+        if not scored_rows(seq_adv, config.credit_rows):  # nothing goes to the workers: no weights to swap
+            return self.scorer(data, config, seq_adv)
         self.wg.save_model_to_cpu(CURRENT_SLOT)
         try:
             self.wg.restore_model_from_cpu(self.slot)
             return self.scorer(data, config, seq_adv)
         finally:
-            self.wg.restore_model_from_cpu(CURRENT_SLOT)
-            self.wg.clear_cpu_model(CURRENT_SLOT)
+            try:
+                self.wg.restore_model_from_cpu(CURRENT_SLOT)
+            finally:
+                self.wg.clear_cpu_model(CURRENT_SLOT)
 
 
 class OARTrainerMixin:
@@ -560,12 +593,16 @@ class OARTrainerMixin:
                              f"{self.oar_base_mode!r}: trainer.v1.trainer_mode must be 'oar_{self.oar_base_mode}', "
                              f"got {mode!r}")
         own = f"oar_{self.oar_base_mode}"
-        if v1.get(own, None) is not None:
+        if v1.get(own, None):
             raise ValueError(f"trainer.v1.{own} is not read by verl: the OAR trainer of mode {self.oar_base_mode!r} "
                              f"runs verl's trainer of that mode, which reads trainer.v1.{self.oar_base_mode}; move "
                              f"these keys there: {list(v1.get(own))}")
         if mode != self.oar_base_mode:
-            v1.trainer_mode = self.oar_base_mode  # what verl reads to decide the mode's behaviour
+            from omegaconf import read_write
+
+            with read_write(v1):
+                v1.trainer_mode = self.oar_base_mode  # what verl reads to decide the mode's behaviour
+            _REWRITTEN[id(config)] = own
             import logging
 
             logging.getLogger(__name__).info(
