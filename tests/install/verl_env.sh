@@ -88,11 +88,16 @@ p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
 assert p.returncode == 0, p.stderr[-3000:]
 # ... and registers the estimators with OAR_VERL_PLUGIN=1 (set in Ray's runtime env by users).
 os.environ["OAR_VERL_PLUGIN"] = "1"
-with warnings.catch_warnings():
-    warnings.simplefilter("error", RuntimeWarning)  # the verl plugin reports a failed registration as a warning
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")  # the verl plugin reports a failed registration as a RuntimeWarning
     import oar
     import verl  # noqa: F401  (imports the verl.plugins entry points: oar.integrations.verl.plugin)
     from verl.trainer.ppo import core_algos
+# This venv holds verl without its TransferQueue package (not among verl's declared requirements), so the OAR v1
+# trainers cannot register: the plugin must say so, once, and still register the estimators. Any other failure of
+# the plugin ("oar verl plugin not loaded") fails the test.
+said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "oar" in str(w.message)]
+assert len(said) <= 1 and all("could not be registered" in s and "transfer_queue" in s for s in said), said
 
 assert oar.__file__.startswith(sys.prefix), f"oar imported from {oar.__file__}, not the test venv"
 assert oar.build_info()["torch_built_against"] == torch.__version__.split("+")[0]
