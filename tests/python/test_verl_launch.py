@@ -539,3 +539,37 @@ def test_pi_old_swap_only_when_rows_are_scored_and_always_put_back():
     import copy
 
     assert copy.copy(oar_verl.workers._PiOldScorer(inner, wg, 0)).slot == 0
+
+
+def test_oar_keys_with_a_verl_estimator_are_refused():
+    """A verl GRPO script keeps algorithm.adv_estimator=grpo in its '...': after the printed oar_g, Hydra keeps the
+    last value, and the run was plain GRPO with the +oar.* keys ignored, silently. Refused now, in every trainer."""
+    import types
+
+    from omegaconf import OmegaConf
+
+    match = r"the config has OAR keys \(\+oar\.\*: \['probe'\]\) but algorithm.adv_estimator='grpo' is not an OAR"
+    for mode in ("oar_sync", "sync"):
+        with pytest.raises(ValueError, match=match):
+            _build(USER_SETTINGS + ["algorithm.adv_estimator=oar_g", f"trainer.v1.trainer_mode={mode}",
+                                    "+oar.probe=answer_mean", "algorithm.adv_estimator=grpo"])
+    called = []
+    me = types.SimpleNamespace(config=OmegaConf.create({"algorithm": {"adv_estimator": "grpo"},
+                                                        "oar": {"probe": "last"}}), role_worker_mapping={})
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='grpo' is not an OAR estimator"):
+        oar_verl.workers.wrap_init_workers(lambda self: called.append(1))(me)
+    assert not called
+    me.config = OmegaConf.create({"algorithm": {"adv_estimator": "grpo"}})
+    oar_verl.workers.wrap_init_workers(lambda self: called.append(1))(me)
+    assert called == [1]  # verl's own estimator without oar keys: untouched
+
+
+def test_a_command_selecting_oar_without_the_plugin_line_is_named(monkeypatch):
+    """Without the plugin in verl's Ray processes, verl only says "Unknown trainer 'oar_sync'"; the driver-side
+    check names the missing line (unless this process has $OAR_VERL_PLUGIN, which a local Ray cluster inherits)."""
+    monkeypatch.delenv("OAR_VERL_PLUGIN", raising=False)
+    (p,) = launch.check_overrides(["algorithm.adv_estimator=oar_g", "trainer.v1.trainer_mode=oar_sync"])
+    assert "selects oar, but nothing turns the oar plugin on" in p and launch.PLUGIN_LINE in p
+    assert launch.check_overrides(["algorithm.adv_estimator=grpo", "trainer.v1.trainer_mode=sync"]) == []
+    monkeypatch.setenv("OAR_VERL_PLUGIN", "1")
+    assert launch.check_overrides(["algorithm.adv_estimator=oar_g", "trainer.v1.trainer_mode=oar_sync"]) == []

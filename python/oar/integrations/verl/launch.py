@@ -22,6 +22,7 @@ own error.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any, Sequence
@@ -64,7 +65,9 @@ def check_overrides(overrides: Sequence[str]) -> list[str]:
             ``python -m verl.trainer.main_ppo``), a sequence of str.
 
     Returns:
-        One message per problem: an ``env_vars.OAR_*`` value Hydra does not read as a string (Ray refuses it), an
+        One message per problem: an OAR trainer mode or estimator without the line that turns the plugin on (and no
+        ``$OAR_VERL_PLUGIN`` in this process, which a local Ray cluster would inherit), an ``env_vars.OAR_*`` value
+        Hydra does not read as a string (Ray refuses it), an
         ``OAR_VERL_PLUGIN`` value that leaves the plugin off, an OAR override Hydra cannot parse, an OAR config
         given both as ``+oar.*`` keys and as ``OAR_CONFIG``.
 
@@ -73,21 +76,32 @@ def check_overrides(overrides: Sequence[str]) -> list[str]:
     """
     if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
         raise TypeError(f"overrides must be a sequence of str (the command's Hydra overrides), got {overrides!r}")
-    mentions = []
+    mentions, selects, plugin_line = [], [], False
     for text in overrides:
         m = _KEY.match(text)
-        if m is not None and _names_oar(m.group(2)):
-            mentions.append((text, m.group(2)))
+        if m is None:
+            continue
+        key, value = m.group(2), text[m.end():].strip()
+        if _names_oar(key):
+            mentions.append((text, key))
+            plugin_line |= key == _ENV_PREFIX + "OAR_VERL_PLUGIN"
+        elif key in ("trainer.v1.trainer_mode", "algorithm.adv_estimator") and value.lower().startswith("oar"):
+            selects.append(text)
+    problems = []
+    if selects and not plugin_line and os.environ.get("OAR_VERL_PLUGIN", "").strip().lower() not in PLUGIN_ON:
+        problems.append(f"{' '.join(selects)} selects oar, but nothing turns the oar plugin on in verl's Ray "
+                        f"processes (verl would then say \"Unknown trainer\" / \"Unknown advantage estimator\"): add "
+                        f"{PLUGIN_LINE}")
     if not mentions:
-        return []
+        return problems
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    problems, has_env_config, has_keys = [], False, False
+    has_env_config, has_keys = False, False
     for text, key in mentions:
         var = key[len(_ENV_PREFIX):] if key.startswith(_ENV_PREFIX) else None
         quoted = f"'{text.split('=', 1)[0]}=\"<value>\"'"
-        fix = PLUGIN_LINE if var == "OAR_VERL_PLUGIN" else _config_hint() if var == "OAR_CONFIG" else (
+        fix = f"write {PLUGIN_LINE}" if var == "OAR_VERL_PLUGIN" else _config_hint() if var == "OAR_CONFIG" else (
             f"quote the value for Hydra: {quoted}" if var is not None else
             f"one key and one value per override, without spaces around '=': {CONFIG_LINE}")
         try:

@@ -27,7 +27,9 @@ if os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on"):  # lau
     except Exception as _e:  # noqa: BLE001 - a plugin must never break `import verl`
         warnings.warn(f"oar verl plugin not loaded: {type(_e).__name__}: {_e}", RuntimeWarning, stacklevel=2)
 
-if any(isinstance(_a, str) and ("env_vars.OAR_" in _a or _a.lstrip("+~").startswith(("oar.", "oar="))) for _a in sys.argv[1:]):
+if any(isinstance(_a, str) and ("env_vars.OAR_" in _a or _a.lstrip("+~").startswith(("oar.", "oar="))
+                                or _a.startswith(("trainer.v1.trainer_mode=oar", "algorithm.adv_estimator=oar")))
+       for _a in sys.argv[1:]):
     try:
         from oar.integrations.verl.launch import warn_about_argv
 

@@ -143,14 +143,23 @@ def start_checks(config, oar_trainer: bool) -> None:
             the legacy trainer's ``init_workers`` (True), or one of verl's own v1 trainers (False).
 
     Raises:
-        ValueError: an invalid OAR config (naming the key); an OAR estimator (``algorithm.adv_estimator=oar_*``)
+        ValueError: ``+oar.*`` keys with an estimator that is not oar's (they would be ignored: plain GRPO); an
+            invalid OAR config (naming the key); an OAR estimator (``algorithm.adv_estimator=oar_*``)
             with one of verl's own v1 trainer modes (the message names the line to add,
             ``trainer.v1.trainer_mode=oar_<mode>``).
         NotImplementedError / TypeError: see :func:`check_trainer_config`, :func:`require_oar_workers`.
     """
     from oar.integrations.verl.estimators import use_trainer_config
 
+    from oar.integrations.verl.launch import trainer_oar_section
+
     name = _estimator_name(config)
+    if name not in ADV_ESTIMATORS and trainer_oar_section(config):
+        raise ValueError(f"the config has OAR keys (+oar.*: {sorted(trainer_oar_section(config))}) but "
+                         f"algorithm.adv_estimator={name!r} is not an OAR estimator, so they would be ignored and the "
+                         f"run would be plain {name}: Hydra keeps the last value of a key, so check that the rest of "
+                         "the command does not set algorithm.adv_estimator again (e.g. =grpo after =oar_g), or drop "
+                         f"the +oar.* keys (OAR estimators: {sorted(ADV_ESTIMATORS)})")
     if name not in ADV_ESTIMATORS:
         if oar_trainer and name.lower().replace("-", "_").startswith("oar"):
             raise ValueError(f"algorithm.adv_estimator must be one of oar's estimators {sorted(ADV_ESTIMATORS)} (or "
@@ -168,8 +177,6 @@ def start_checks(config, oar_trainer: bool) -> None:
             f"trainer.v1.trainer_mode=oar_{mode} to the command (verl's {mode!r} trainer plus OAR; or "
             "trainer.use_v1=False for the legacy trainer)")
     cfg = use_trainer_config(config)
-    from oar.integrations.verl.launch import trainer_oar_section
-
     section = trainer_oar_section(config) or {}
     wanted = ADV_ESTIMATORS[name]
     if "method" in section and wanted is not None and cfg.method != wanted:
@@ -462,6 +469,7 @@ def wrap_init_workers(orig):
     def init_workers(self, *args, **kwargs):
         name = getattr(self.config.algorithm.adv_estimator, "value", self.config.algorithm.adv_estimator)
         if name not in ADV_ESTIMATORS:
+            start_checks(self.config, oar_trainer=True)  # OAR keys with another estimator: refused
             return orig(self, *args, **kwargs)
         start_checks(self.config, oar_trainer=True)  # before any worker starts or any generation
         check_dataset_answers(self.config, getattr(self, "train_dataset", None),
