@@ -150,12 +150,12 @@ def start_checks(config, oar_trainer: bool) -> None:
         NotImplementedError / TypeError: see :func:`check_trainer_config`, :func:`require_oar_workers`.
     """
     from oar.integrations.verl.estimators import use_trainer_config
-
     from oar.integrations.verl.launch import trainer_oar_section
 
     name = _estimator_name(config)
-    if name not in ADV_ESTIMATORS and trainer_oar_section(config):
-        raise ValueError(f"the config has OAR keys (+oar.*: {sorted(trainer_oar_section(config))}) but "
+    section = trainer_oar_section(config) or {}
+    if name not in ADV_ESTIMATORS and section:
+        raise ValueError(f"the config has OAR keys (+oar.*: {sorted(section)}) but "
                          f"algorithm.adv_estimator={name!r} is not an OAR estimator, so they would be ignored and the "
                          f"run would be plain {name}: Hydra keeps the last value of a key, so check that the rest of "
                          "the command does not set algorithm.adv_estimator again (e.g. =grpo after =oar_g), or drop "
@@ -177,7 +177,6 @@ def start_checks(config, oar_trainer: bool) -> None:
             f"trainer.v1.trainer_mode=oar_{mode} to the command (verl's {mode!r} trainer plus OAR; or "
             "trainer.use_v1=False for the legacy trainer)")
     cfg = use_trainer_config(config)
-    section = trainer_oar_section(config) or {}
     wanted = ADV_ESTIMATORS[name]
     if "method" in section and wanted is not None and cfg.method != wanted:
         raise ValueError(f"+oar.method={section['method']} disagrees with algorithm.adv_estimator={name!r}, which "
