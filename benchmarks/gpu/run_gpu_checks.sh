@@ -15,13 +15,15 @@
 #   bench      benchmarks/gpu/bench_cuda.py: each kernel against PyTorch on the GPU, and the copy bandwidth;
 #   step       (only with --step) benchmarks/python/bench_step.py --device cuda on the fixed-shape suite; installs the
 #              carried wheels (.gpu-wheels) first when the `train` extra is incomplete.
-# Every phase runs under `timeout`: its time limit is what is left of the budget (OAR_GPU_BUDGET_S, default the sum
-# of the caps of the phases that run: 480 s) minus the caps of the phases after it, so time a phase leaves unused
-# goes to the next ones and every later phase keeps at least its cap. A failed build stops the run; a failed or
-# timed-out test phase does not stop the benchmark. Everything printed goes to $OUT/gpu_checks.log as it is
-# printed (a call stopped by its time limit still returns the log); $OUT/summary.txt has one line per phase and is
-# rewritten after each phase. Files in $OUT (default ./gpu_results): gpu_checks.log, summary.txt, bench_cuda.csv,
-# bench_cuda.md, bench_cuda_env.json (+ step.md, step.csv, step.json with --step): at most 8.
+# Every phase runs under `timeout` (the pytest, bench and step phases under `timeout -s INT -k 15`, so that a stopped
+# pytest prints its tracebacks and summary and a stopped script its traceback): its time limit is what is left of the
+# budget (OAR_GPU_BUDGET_S, default the sum of the caps of the phases that run: 480 s) minus the caps of the phases
+# after it, so time a phase leaves unused goes to the next ones and every later phase keeps at least its cap. A failed
+# build stops the run; a failed or timed-out test phase does not stop the benchmark. Everything printed goes to
+# $OUT/gpu_checks.log as it is printed (a call stopped by its time limit still returns the log, a stopped pytest its
+# tracebacks); $OUT/summary.txt has one line per phase and is rewritten after each phase. Files in $OUT (default
+# ./gpu_results): gpu_checks.log, summary.txt, bench_cuda.csv, bench_cuda.md, bench_cuda_env.json (+ step.md,
+# step.csv, step.json with --step): at most 8.
 # Exit status: 0 when every phase that ran passed; 1 when one failed or timed out; 2 bad arguments; 3 preflight
 # (no CUDA torch, no nvcc, a CUDA major version mismatch, missing C++ dependencies: printed first).
 #
@@ -101,8 +103,13 @@ reserved_after() {  # sum of the caps of the enabled phases after $1
   echo "$sum"
 }
 FAIL=0
+# The Python phases get SIGINT at their limit (`timeout -s INT`): pytest then prints "!!! KeyboardInterrupt !!!", the
+# file:line it was at and the summary of the tests that ran (-rfEs, --durations), a script its traceback; the
+# others get SIGTERM. A phase still running KILL_AFTER seconds later is killed.
+declare -A KILL_AFTER=([pytest]=15 [bench]=15 [step]=15)
 run_phase() {  # name command-string: runs it under timeout; returns its status (124/137: stopped at the limit)
-  local name=$1 cmd=$2 now left reserve t t0 rc dt
+  local name=$1 cmd=$2 now left reserve t t0 rc dt sig=TERM kill_after=${KILL_AFTER[$1]:-5}
+  case "$name" in pytest|bench|step) sig=INT ;; esac
   now=$(date +%s); left=$((DEADLINE - now)); reserve=$(reserved_after "$name"); t=$((left - reserve))
   if [ "$t" -lt 5 ]; then
     log "phase $name: SKIPPED, no time left (${left}s of the budget, ${reserve}s kept for the phases after it)"
@@ -111,12 +118,12 @@ run_phase() {  # name command-string: runs it under timeout; returns its status 
   log "phase $name: limit ${t}s (cap ${CAP[$name]}s; ${left}s of the ${BUDGET}s budget left, ${reserve}s kept for the phases after it)"
   echo "+ $cmd"
   t0=$(date +%s)
-  timeout -k 5 "$t" bash -c "set -o pipefail; $cmd"
+  timeout -s "$sig" -k "$kill_after" "$t" bash -c "set -o pipefail; $cmd"
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   case "$rc" in
     0) record "$name" ok "$dt" "" ;;
-    124|137) record "$name" TIMEOUT "$dt" "stopped at its ${t}s limit (rc=$rc)"; FAIL=1 ;;
+    124|137) record "$name" TIMEOUT "$dt" "stopped at its ${t}s limit by SIG$sig (rc=$rc; its output above)"; FAIL=1 ;;
     *) record "$name" FAILED "$dt" "rc=$rc"; FAIL=1 ;;
   esac
   log "phase $name: $( [ "$rc" = 0 ] && echo ok || echo "rc=$rc" ) in ${dt}s"

@@ -5,6 +5,7 @@ every expected value is computed here with plain PyTorch on unpadded single sequ
 """
 
 import contextlib
+import copy
 import math
 import os
 
@@ -814,3 +815,57 @@ def test_oar_p_with_an_empty_conclude_scores_tokens_inside_the_probe_window(tiny
     # truth: full masked contexts, float64, with the float32 error model (rule 1)
     assert_within_error_model(res.scores, oar_p_error_bound(model, batch, "answer_mean"),
                               what=f"{engine}, empty conclude")
+
+
+def test_probe_view_cuts_only_the_columns_no_probe_reads(tiny):
+    """``ProbeBatch.probe_view`` (what the OAR-P engines run) drops the last answer token and the suffix: the view
+    is S + 1 columns narrower, its probe logits are the full contexts' (a causal model: the same float64 numbers up
+    to summation order), it is its own view, and a batch whose reasoning reaches the last column is left whole."""
+    model, tok = tiny
+    pids, rids, _ = _rollouts(tok)
+    builder = ProbeContextBuilder(tok, CONCLUDE)
+    batch = builder.build(pids, rids, ["15", "3", "1234567"])  # answers of different lengths
+    view = batch.probe_view()
+    S, K = len(builder.suffix_ids), batch.answer_ids.shape[1]
+    T = batch.input_ids.shape[1]
+    assert S >= 1 and view.input_ids.shape[1] == T - S - 1 and view.keep == K == batch.keep - S - 1
+    assert torch.equal(view.probe_start, batch.probe_start) and torch.equal(view.context_len, batch.context_len - S - 1)
+    assert torch.equal(view.input_ids, batch.input_ids[:, :T - S - 1]) and view.probe_view() is view
+    m = copy.deepcopy(model).double()
+    with torch.no_grad():
+        full = m(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+        cut = m(input_ids=view.input_ids, attention_mask=view.attention_mask, position_ids=view.position_ids).logits
+    for r in range(3):
+        k = int(batch.answer_len[r])
+        a = full[r, T - batch.keep + int(batch.probe_start[r]):][:k]
+        b = cut[r, T - S - 1 - view.keep + int(view.probe_start[r]):][:k]
+        assert b.shape == a.shape == (k, m.config.vocab_size)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    # the predicted tokens are the answer's: the positions are the probe's
+    assert torch.equal(view.input_ids[0, T - S - 1 - view.keep + int(view.probe_start[0]) + 1:][:1],
+                       batch.answer_ids[0, :1])
+    whole = builder.build(pids[:1], rids[:1], ["15"])
+    whole.reasoning_start[0] = 0  # reasoning that runs to the end (a batch not from the builder): nothing is cut
+    whole.reasoning_len[0] = whole.input_ids.shape[1]
+    assert whole.probe_view() is whole
+
+
+def test_window_run_columns_closed_form():
+    """The window engine's re-run columns in closed form (``window._run_columns``) equal the set union they stand
+    for, sorted and right-aligned with -1 padding, over random variants: windows before, touching and inside the
+    tail, units of several tokens, windows cut at T."""
+    from oar.attribution.window import _run_columns, _run_lengths
+
+    g = torch.Generator().manual_seed(0)
+    T = 40
+    t = torch.randint(0, T - 1, (500,), generator=g)
+    n = torch.randint(1, 4, (500,), generator=g)
+    win_end = torch.minimum(t + n + torch.randint(0, 12, (500,), generator=g), torch.tensor(T))
+    tail = torch.randint(0, T + 1, (500,), generator=g)
+    run_len = _run_lengths(t, win_end, tail, T)
+    S = int(run_len.max()) + 2
+    cols = _run_columns(t, win_end, tail, run_len, S)
+    for v in range(500):
+        want = sorted(set(range(int(t[v]), int(win_end[v]))) | set(range(int(tail[v]), T)))
+        assert int(run_len[v]) == len(want)
+        assert cols[v].tolist() == [-1] * (S - len(want)) + want

@@ -23,6 +23,7 @@ def one_row():
     P, L = 30, 53
     batch = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{").build(
         [torch.randint(6, 100, (P,), generator=g)], [torch.randint(6, 100, (L,), generator=g)], ["42"], [L])
+    batch = batch.probe_view()  # what the OAR-P engines run: without the columns after the last probe position
     T = int(batch.input_ids.shape[1])
     tail = T - P - L
     assert int(batch.reasoning_start[0]) == P and T - int(batch.keep) >= P + L  # the model's assumptions hold
@@ -87,17 +88,63 @@ def test_cost_table_orders_the_settings():
 
 
 def test_time_runs_every_setting(tmp_path):
-    rows = bs.time_settings("tiny", 40, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1)
-    names = ["window W=2", "window_probe W=2", "span 8", "span_window 8 W=2", "span_window_probe 8 W=2"]
-    assert [r["setting"] for r in rows] == ["grpo_update_proxy", "oar_g"] + names
+    rows = bs.time_settings("tiny", 40, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1,
+                            scored_fraction=0.5, out=str(tmp_path))
+    names = ["oar_g", "window W=2", "window_probe W=2", "span 8", "span_window 8 W=2", "span_window_probe 8 W=2"]
+    assert [r["setting"] for r in rows] == ["dense_forward", "grpo_update_proxy"] + names + ["grpo_step"]
+    by = {r["setting"]: r for r in rows}
     assert all(r["seconds"] > 0 for r in rows)
-    assert rows[4]["variants"] == rows[5]["variants"] == rows[6]["variants"] == 5 and rows[2]["variants"] == 40
-    assert rows[3]["tokens"] < rows[2]["tokens"] and rows[6]["tokens"] < rows[5]["tokens"]
+    assert by["span 8"]["variants"] == by["span_window 8 W=2"]["variants"] == 5 and by["window W=2"]["variants"] == 40
+    assert by["span_window 8 W=2"]["tokens"] < by["span 8"]["tokens"]
+    assert by["span_window_probe 8 W=2"]["tokens"] < by["span_window 8 W=2"]["tokens"]
+    dense = by["dense_forward"]
+    tv = int(ProbeContextBuilder(minimal_tokenizer(), "\nTherefore, the final answer is \\boxed{").build(
+        [[6] * 16], [[7] * 40], ["42"], [40]).probe_view().input_ids.shape[1])  # the width the engines run
+    assert dense["E"] == 1.0 and dense["tokens"] == (8192 // tv) * tv  # whole rows of that width
+    step = by["grpo_step"]["seconds"]
+    assert step == pytest.approx(by["grpo_update_proxy"]["seconds"] * 5 / 3, rel=1e-3, abs=1e-4)  # no generation
+    for n in names:
+        r = by[n]
+        assert r["E"] == pytest.approx(r["tokens"] / r["seconds"] / (dense["tokens"] / dense["seconds"]), rel=0.02)
+        assert r["x_grpo_step_batch_row"] == pytest.approx(0.5 * r["x_grpo_step_scored_row"], abs=1e-3)
+        assert r["x_grpo_step_scored_row"] == pytest.approx(r["seconds"] / step, rel=0.02, abs=1e-3)
+    assert by["window W=2"]["cost_forwards"] * tv == pytest.approx(by["window W=2"]["tokens"], abs=1)
+    with open(tmp_path / "time_tiny_L40_cpu.csv") as f:  # the table as written after the last call
+        assert [r["setting"] for r in csv.DictReader(f)] == [r["setting"] for r in rows]
     two = bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1, group=2,
                            settings=["window"])
     by = {r["setting"]: r for r in two}
-    assert set(by) == {"grpo_update_proxy", "window W=2", "window W=2 [each prompt]"}
+    assert set(by) == {"dense_forward", "grpo_update_proxy", "window W=2", "window W=2 [each prompt]", "grpo_step"}
     assert by["window W=2 [each prompt]"]["tokens"] - by["window W=2"]["tokens"] == 16  # one prompt of 16 not re-run
+    with pytest.raises(ValueError, match="settings must be among"):
+        bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, settings=["windw"])
+    with pytest.raises(ValueError, match="scored_fraction must be in"):
+        bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, scored_fraction=0.0)
+
+
+def test_time_writes_each_call(tmp_path, monkeypatch):
+    """A run stopped after its first calls leaves a table of what it measured (the stop simulated by an error in
+    the third call), first calls marked ``timed: false``."""
+    calls = []
+    real = bs._write
+
+    def counting(rows, out, name, title):
+        calls.append([r["setting"] for r in rows])
+        real(rows, out, name, title)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(bs, "_write", counting)
+    with pytest.raises(KeyboardInterrupt):
+        bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1,
+                         settings=["window_probe"], out=str(tmp_path))
+    assert calls == [["dense_forward"], ["dense_forward", "grpo_update_proxy", "grpo_step"],
+                     ["dense_forward", "grpo_update_proxy", "window_probe W=2", "grpo_step"]]
+    with open(tmp_path / "time_tiny_L24_cpu.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["setting"] for r in rows] == calls[-1] and rows[2]["timed"] == "False" and float(rows[2]["seconds"]) > 0
+
+
     assert bs.main(["cost", "--lengths", "512", "--unit-len", "25", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "cost_model.csv") as f:
         assert len(list(csv.DictReader(f))) == 10

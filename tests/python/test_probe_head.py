@@ -127,3 +127,136 @@ def test_cuda_bf16_head_is_differentiable(device):
     u = UNIT_ROUNDOFF[torch.bfloat16]
     bound = (u + gamma(100)) * (gd.abs() @ wd.abs()) + u * ref.abs()
     assert bool(((x.grad.cpu().double() - ref).abs() <= bound).all())
+
+
+def _reaches(fn, target: torch.Tensor) -> bool:
+    """True when the autograd graph from node ``fn`` accumulates into ``target`` (a leaf), i.e. a backward through
+    it could build ``target``'s gradient."""
+    seen, stack = set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is target:
+            return True
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return False
+
+
+def test_trainable_head_gets_no_weight_gradient():
+    """Issue 41: the float32 head product takes the weight detached. With a trainable bf16 head (weight and bias
+    requiring grad) ``out.backward`` used to build d weight, (V, H); now only d x is built and equals the float64
+    product within (u + gamma_V) |g| |w| + u |ref| (the float32 upcast product, rounded once to bf16), as in
+    test_cuda_bf16_head_is_differentiable; the bias term adds to the logits unchanged."""
+    from _tolerance import UNIT_ROUNDOFF
+
+    g0 = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 16, generator=g0).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(40, 16, generator=g0).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(40, generator=g0).to(torch.bfloat16).requires_grad_()
+    out = model_mod._linear_float32(x, w, b)
+    assert out.dtype == torch.float32 and not _reaches(out.grad_fn, w) and not _reaches(out.grad_fn, b)
+    want = x.detach().double() @ w.detach().double().t() + b.detach().double()
+    bound = gamma(17) * (x.detach().double().abs() @ w.detach().double().abs().t() + b.detach().double().abs())
+    assert bool(((out.detach().double() - want).abs() <= bound).all())
+    grad = torch.randn(2, 3, 40, generator=g0)
+    out.backward(grad)
+    assert w.grad is None and b.grad is None
+    gd, wd = grad.double(), w.detach().double()
+    ref = gd @ wd
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    bound = (u + gamma(40)) * (gd.abs() @ wd.abs()) + u * ref.abs()
+    assert x.grad.dtype == torch.bfloat16 and bool(((x.grad.double() - ref).abs() <= bound).all())
+    assert float(bound.max()) < 0.1 * float(ref.abs().max())  # not vacuous
+
+
+def test_probe_backward_builds_no_head_weight_gradient(tiny):
+    """Issue 41, OAR-G's call: ``tail_logits`` on ``inputs_embeds`` of a trainable bf16 model (every parameter
+    requiring grad) and ``torch.autograd.grad`` w.r.t. the embeddings. The head weight is not in the graph (before
+    the fix it was, through the float32 upcast of its chunks, and on CUDA through ``_MmFloat32Out``, whose
+    backward then computed d weight), no op of the backward produces a new tensor of the head weight's V x H
+    elements (its float32 copy, saved by the upcast product for d x, is only read through a transposed view), every parameter's ``.grad`` stays None, and the embeddings' gradient is bit for bit the one of the
+    same model frozen (the path whose head weight never required grad, unchanged by the fix)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, tok = tiny
+    m = type(model)(model.config).to(torch.bfloat16)
+    m.load_state_dict(model.state_dict())
+    m.eval()
+    pm = HFProbeModel(m)
+    head = m.get_output_embeddings()
+    V, H = head.weight.shape
+    assert head.weight.requires_grad and all(p.requires_grad for p in m.parameters())
+    kw = _inputs(tok)
+    ids = kw.pop("input_ids")
+    E = m.get_input_embeddings()(ids).detach()
+    target = torch.randn(kw["keep"], V, generator=torch.Generator().manual_seed(3))
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not func.is_view:  # new tensors (a view allocates nothing)
+                    self.numels.append(t.numel())
+            return out
+
+    def input_grad():
+        Ek = E.clone().requires_grad_()
+        logits = pm.tail_logits(inputs_embeds=Ek, **kw)
+        assert logits.dtype == torch.float32
+        reaches = _reaches(logits.grad_fn, head.weight)
+        J = (logits[0] * target).sum()
+        with Shapes() as rec:
+            (g,) = torch.autograd.grad(J, Ek)
+        return g, reaches, rec.numels
+
+    g, reaches, numels = input_grad()
+    assert not reaches
+    assert numels and V * H not in numels
+    assert all(p.grad is None for p in m.parameters())
+    m.requires_grad_(False)
+    try:
+        frozen, _, _ = input_grad()
+    finally:
+        m.requires_grad_(True)
+    assert torch.equal(g, frozen) and bool(g.abs().max() > 0)
+
+
+def test_oar_g_plan_counts_the_probe_heads_backward(tiny):
+    """Issue 41: OAR-G's plan (``plan_masked(..., backward=True)``) counts per row the probe logits and their
+    float32 gradients, 16 x keep x V bytes, and once per chunk the float32 copy of a bf16 head's weight on CPU,
+    V x H x 4 bytes (``_linear_float32``'s upcast chunks, saved for d x). A budget of exactly k rows' cost plus
+    that copy (the terms recomputed here) packs k rows per chunk, one byte less k - 1; a float32 model has no
+    copy; the forward (OAR-P batched) count is unchanged."""
+    from oar.attribution import ProbeContextBuilder, planner
+
+    model, tok = tiny
+    m = type(model)(model.config).to(torch.bfloat16)
+    m.load_state_dict(model.state_dict())
+    pm, pm32 = HFProbeModel(m), HFProbeModel(model)
+    prompts = [torch.tensor(tok.encode("2 plus 13 is", add_special_tokens=False))] * 3
+    resps = [torch.tensor(tok.encode("15, so 15", add_special_tokens=False))] * 3
+    batch = ProbeContextBuilder(tok, "\nTherefore, the final answer is \\boxed{").build(prompts, resps, ["15"] * 3,
+                                                                                       [len(r) for r in resps])
+    V, H, keep = pm.vocab_size, pm.hidden_size, batch.keep
+    assert (V, H) == tuple(m.get_output_embeddings().weight.shape)
+    assert planner.probe_bytes(pm, batch) == 8 * keep * V
+    assert planner.probe_bytes(pm, batch, backward=True) == 16 * keep * V
+    assert planner.probe_bytes(pm, batch, backward=True, per_chunk=True) == 4 * V * H
+    assert planner.probe_bytes(pm, batch, per_chunk=True) == 0
+    assert planner.probe_bytes(pm32, batch, backward=True, per_chunk=True) == 0
+    T = int(batch.input_ids.shape[1])
+    widths = [T] * 3
+    row = T * planner.masked_bytes_per_token(pm, T, backward=True) + 16 * keep * V
+    sizes = lambda plan: [c.end - c.begin for c in plan]  # noqa: E731
+    assert sizes(planner.plan_masked(pm, batch, widths, [1] * 3, 2 * row + 4 * V * H, backward=True)) == [2, 1]
+    assert sizes(planner.plan_masked(pm, batch, widths, [1] * 3, 2 * row + 4 * V * H - 1, backward=True)) == [1, 1, 1]
+    row32 = T * planner.masked_bytes_per_token(pm32, T, backward=True) + 16 * keep * V
+    assert sizes(planner.plan_masked(pm32, batch, widths, [1] * 3, 2 * row32, backward=True)) == [2, 1]
+    fwd = T * planner.masked_bytes_per_token(pm, T) + 8 * keep * V
+    assert sizes(planner.plan_masked(pm, batch, widths, [1] * 3, 2 * fwd)) == [2, 1]

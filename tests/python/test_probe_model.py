@@ -202,7 +202,7 @@ def test_prefix_engine_needs_the_capability(tiny):
 def test_planners_use_the_declared_activation_cost(tiny):
     _, tok = tiny
     batch = ProbeContextBuilder(tok, CONCLUDE).build(*_rollouts(tok))
-    T = batch.input_ids.shape[1]
+    T = batch.probe_view().input_ids.shape[1]  # the engines' width: without the columns no probe reads
     n = int(batch.reasoning_len.sum())
     # 1 MiB budget: 64 B/token fits every variant in one chunk; 2**20 B/token makes each variant a chunk of its own
     small, huge = Toy(len(tok), bytes_per_token=64), Toy(len(tok), bytes_per_token=2**20)
@@ -214,7 +214,8 @@ def test_planners_use_the_declared_activation_cost(tiny):
     torch.testing.assert_close(one.scores, each.scores, rtol=0, atol=0)  # the same model: only the chunking differs
     g = Toy(len(tok), bytes_per_token=2**20)
     assert oar_g_scores(g, batch, memory_budget_mb=1, generator=torch.Generator().manual_seed(0)).stats["chunks"] == 2
-    assert g.declared == [(T, False), (T, True)]  # its clean pass (chunked), then forward + backward
+    T_g = batch.input_ids.shape[1]  # OAR-G runs the whole context
+    assert g.declared == [(T_g, False), (T_g, True)]  # its clean pass (chunked), then forward + backward
 
 
 # ---- the page's example (docs/models.md) -----------------------------------------------------------------------

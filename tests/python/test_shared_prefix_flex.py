@@ -204,6 +204,13 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
     want = _visible(ctx, n, s)
     B = 4
     bm = model_mod._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
+    order = torch.arange(want.shape[0])
+    if biases == "window":  # the kernel's queries: every window query (variant-major), then every tail query
+        order = ctx.q_order
+        is_tail = (ctx.window.cols >= ctx.window.tail[:, None]).reshape(-1)
+        assert sorted(order.tolist()) == list(range(n * s)) and not bool((is_tail[order][1:] < is_tail[order][:-1]).any())
+        assert torch.equal(order[ctx.q_inverse], torch.arange(n * s))
+        want = want[order]
     Q, KV = want.shape
     assert tuple(bm.seq_lengths) == (Q, KV)
     q = torch.arange(Q + B)[:, None]
@@ -227,13 +234,31 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
     if not full_blocks:
         assert not bool(full.any())
     # listed = a variant of the query block meets its own row's prefix or its own suffix in the key block
+    # (window: a key block inside one row's prefix only where a query of the block may see one of its columns:
+    # below the query's own column and the tail)
     structural = torch.zeros(QB * B, KB * B, dtype=torch.bool)
+    bounded = torch.zeros(QB * B, KB * B, dtype=torch.bool)
     n_pre = len(ctx.groups) * p
+    pos = torch.argsort(order)  # kernel position of each variant-major query
     for k, (_, begin, end, _) in enumerate(ctx.groups):
         for v in range(begin, end):
-            structural[v * s:(v + 1) * s, k * p:(k + 1) * p] = True
-            structural[v * s:(v + 1) * s, n_pre + v * s:n_pre + (v + 1) * s] = True
-    assert torch.equal(listed, structural.reshape(QB, B, KB, B).any(3).any(1))
+            for i in range(s):
+                q = int(pos[v * s + i])
+                structural[q, k * p:(k + 1) * p] = True
+                structural[q, n_pre + v * s:n_pre + (v + 1) * s] = True
+                c = int(ctx.window.cols[v, i]) if biases == "window" else p
+                hi = -1 if c < 0 else min(c, int(ctx.window.tail[v])) if biases == "window" else p
+                bounded[q, k * p:k * p + max(hi, 0)] = True
+                bounded[q, n_pre + v * s:n_pre + (v + 1) * s] = True
+    blocks_s = structural.reshape(QB, B, KB, B).any(3).any(1)
+    blocks_b = bounded.reshape(QB, B, KB, B).any(3).any(1)
+    if biases != "window":
+        assert torch.equal(listed, blocks_s)
+    else:
+        assert not bool((listed & ~blocks_s).any()), "a listed block holds no pair of the block's own rows"
+        kb0 = torch.arange(KB) * B
+        one_row = (kb0 + B <= n_pre) & (kb0 // max(p, 1) == (kb0 + B - 1) // max(p, 1))
+        assert torch.equal(listed[:, one_row], blocks_b[:, one_row]), "the window bound is not applied exactly"
 
 
 def test_window_block_mask_over_many_layouts(monkeypatch):

@@ -100,7 +100,8 @@ class ProbeBatch:
         reasoning_len: (B,) int64 L_i (may be 0).
         answer_ids: (B, K_max) int64 answer token ids, padded with 0 past ``answer_len``.
         answer_len: (B,) int64 K_i >= 1.
-        keep: number of trailing positions whose logits are needed (K_max + suffix length + ... ).
+        keep: number of trailing positions whose logits are kept: K_max + suffix length + 1 as built (the probe
+            reads the first K_max of them; :meth:`probe_view` cuts the rest), K_max in the view.
         probe_start: (B,) int64 index inside the kept window of the position predicting answer token 0.
         pad_id: the PAD id used for padding (and by OAR-P for masking).
         context_len: (B,) int64 unpadded context lengths.
@@ -127,6 +128,31 @@ class ProbeBatch:
         """Column indices (L_i,) of row ``row``'s reasoning tokens in ``input_ids``."""
         s = int(self.reasoning_start[row])
         return torch.arange(s, s + int(self.reasoning_len[row]))
+
+    def probe_view(self) -> "ProbeBatch":
+        """This batch without its trailing columns that no probe reads: the last answer token and the suffix
+        (``keep - max(probe_start + answer_len)`` columns, the same for every row: rows are right-aligned). The
+        logits of a causal model at the probe positions do not depend on later columns, so every OAR-P score is
+        the same on the view (tested); the engines run it (fewer tokens per masked variant: docs/design.md,
+        "The dead tail"). ``input_ids``, ``attention_mask`` and ``position_ids`` are (B, T - d) views, ``keep`` and
+        ``context_len`` shrink by d, ``probe_start`` and everything else are unchanged; ``self`` when d = 0 (a
+        second call) or when a row's reasoning reaches into those columns (a batch not built by
+        :class:`ProbeContextBuilder`)."""
+        T = int(self.input_ids.shape[1])
+        if self.batch_size == 0 or T == 0:
+            return self
+        d = int(self.keep) - int((self.probe_start + self.answer_len).max())
+        d = min(d, T - int((self.reasoning_start + self.reasoning_len).max()), int(self.context_len.min()) - 1)
+        if d <= 0:
+            return self
+        out = ProbeBatch(**self.__dict__)
+        out.input_ids, out.attention_mask, out.position_ids = (t[:, :T - d] for t in (self.input_ids,
+                                                                                      self.attention_mask,
+                                                                                      self.position_ids))
+        out.keep = int(self.keep) - d
+        out.context_len = self.context_len - d
+        out.meta = dict(self.meta)
+        return out
 
     def to(self, device) -> "ProbeBatch":
         out = ProbeBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})

@@ -454,7 +454,8 @@ class HFProbeModel:
     def _probe_head(self):
         """Within it, the model's output embedding (a ``torch.nn.Linear`` LM head) returns float32 logits from a
         float32 product (:func:`_linear_float32`); a no-op when :attr:`probe_logits_float32` is off or the head is
-        not a plain Linear."""
+        not a plain Linear. The product takes the head's weight and bias detached: probe calls are differentiated
+        w.r.t. their input only, so no head-weight gradient is built even when the head is trainable (issue 41)."""
         head = self.model.get_output_embeddings() if self.probe_logits_float32 else None
         if not isinstance(head, torch.nn.Linear) or "forward" in head.__dict__:
             yield
@@ -841,7 +842,10 @@ class _MmFloat32Out(torch.autograd.Function):
     a backward: PyTorch's ``mm(..., out_dtype=float32)`` has none ("derivative for aten::mm is not implemented",
     OAR-G on the H200, docs/gpu.md). The incoming float32 gradient is rounded to the operands' dtype, as the
     model's own bf16 / fp16 backward would hold it, and the products accumulate in float32:
-    d x2 = g @ weight, d weight = g.T @ x2, each rounded once to its operand's dtype."""
+    d x2 = g @ weight, d weight = g.T @ x2, each rounded once to its operand's dtype. ``ctx.needs_input_grad`` is
+    fixed when the forward runs (whether ``weight`` requires grad), not by what ``torch.autograd.grad`` asks for,
+    so a caller that never wants d weight passes ``weight.detach()`` (:func:`_linear_float32` does: the probe
+    head), else every backward computes and drops a (V, H) product (issue 41)."""
 
     @staticmethod
     def forward(ctx, x2, weight):
@@ -858,15 +862,27 @@ class _MmFloat32Out(torch.autograd.Function):
 
 
 def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` as float32 logits, outside autocast, differentiable in ``x``: the plain product
+    """``x @ weight.T (+ bias)`` as float32 logits, outside autocast, differentiable in ``x`` only: the plain product
     when both are float32; on CUDA with bf16 / fp16 weights one ``mm`` with float32 output (tensor cores, float32
-    accumulation, no weight copy); otherwise the weight upcast :data:`_HEAD_CHUNK_ROWS` rows at a time (a transient
-    copy of at most that many rows)."""
+    accumulation, no weight copy); otherwise the weight upcast :data:`_HEAD_CHUNK_ROWS` rows at a time.
+
+    ``weight`` and ``bias`` are detached (issue 41): the probe head is only ever differentiated w.r.t. its input
+    (OAR-G's ``torch.autograd.grad`` w.r.t. the embeddings; parameters' ``.grad`` are never written), and with a
+    trainable head :class:`_MmFloat32Out` would otherwise compute and drop d weight, (V, H) in float32 plus its
+    rounded copy, in every backward (about 1.4 GB at vocabulary 151936 x hidden 1536). The gradient w.r.t. ``x``
+    is the same. What the head keeps for the backward (counted by :func:`oar.attribution.planner.plan_masked`):
+    ``x`` and the weight itself on the CUDA path; on the upcast path the float32 weight copy, V x H x 4 bytes
+    (the chunks are saved by their products for d x), only for a ``weight`` that is not float32."""
     dev = x.device.type
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
     with torch.autocast(dev, enabled=False):
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            return torch.nn.functional.linear(x, weight, bias)
+        # one 2-D product: transformers hands the head a strided slice (hidden[:, -keep:]), and linear / matmul on a
+        # non-contiguous 3-D input expand the weight per batch row into a bmm of keep-row products, each reading the
+        # whole (V, H) weight (issue 41: 59 % of windowed OAR-P's CPU time at 4 layers of SmolLM2-135M's shape)
         x2 = x.reshape(-1, x.shape[-1])
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return torch.nn.functional.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
         if dev == "cuda" and weight.dtype in (torch.bfloat16, torch.float16):
             out = _MmFloat32Out.apply(x2.to(weight.dtype), weight)
         else:
@@ -954,6 +970,8 @@ class _SharedPrefix:
     window: WindowMasks | None = None  # windowed OAR-P's masks in closed form (the flex kernel only)
     kernel: str = "flash_cpu"  # "flash_cpu" | "flex"
     block_mask: object = None  # the flex kernel's block mask, built by the first layer, shared by the others
+    q_order: torch.Tensor | None = None  # the kernel's query order (window form: window queries, then tail queries)
+    q_inverse: torch.Tensor | None = None
 
 
 _SHARED_PREFIX: contextvars.ContextVar = contextvars.ContextVar("oar_shared_prefix", default=None)
@@ -1068,7 +1086,8 @@ _FLEX_FULL_BLOCKS = True
 
 
 def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p: int, n: int, s: int, block: int,
-                          prefix_full: bool = True, suffix_full: bool = True, window: WindowMasks | None = None):
+                          prefix_full: bool = True, suffix_full: bool = True, window: WindowMasks | None = None,
+                          q_order: torch.Tensor | None = None):
     """Which (query block, key block) pairs of the shared-prefix attention hold visible pairs, from the layout alone
     (O(QB x KB x N), never O(queries x keys)). Returns (listed, full), dense (QB, KB) bool tensors, full a subset of
     listed. Listed: a query block meets the prefix blocks of its variants' rows and its variants' suffix blocks
@@ -1078,30 +1097,51 @@ def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p:
     every query slot (``suffix_full``: causal self mask); both blocks whole (no sequence end inside). With
     ``window`` (:class:`WindowMasks`) the same, under its rules: the key block lies in every query's visible prefix
     range and clear of every hole, or in the non-padding slots of one variant at or before every query slot.
-    group_of: (>= N,) long, the row of each variant; pads: (>= g,) long; queries are N x S (variant-major), keys the
-    g x p prefix columns then the N x S suffix tokens."""
+    group_of: (>= N,) long, the row of each variant; pads: (>= g,) long; queries are N x S (variant-major, or in
+    ``q_order``: kernel query k is query ``q_order[k]`` of the variant-major layout), keys the g x p prefix columns
+    then the N x S suffix tokens. With ``window`` a prefix block is listed only when a query of the block may see
+    one of its columns (c < min(column of the query, tail), the query's own re-run column bounding what it sees)."""
     dev = group_of.device
     n_pre = g * p
     q_len, kv_len = n * s, n_pre + n * s
     qb = torch.arange((q_len + block - 1) // block, device=dev)
     kb = torch.arange((kv_len + block - 1) // block, device=dev)
     v = torch.arange(n, device=dev)
-    # query block x variant: the variant's queries [v s, (v+1) s) overlap the block
-    q_var = (v * s < (qb[:, None] + 1) * block) & ((v + 1) * s > qb[:, None] * block)
+    order = torch.arange(q_len, device=dev) if q_order is None else q_order[:q_len].to(dev)
+    spare = len(qb) * block - q_len  # the kernel's padded query slots: no variant
+    var_blk = torch.cat([order // max(s, 1), order.new_full((spare,), n)]).view(len(qb), block)
+    slot_blk = torch.cat([order % max(s, 1), order.new_full((spare,), s)]).view(len(qb), block)
+    # query block x variant: a query of the variant lies in the block
+    q_var = torch.zeros(len(qb), n + 1, dtype=torch.bool, device=dev).scatter_(1, var_blk, True)[:, :n]
     # key block x variant (suffix part): the variant's suffix columns overlap the block
     k_var = (n_pre + v * s < (kb[:, None] + 1) * block) & (n_pre + (v + 1) * s > kb[:, None] * block)
     hits = q_var.float() @ k_var.float().T
     q0, k0 = qb * block, kb * block
     q_whole = q0 + block <= q_len
     k_whole = k0 + block <= kv_len
-    v_lo, v_hi = q0 // s, (q0 + block - 1) // s
+    v_lo = var_blk.amin(-1)  # the block's variants (v_lo == v_hi: a single one) and its smallest query slot
+    v_hi = torch.where(var_blk < n, var_blk, -1).amax(-1)
+    i_min = slot_blk.amin(-1)
     full = torch.zeros(len(qb), len(kb), dtype=torch.bool, device=dev)
     if n_pre > 0:
         r = torch.arange(g, device=dev)
         k_row = (r * p < (kb[:, None] + 1) * block) & ((r + 1) * p > kb[:, None] * block)  # (KB, g)
         member = torch.nn.functional.one_hot(group_of[:n], g).float()  # (N, g)
         rows_in_q = (q_var.float() @ member) > 0  # (QB, g)
-        hits = hits + rows_in_q.float() @ k_row.float().T
+        pre_hits = (rows_in_q.float() @ k_row.float().T) > 0
+        if window is not None:  # drop the row's blocks at or past every bound of the block's queries of that row
+            cols_q = window.cols[:n].reshape(-1)[order]
+            u = torch.where(cols_q < 0, cols_q.new_full((), -1),
+                            torch.minimum(cols_q, window.tail[:n][order // max(s, 1)]))
+            where = (torch.arange(q_len, device=dev) // block) * g + group_of[order // max(s, 1)]
+            bound = torch.full((len(qb) * g,), -1, dtype=torch.long, device=dev).scatter_reduce_(
+                0, where, u, "amax").view(len(qb), g)
+            row_k0, row_k1 = k0 // max(p, 1), (k0 + block - 1) // max(p, 1)
+            one_row = (k0 + block <= n_pre) & (row_k0 == row_k1)
+            c0_k = k0 - row_k0 * p
+            past = bound[:, row_k0.clamp(max=g - 1)] <= c0_k[None, :]
+            pre_hits &= ~(one_row[None, :] & past)
+        hits = hits + pre_hits.float()
         if prefix_full:
             q_row = torch.where(rows_in_q.sum(-1) == 1, rows_in_q.float().argmax(-1), -1)
             row_k, row_last = k0 // p, (k0 + block - 1) // p
@@ -1115,7 +1155,7 @@ def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p:
                 c1 = c0 + block
                 first_max = torch.where(q_var, window.first[None, :n], -big).amax(-1)
                 tail_min = torch.where(q_var, window.tail[None, :n], big).amin(-1)
-                flat = window.cols[:n].reshape(-1)
+                flat = window.cols[:n].reshape(-1)[order]
                 flat = torch.cat([flat, flat.new_full((len(qb) * block - flat.numel(),), big)])
                 col_min = flat.view(len(qb), block).amin(-1)  # a padding slot (-1) sees no prefix
                 hole = (window.hole_begin[:n, None] < c1[None, :]) & (window.hole_end[:n, None] > c0[None, :])
@@ -1128,7 +1168,6 @@ def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p:
         k_single = (k0 >= n_pre) & k_whole & (w_lo == w_hi)
         j_min = k0 - n_pre - w_lo * s
         j_max = j_min + block - 1
-        i_min = q0 - v_lo * s
         q_single = q_whole & (v_lo == v_hi)
         if window is not None:  # key slots past the variant's padding (then the query slots, at or after, too)
             n_pad = (window.cols[:n] < 0).sum(-1)
@@ -1179,6 +1218,14 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
         # fresh tensors: a slice's storage offset is guarded too
         cols_c, first_c, hb_c, he_c, tail_c = (_at_least_2(t).clone() for t in (win.cols, win.first, win.hole_begin,
                                                                                  win.hole_end, win.tail))
+        # Kernel query order: every variant's window queries first, then every variant's tail queries (variant-major
+        # in each part). A query block then holds one kind: window queries see their row's prefix only below their
+        # masked unit, tail queries all of it but the holes, so most key blocks are either skipped or full; mixed
+        # blocks made ~half of the prefix blocks partial (the mask evaluated on every pair, issue 41).
+        is_tail = (win.cols >= win.tail[:, None]).reshape(-1)
+        ctx.q_order = torch.argsort(is_tail.to(torch.int8), stable=True)
+        ctx.q_inverse = torch.argsort(ctx.q_order)
+        order_c = _at_least_2(ctx.q_order).clone()
 
     def scalar(x: int) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -1199,8 +1246,11 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
         suf = suf & (see_s[v, i, j] if see_s is not None else j <= i)
         return pre | suf
 
+    last_q = scalar(max(n * s - 1, 0))
+
     def window_mask_mod(b, h, q_idx, kv_idx):
-        v, i = torch.minimum(q_idx // s_t, last_v), q_idx % s_t
+        qo = order_c[torch.minimum(q_idx, last_q)]  # the kernel's query order (ctx.q_order)
+        v, i = qo // s_t, qo % s_t
         pre_idx = torch.minimum(kv_idx, last_pre)
         row, c = pre_idx // p_t, pre_idx % p_t
         ci = cols_c[v, i]
@@ -1214,7 +1264,8 @@ def _shared_prefix_block_mask(ctx: _SharedPrefix, n: int, s: int, device, block:
 
     listed, full = _shared_prefix_blocks(group_of, pads, g, p, n, s, block,
                                          prefix_full=_FLEX_FULL_BLOCKS and see_p is None,
-                                         suffix_full=_FLEX_FULL_BLOCKS and see_s is None, window=win)
+                                         suffix_full=_FLEX_FULL_BLOCKS and see_s is None, window=win,
+                                         q_order=None if win is None else ctx.q_order)
 
     def lists(dense):  # padded rows and columns are never visible
         dense = _at_least_2(dense)
@@ -1247,6 +1298,8 @@ def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
         v_p = values[:, :, :p].index_select(0, idx).to(query.dtype).transpose(0, 1).reshape(1, hk, -1, D)
         k_s, v_s = torch.cat([k_p, k_s], 2), torch.cat([v_p, v_s], 2)
     q = query.transpose(0, 1).reshape(1, H, N * S, D)
+    if ctx.q_order is not None:  # the block mask's query order (window queries, then tail queries)
+        q = q[:, :, ctx.q_order]
     # a view (N = 1) would make the compiled kernel guard on the size of the tensor it views: a recompile per N = 1
     q, k_s, v_s = (t.clone() if t._base is not None else t for t in (q, k_s, v_s))
     with warnings.catch_warnings():  # the unfused CPU path is chosen on purpose (PyTorch warns about it)
@@ -1257,6 +1310,8 @@ def _shared_prefix_flex(ctx: _SharedPrefix, module, query, key, value, scaling):
         with _recompile_guard():
             out = _flex_kernel(query.device.type)(q, k_s, v_s, block_mask=ctx.block_mask, scale=scaling,
                                                   enable_gqa=H != hk, kernel_options=opts)
+    if ctx.q_order is not None:
+        out = out[:, :, ctx.q_inverse]
     return out.reshape(H, N, S, D).permute(1, 2, 0, 3).contiguous()
 
 

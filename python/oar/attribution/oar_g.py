@@ -139,8 +139,10 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     # A row whose forward + backward alone exceeds the budget runs with activation checkpointing when the model
     # offers it (every layer's input kept, each layer recomputed in the backward); then every chunk does.
     wide = max(widths)
+    head = (planner.probe_bytes(model, batch, backward=True)
+            + planner.probe_bytes(model, batch, backward=True, per_chunk=True))  # the probe head, issue 41
     checkpoint = caps.activation_checkpointing and (
-        wide * planner.masked_bytes_per_token(model, wide, backward=True) + planner.probe_bytes(model, batch) > budget)
+        wide * planner.masked_bytes_per_token(model, wide, backward=True) + head > budget)
     plan = planner.plan_masked(model, batch, widths, [1] * len(rows), budget, backward=True, checkpoint=checkpoint)
     if _log.isEnabledFor(logging.DEBUG):
         why = ("clean_logits given" if clean_logits is not None else "prefix cache with grad" if use_prefix

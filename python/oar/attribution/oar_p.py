@@ -127,6 +127,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    batch = batch.probe_view()  # the columns after the last probe position never change a score
     units = _units(batch, rows, positions, spans)
     if engine == "prefix" and not caps.prefix_cache:
         raise ValueError("engine='prefix' needs a ProbeModel with the prefix-cache capability (oar.attribution."
@@ -220,6 +221,7 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
         pad_of_slot = [T - int(batch.context_len[r]) for r in cached_rows]
         shared = run.caps.shared_prefix
         shared_chunks = 0
+        ids_dev, pos_dev, attn_dev = (t.to(dev) for t in (batch.input_ids, batch.position_ids, batch.attention_mask))
         for ch in plan:
             sl = slice(ch.begin, ch.end)
             # The run must cover the kept probe window: with a short conclude string the last reasoning tokens
@@ -232,25 +234,24 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             if use_shared:  # group the variants by cached row: one prefix attention call per row
                 order = torch.argsort(slots, stable=True)
                 row_index, slots, cols, js, lens = row_index[order], slots[order], cols[order], js[order], lens[order]
-            masked = batch.input_ids[row_index, p:].clone()
-            masked.masked_fill_(_span_mask(torch.arange(T - p), cols - p, lens), batch.pad_id)
+            rows_dev = row_index.to(dev)
+            masked = ids_dev[rows_dev, p:]  # a gather on the device: a new tensor, no host copy per chunk
+            masked.masked_fill_(_span_mask(torch.arange(T - p, device=dev), (cols - p).to(dev), lens.to(dev)),
+                                batch.pad_id)
             if use_shared:
                 ids, counts = torch.unique_consecutive(slots, return_counts=True)
                 ends = counts.cumsum(0).tolist()
                 groups = [(int(x), e - int(c), e, pad_of_slot[int(x)]) for x, c, e in zip(ids, counts, ends)]
-                window = model.tail_logits_shared_prefix(kv_all, groups, p, input_ids=masked.to(dev),
-                                                         position_ids=batch.position_ids[row_index, p:].to(dev),
-                                                         keep=batch.keep)
+                window = model.tail_logits_shared_prefix(kv_all, groups, p, input_ids=masked,
+                                                         position_ids=pos_dev[rows_dev, p:], keep=batch.keep)
                 shared_chunks += 1
             else:
                 dslots = slots.to(dev)
                 # slice the prefix first, then gather per variant: copies p columns, not T
                 prefix_kv = [(k[:, :, :p].index_select(0, dslots), v[:, :, :p].index_select(0, dslots))
                              for k, v in kv_all]
-                window = model.tail_logits_cached(prefix_kv, input_ids=masked.to(dev),
-                                                  attention_mask=batch.attention_mask[row_index].to(dev),
-                                                  position_ids=batch.position_ids[row_index, p:].to(dev),
-                                                  keep=batch.keep)
+                window = model.tail_logits_cached(prefix_kv, input_ids=masked, attention_mask=attn_dev[rows_dev],
+                                                  position_ids=pos_dev[rows_dev, p:], keep=batch.keep)
             passes += 1
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], K)

@@ -45,6 +45,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import torch
+
 from oar import _args
 from oar._lib import load_extension
 from oar.attribution.context import ProbeBatch
@@ -73,10 +75,28 @@ def budget_bytes(memory_budget_mb) -> int:
     return min(mb, _MAX_BUDGET_MB) << 20
 
 
-def probe_bytes(model: ProbeModel, batch: ProbeBatch) -> int:
+def probe_bytes(model: ProbeModel, batch: ProbeBatch, *, backward: bool = False, per_chunk: bool = False) -> int:
     """Bytes of one variant's probe logits: ``keep`` positions x V, 8 bytes each (the logits and their float32 copy
-    in the divergence)."""
-    return 8 * batch.keep * int(model.vocab_size)
+    in the divergence). With ``backward`` (OAR-G's forward + backward w.r.t. the embeddings, issue 41) 16 bytes
+    each: also the head's backward residue, the float32 gradient of the gathered probe logits and of the tail
+    logits it is scattered into (4 + 4; the CUDA head product's compute-dtype copy of the latter,
+    ``_MmFloat32Out``, 2 bytes, comes after the former is freed).
+
+    ``per_chunk``: instead, what the probe head costs once per model call (0 without ``backward``): the float32
+    copy of the head weight, V x H x 4 bytes, that ``HFProbeModel``'s float32 probe head keeps for the embeddings'
+    gradient off CUDA for a weight that is not float32 (``_linear_float32``'s upcast path: the chunks are saved by
+    their products); 0 on CUDA bf16 / fp16 (one float32-output ``mm`` on the weight itself), for a float32 weight
+    and for other models. The head weight's own gradient is never built (the probe head detaches it)."""
+    if per_chunk:
+        head = None
+        if backward and getattr(model, "probe_logits_float32", False):
+            head = getattr(getattr(model, "model", None), "get_output_embeddings", lambda: None)()
+        if not isinstance(head, torch.nn.Linear) or "forward" in head.__dict__:
+            return 0
+        w = head.weight
+        cuda_mm = w.device.type == "cuda" and w.dtype in (torch.bfloat16, torch.float16)
+        return 0 if w.dtype == torch.float32 or cuda_mm else 4 * w.numel()
+    return (16 if backward else 8) * batch.keep * int(model.vocab_size)
 
 
 def resident_bytes(model: ProbeModel, batch: ProbeBatch, engine: str, n_rows: int) -> int:
@@ -119,15 +139,21 @@ def plan_masked(model: ProbeModel, batch: ProbeBatch, widths: Sequence[int], cou
         checkpoint: with ``backward``, the cost under the model's activation checkpointing
             (``checkpointed_activation_bytes_per_token``, :class:`~oar.attribution.model.CheckpointModel`).
 
+    With ``backward`` the probe head's backward is counted too (issue 41, :func:`probe_bytes`): per variant
+    ``probe_bytes(..., backward=True)`` (the probe logits' float32 gradients), and once per chunk
+    ``probe_bytes(..., backward=True, per_chunk=True)`` (the head's float32 weight copy on the upcast path): the C++
+    planner has no per-chunk term, so it packs against ``budget`` minus that constant.
+
     Returns:
         ``MaskedChunk`` list; ``max_context_len`` is the chunk's padded width. Logs a warning when one variant of
-        the widest row alone exceeds the budget.
+        the widest row alone (with the per-chunk term) exceeds the budget.
     """
     bytes_tok = masked_bytes_per_token(model, max(widths), backward=backward, checkpoint=checkpoint)
-    per_var = probe_bytes(model, batch)
+    per_var = probe_bytes(model, batch, backward=backward)
+    fixed = probe_bytes(model, batch, backward=backward, per_chunk=True)
     _warn_over(f"one {'row (forward + backward)' if backward else 'variant'} of {max(widths)} tokens",
-               max(widths) * bytes_tok + per_var, budget)
-    return _C.plan_masked_chunks(list(widths), list(counts), bytes_tok, per_var, budget, max_variants)
+               max(widths) * bytes_tok + per_var + fixed, budget)
+    return _C.plan_masked_chunks(list(widths), list(counts), bytes_tok, per_var, max(1, budget - fixed), max_variants)
 
 
 def masked_bytes_per_token(model: ProbeModel, width: int, *, backward: bool = False, checkpoint: bool = False) -> int:

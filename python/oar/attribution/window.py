@@ -82,6 +82,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     if not isinstance(rerun_tail, str) or rerun_tail not in RERUN_TAILS:
         raise ValueError(f"rerun_tail must be one of {RERUN_TAILS}, got {rerun_tail!r}")
     caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    batch = batch.probe_view()  # the columns after the last probe position never change a score
     units = _units(batch, rows, positions, spans)
     if not caps.prefix_cache:
         raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
@@ -105,52 +106,51 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, units)
         slot = {r: i for i, r in enumerate(rows)}
         # Re-run columns of each variant (masked columns [t, t + n)): [t, t + n + window) and the tail
-        # [min(end of reasoning, T - keep), T) ("conclude") or [T - keep, T) ("probe").
-        runs, tails = [], []
-        for r, t, n in zip(var_row_t.tolist(), var_col_t.tolist(), var_len_t.tolist()):
-            tail = min(int(batch.reasoning_start[r]) + int(batch.reasoning_len[r]), T - keep)
-            if rerun_tail == "probe":
-                tail = T - keep
-            runs.append(sorted(set(range(t, min(t + n + window, T))) | set(range(tail, T))))
-            tails.append(tail)
-        tails_t = torch.tensor(tails, dtype=torch.long)
+        # [min(end of reasoning, T - keep), T) ("conclude") or [T - keep, T) ("probe"), in closed form
+        # (:func:`_run_columns`), built on the model's device per chunk: no per-variant host work or copies.
+        ends = (batch.reasoning_start + batch.reasoning_len)[var_row_t]
+        tails_t = ends.clamp_max(T - keep) if rerun_tail == "conclude" else torch.full_like(ends, T - keep)
+        win_end_t = torch.clamp(var_col_t + var_len_t + window, max=T)
+        run_len_t = _run_lengths(var_col_t, win_end_t, tails_t, T)
         shared = caps.shared_prefix
-        plan = planner.plan_window(model, batch, len(runs), max(len(c) for c in runs), budget, shared=shared)
+        plan = planner.plan_window(model, batch, len(run_len_t), int(run_len_t.max()), budget, shared=shared)
         chunks = 0
+        ids_dev, pos_dev = batch.input_ids.to(dev), batch.position_ids.to(dev)
+        first_t = (T - batch.context_len).long()
+        slot_t = torch.tensor([slot[int(r)] for r in var_row_t.tolist()], dtype=torch.long)
+        low = torch.finfo(dtype).min
         for ch in plan:
             sl = slice(ch.begin, ch.end)
             row_index, cols_t, js, lens = var_row_t[sl], var_col_t[sl], var_j_t[sl], var_len_t[sl]
-            part = runs[sl]
-            N, S = len(part), max(len(c) for c in part)
-            colq = torch.full((N, S), -1, dtype=torch.long)  # original column of each suffix slot, -1 = padding
-            for n, c in enumerate(part):
-                colq[n, S - len(c):] = torch.tensor(c, dtype=torch.long)
+            colq = _run_columns(cols_t.to(dev), win_end_t[sl].to(dev), tails_t[sl].to(dev), run_len_t[sl].to(dev),
+                                int(run_len_t[sl].max()))  # (N, S) original column of each slot, -1 = padding
             valid = colq >= 0
-            ids = batch.input_ids[row_index.view(-1, 1), colq.clamp_min(0)]
-            ids[~valid] = batch.pad_id
-            ids[(colq >= cols_t.view(-1, 1)) & (colq < (cols_t + lens).view(-1, 1))] = batch.pad_id  # the masked unit
-            pos = torch.where(valid, batch.position_ids[row_index.view(-1, 1), colq.clamp_min(0)], torch.zeros(()))
+            rows_dev = row_index.to(dev).view(-1, 1)
+            c0 = colq.clamp_min(0)
+            cols_dev, lens_dev = cols_t.to(dev).view(-1, 1), lens.to(dev).view(-1, 1)
+            ids = ids_dev[rows_dev, c0].masked_fill_(~valid | ((colq >= cols_dev) & (colq < cols_dev + lens_dev)),
+                                                     batch.pad_id)  # padding slots and the masked unit
+            pos = pos_dev[rows_dev, c0].masked_fill_(~valid, 0)
             # what each re-run query sees, in closed form: its row's clean columns before it, except the re-run
             # ones (the unit, its window, the tail), and the re-run columns of its own variant up to itself
-            masks = WindowMasks(colq, (T - batch.context_len[row_index]).long(), cols_t.long(),
-                                torch.clamp(cols_t + lens + window, max=T).long(), tails_t[sl])
-            dslots = torch.tensor([slot[int(r)] for r in row_index], dtype=torch.long, device=dev)
-            low = torch.finfo(dtype).min
+            masks = WindowMasks(colq, first_t[row_index].to(dev), cols_t.to(dev), win_end_t[sl].to(dev),
+                                tails_t[sl].to(dev))
+            dslots = slot_t[sl].to(dev)
             if shared:  # each row's clean cache read in place (variants are row-major: one group per row)
-                ids_u, counts = torch.unique_consecutive(dslots.cpu(), return_counts=True)
-                ends = counts.cumsum(0).tolist()
-                groups = [(int(x), e - int(c), e, 0) for x, c, e in zip(ids_u, counts, ends)]
-                win = model.tail_logits_shared_prefix(kv_all, groups, T, input_ids=ids.to(dev),
-                                                      position_ids=pos.to(dev), keep=keep, window=masks)
+                ids_u, counts = torch.unique_consecutive(slot_t[sl], return_counts=True)
+                ends_c = counts.cumsum(0).tolist()
+                groups = [(int(x), e - int(c), e, 0) for x, c, e in zip(ids_u, counts, ends_c)]
+                win = model.tail_logits_shared_prefix(kv_all, groups, T, input_ids=ids, position_ids=pos, keep=keep,
+                                                      window=masks)
             else:  # the row's clean cache copied per variant, one 4-D mask over prefix + suffix
                 allowed = torch.cat([masks.see_prefix(T), masks.see_self()], dim=-1).unsqueeze(1)
-                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, low)
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, low)
                 prefix_kv = [(k.index_select(0, dslots), v.index_select(0, dslots)) for k, v in kv_all]
-                win = model.tail_logits_cached(prefix_kv, input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                               position_ids=pos.to(dev), keep=keep)
+                win = model.tail_logits_cached(prefix_kv, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                               keep=keep)
             passes += 1
             chunks += 1
-            tokens += int(valid.sum())
+            tokens += int(run_len_t[sl].sum())
             pert = gather_probe_logits(win, batch.probe_start[row_index], K)
             clean = clean_all[dslots.to(clean_all.device)]
             _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
@@ -161,3 +161,23 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     _log.info("oar_p_window_scores: window %d, %d rows, %d variants in %d chunks, %.3f s", window, len(rows),
               res.stats["variants"], chunks, res.stats["seconds"])
     return res
+
+
+def _run_lengths(t: torch.Tensor, win_end: torch.Tensor, tail: torch.Tensor, T: int) -> torch.Tensor:
+    """(N,) int64: columns each variant re-runs, |[t, win_end) u [tail, T)| (t < win_end <= T, tail <= T)."""
+    disjoint = win_end < tail
+    return torch.where(disjoint, (win_end - t) + (T - tail), T - torch.minimum(t, tail))
+
+
+def _run_columns(t: torch.Tensor, win_end: torch.Tensor, tail: torch.Tensor, run_len: torch.Tensor,
+                 S: int) -> torch.Tensor:
+    """(N, S) int64 on ``t``'s device: the sorted columns of [t, win_end) u [tail, T) of each variant, right-aligned
+    (left padding -1), S >= max(run_len). The closed form of ``sorted(set(range(t, win_end)) | set(range(tail, T)))``:
+    slot j of a run is t + j before the window ends and tail + (j - (win_end - t)) after it when the two ranges are
+    disjoint, min(t, tail) + j when they overlap."""
+    j = torch.arange(S, device=t.device).view(1, -1) - (S - run_len).view(-1, 1)  # index inside the run
+    t, win_end, tail = t.view(-1, 1), win_end.view(-1, 1), tail.view(-1, 1)
+    w = win_end - t
+    disjoint = win_end < tail
+    col = torch.where(disjoint, torch.where(j < w, t + j, tail + (j - w)), torch.minimum(t, tail) + j)
+    return torch.where(j >= 0, col, torch.full_like(col, -1))
