@@ -299,7 +299,6 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     order = [("dense_forward", dense_forward), ("grpo_update_proxy", grpo_proxy)] + list(runs.items())
     secs = {name: [] for name, _ in order}
     stats, peak, ran = {}, {}, {}
-    table: list[dict] = []
 
     def build_table() -> list[dict]:
         rows = []
