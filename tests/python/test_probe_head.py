@@ -1,6 +1,8 @@
 """The probe logits in float32 (``HFProbeModel.probe_logits_float32``, issue 23): under bf16 the LM head's output
 rounding is of the size of the probe divergences, so the engines take the head's product in float32."""
 
+import copy
+
 import pytest
 import torch
 
@@ -260,3 +262,41 @@ def test_oar_g_plan_counts_the_probe_heads_backward(tiny):
     assert sizes(planner.plan_masked(pm32, batch, widths, [1] * 3, 2 * row32, backward=True)) == [2, 1]
     fwd = T * planner.masked_bytes_per_token(pm, T) + 8 * keep * V
     assert sizes(planner.plan_masked(pm, batch, widths, [1] * 3, 2 * fwd)) == [2, 1]
+
+
+@pytest.mark.parametrize("float32_head", [True, False])
+def test_probe_head_runs_one_2d_product_on_a_strided_slice(tiny, float32_head):
+    """transformers hands the head ``hidden[:, -keep:]`` (strided); ``matmul`` does not fold such a 3-D input when
+    the weight does not require grad (the probe head's detached weight, a frozen model) and runs a ``bmm`` that reads
+    the whole (V, H) weight once per row (issue 41). Under ``_probe_head`` the head runs one 2-D ``mm`` (with the
+    model's own dtype too), with the values of the plain product. The head is frozen here: the case that folds
+    nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, _ = tiny
+    model = copy.deepcopy(model).requires_grad_(False)
+    pm = HFProbeModel(model)
+    pm.probe_logits_float32 = float32_head
+    head = model.get_output_embeddings()
+    with torch.no_grad(), Ops() as plain:  # without it: the bmm this test guards against
+        head(torch.randn(5, 9, head.in_features)[:, -3:])
+    assert any(n.startswith("bmm") for n in plain.names)
+    hidden = torch.randn(5, 9, head.in_features, generator=torch.Generator().manual_seed(0))[:, -3:]
+    assert not hidden.is_contiguous()
+    with torch.no_grad(), pm._probe_head(), Ops() as ops:
+        got = head(hidden)
+    assert not any(n.startswith("bmm") for n in ops.names) and any(n.startswith(("mm", "addmm")) for n in ops.names)
+    want = hidden.double() @ head.weight.double().t()
+    assert got.shape == (5, 3, head.out_features)
+    bound = gamma(head.in_features) * (hidden.double().abs() @ head.weight.double().abs().t())
+    assert bool(((got.double() - want).abs() <= bound).all())
+    assert "forward" not in head.__dict__

@@ -453,14 +453,21 @@ class HFProbeModel:
     @contextlib.contextmanager
     def _probe_head(self):
         """Within it, the model's output embedding (a ``torch.nn.Linear`` LM head) returns float32 logits from a
-        float32 product (:func:`_linear_float32`); a no-op when :attr:`probe_logits_float32` is off or the head is
-        not a plain Linear. The product takes the head's weight and bias detached: probe calls are differentiated
-        w.r.t. their input only, so no head-weight gradient is built even when the head is trainable (issue 41)."""
-        head = self.model.get_output_embeddings() if self.probe_logits_float32 else None
+        float32 product (:func:`_linear_float32`); a no-op when the head is not a plain Linear. The product takes the head's weight and bias detached: probe calls are differentiated
+        w.r.t. their input only, so no head-weight gradient is built even when the head is trainable (issue 41).
+        With :attr:`probe_logits_float32` off the head keeps its own dtype but still runs as one 2-D product:
+        transformers hands it a strided slice (``hidden[:, -keep:]``), which ``matmul`` turns into a ``bmm`` reading
+        the whole (V, H) weight once per row when the weight does not require grad (a frozen model; issue 41,
+        docs/design.md)."""
+        head = self.model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or "forward" in head.__dict__:
             yield
             return
-        head.forward = lambda x: _linear_float32(x, head.weight, head.bias)
+        if self.probe_logits_float32:
+            head.forward = lambda x: _linear_float32(x, head.weight, head.bias)
+        else:
+            head.forward = lambda x: torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), head.weight,
+                                                                head.bias).reshape(*x.shape[:-1], -1)
         try:
             yield
         finally:
@@ -877,9 +884,10 @@ def _linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     with torch.autocast(dev, enabled=False):
-        # one 2-D product: transformers hands the head a strided slice (hidden[:, -keep:]), and linear / matmul on a
-        # non-contiguous 3-D input expand the weight per batch row into a bmm of keep-row products, each reading the
-        # whole (V, H) weight (issue 41: 59 % of windowed OAR-P's CPU time at 4 layers of SmolLM2-135M's shape)
+        # one 2-D product: transformers hands the head a strided slice (hidden[:, -keep:]), which matmul folds only
+        # when the weight requires grad; with the detached weight it expands the weight per batch row into a bmm of
+        # keep-row products, each reading the whole (V, H) weight (issue 41: 59 % of windowed OAR-P's CPU time at 4
+        # layers of SmolLM2-135M's shape)
         x2 = x.reshape(-1, x.shape[-1])
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
             return torch.nn.functional.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
