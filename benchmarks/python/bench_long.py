@@ -6,10 +6,13 @@ own responses to MATH500 / GSM8K questions), side by side in one run:
 * **exact token-level OAR-P** (``oar_p_scores``, prefix engine, answer_mean probe): the reference. It is computed in
   blocks of ``--exact-block`` reasoning positions (``positions=``; each block runs its own clean pass, at most a few
   percent more tokens), and every finished block is written to the trace's cache file at once, so a killed run
-  resumes inside a trace. Its cost is the sum of its blocks (one run, never repeated).
+  resumes inside a trace. Its cost is the sum of its blocks (one run, never repeated). ``--exact-stride k`` scores
+  only every k-th reasoning position (for models too slow for all of them on CPU): Spearman and top-10% overlap are
+  then measured on those positions, and the exact row's seconds / tokens are those of the subset.
 * **settings**, one row each of :data:`SETTINGS` (adding a setting is adding a row): OAR-G (1 draw), windowed OAR-P
   (W = 8, 32), screened OAR-P (window-8 screen, its time counted, + exact masking of its top 10% / 20% and a random
-  5%), and, when ``oar.attribution.spans`` exists and ``oar_p_scores`` takes ``spans=``, span-level OAR-P (word,
+  5%), windowed OAR-P with the experimental linearized tail (``window4_linear``, ``window8_linear``: its tokens are
+  token-columns, forward + 2 x tail columns per backward pass), and, when ``oar.attribution.spans`` exists and ``oar_p_scores`` takes ``spans=``, span-level OAR-P (word,
   line, sentence units) exact and windowed.
 * **the GRPO step of one rollout** on CPU, measured as ``bench_step.py`` defines a step (generation + policy update):
   ``model.generate`` of a group of ``--group`` rollouts of exactly the trace's length from its prompt (batched,
@@ -127,6 +130,27 @@ def _window(w: int, unit: str | None = None, tail: str = "conclude"):
     return run
 
 
+def _linear(w: int, top_r: int = 32):
+    def run(ctx: Ctx):
+        from oar.attribution.linear_tail import oar_p_linear_tail_scores
+
+        a = oar_p_linear_tail_scores(ctx.pm, ctx.batch, window=w, probe=PROBE, top_r=top_r,
+                                     memory_budget_mb=ctx.budget_mb)
+        cost = _cost(a)
+        # token-columns: forward tokens + 2 x tail columns per backward pass (linear_tail.py's cost_tokens)
+        cost.update(tokens=int(a.stats["cost_tokens"]), forward_tokens=int(a.stats["tokens"]))
+        return a, cost
+    return run
+
+
+def _has_linear_tail() -> bool:
+    try:
+        import oar.attribution.linear_tail  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _screened(fraction: float, window: int = 8, sample: float = 0.05):
     def run(ctx: Ctx):
         from oar.attribution import oar_p_window_scores
@@ -183,6 +207,10 @@ SETTINGS: list[Setting] = [
     Setting("window1_probe", _window(1, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 1, probe-window tail"),
     Setting("window4_probe", _window(4, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 4, probe-window tail"),
     Setting("window8_probe", _window(8, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 8, probe-window tail"),
+    Setting("window4_linear", _linear(4), _has_linear_tail,
+            "windowed OAR-P, W = 4, linearized tail (experimental; tokens = forward + 2 x tail per backward pass)"),
+    Setting("window8_linear", _linear(8), _has_linear_tail,
+            "windowed OAR-P, W = 8, linearized tail (experimental; tokens = forward + 2 x tail per backward pass)"),
     Setting("screen0.1", _screened(0.1), note="window-8 screen + exact top 10% + random 5%"),
     Setting("screen0.2", _screened(0.2), note="window-8 screen + exact top 20% + random 5%"),
     Setting("span_word", _span_exact("word"), _has_spans, "exact OAR-P, word units"),
@@ -227,17 +255,31 @@ def _round(xs) -> list[float]:
     return [float(f"{float(x):.6g}") for x in xs]
 
 
-def exact_scores(cache: dict) -> list[float] | None:
-    """The exact reference of a trace when every block is done, else None."""
+def exact_positions(start: int, end: int, stride: int) -> list[int]:
+    """The reasoning positions of block [start, end) that get an exact score: every ``stride``-th position of the
+    trace (j % stride == 0; all of them at stride 1)."""
+    return [j for j in range(start, end) if j % stride == 0]
+
+
+def exact_scores(cache: dict) -> list[float | None] | None:
+    """The exact reference of a trace when every block is done, else None. With ``exact_stride`` k > 1 only every
+    k-th position has a score; the others are None (fidelity is then measured on the scored positions)."""
     L = cache.get("reasoning_len")
     blocks = cache.get("exact_blocks", {})
     if L is None or not blocks:
         return None
+    k = int(cache.get("exact_stride", 1))
     out = [None] * L
     for b in blocks.values():
-        for j, s in zip(range(b["start"], b["end"]), b["scores"]):
+        for j, s in zip(exact_positions(b["start"], b["end"], k), b["scores"]):
             out[j] = s
-    return None if any(s is None for s in out) else out
+    return None if any(out[j] is None for j in range(0, L, k)) else out
+
+
+def paired(scores: list[float], exact: list[float | None]) -> tuple[list[float], list[float]]:
+    """(setting scores, exact scores) at the positions that have an exact score."""
+    keep = [j for j, e in enumerate(exact) if e is not None]
+    return [scores[j] for j in keep], [exact[j] for j in keep]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,10 +360,15 @@ def run_settings(cache, ctx, settings, repeats, budget, path, bar) -> None:
             bar.write(f"  {cache['id']} {s.name}: {dt:.1f}s, {cost}")
 
 
-def run_exact(cache, ctx, block: int, budget, path, bar) -> None:
+def run_exact(cache, ctx, block: int, budget, path, bar, stride: int = 1) -> None:
     from oar.attribution import oar_p_scores
 
     L = ctx.L
+    have = int(cache.get("exact_stride", 1))
+    if cache["exact_blocks"] and have != stride:
+        raise SystemExit(f"{path}: its exact blocks were computed at --exact-stride {have}, this run asks {stride}; "
+                         "rerun with the same stride (or delete the file's exact_blocks)")
+    cache["exact_stride"] = stride
     for start in range(0, L, block):
         key = str(start)
         if key in cache["exact_blocks"]:
@@ -329,13 +376,13 @@ def run_exact(cache, ctx, block: int, budget, path, bar) -> None:
         if budget.over():
             return
         end = min(L, start + block)
+        pos = exact_positions(start, end, stride)
         with ctx.pm.eval_mode():
             t0 = time.perf_counter()
-            a = oar_p_scores(ctx.pm, ctx.batch, probe=PROBE, memory_budget_mb=ctx.budget_mb,
-                             positions={0: list(range(start, end))})
+            a = oar_p_scores(ctx.pm, ctx.batch, probe=PROBE, memory_budget_mb=ctx.budget_mb, positions={0: pos})
             dt = time.perf_counter() - t0
         cache["exact_blocks"][key] = {"start": start, "end": end, "seconds": dt,
-                                      "scores": _round(a.scores[0, start:end].tolist()),
+                                      "scores": _round(a.scores[0, pos].tolist()),
                                       "forward_passes": int(a.stats["forward_passes"]), "tokens": int(a.stats["tokens"])}
         save_cache(path, cache)
         done = sum(b["end"] - b["start"] for b in cache["exact_blocks"].values())
@@ -383,6 +430,9 @@ def main(argv=None) -> int:
     p.add_argument("--exact-lengths", nargs="*", type=int, default=None,
                    help="compute exact references only at these lengths (default: every --lengths)")
     p.add_argument("--exact-block", type=int, default=128, help="reasoning positions per exact block (resume unit)")
+    p.add_argument("--exact-stride", type=int, default=1,
+                   help="exact OAR-P on every k-th reasoning position only (fidelity on those positions; a cache's "
+                        "stride is fixed once its first block is written)")
     p.add_argument("--no-grpo", dest="grpo", action="store_false", help="skip the GRPO-step measurement")
     p.add_argument("--group", type=int, default=4, help="rollouts per generation group of the GRPO step")
     p.add_argument("--oracle", action="store_true", help="oracle-causal flags of correct traces (expensive)")
@@ -393,13 +443,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=90.0, help="no new unit of work starts after this")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a load_model name, or 'tiny-random-llama' (plumbing tests only: no fidelity numbers)")
+    p.add_argument("--model-label", default="", help="the model's name in the table header (default: --model)")
     p.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments of the model loader (tests)")
     p.add_argument("--out", default="docs/benchmarks/long")
     p.add_argument("--note", default="", help="a sentence for the table header (e.g. whether the machine was shared)")
     p.add_argument("--tables-only", action="store_true", help="only rewrite the tables from the cache files")
     args = p.parse_args(argv)
-    if args.exact_block < 1 or args.repeats < 1 or args.group < 1:
-        raise SystemExit("--exact-block, --repeats and --group must be >= 1")
+    if args.exact_block < 1 or args.repeats < 1 or args.group < 1 or args.exact_stride < 1:
+        raise SystemExit("--exact-block, --exact-stride, --repeats and --group must be >= 1")
     torch.set_num_threads(args.threads)
     from oar.app.models import load_by_name
 
@@ -456,7 +507,7 @@ def main(argv=None) -> int:
                 run_oracle(cache, model, tok, trace, batch, args.oracle_max_len, path)
             # then this trace's exact reference, resumed block by block (so each finished trace has its fidelity)
             if args.exact and trace["bucket"] in exact_at:
-                run_exact(cache, ctx, args.exact_block, budget, path, bar)
+                run_exact(cache, ctx, args.exact_block, budget, path, bar, args.exact_stride)
     # the tables cover every trace of the file that has a cache file, whatever this run's --lengths chose
     rows = summarize(traces, cache_dir, [s.name for s in SETTINGS])
     write_tables(rows, args, unavailable)
@@ -487,20 +538,23 @@ def per_trace_rows(cache: dict, names: list[str]) -> list[dict]:
         sec = sum(b["seconds"] for b in blocks)
         done = sum(b["end"] - b["start"] for b in blocks)
         rows.append({"setting": EXACT, "seconds": sec if exact else None, "done_frac": done / cache["reasoning_len"],
+                     "exact_stride": int(cache.get("exact_stride", 1)),
                      "forward_passes": sum(b["forward_passes"] for b in blocks) if exact else None,
                      "tokens": sum(b["tokens"] for b in blocks) if exact else None,
                      "spearman": 1.0 if exact else None, "top10": 1.0 if exact else None,
-                     "recall10": recall_at(exact, causal, 10) if exact and causal and any(causal) else None})
+                     "recall10": recall_at(exact, causal, 10) if exact and causal and any(causal)
+                     and None not in exact else None})
     for name in names:
         rec = cache.get("settings", {}).get(name)
         if rec is None:
             continue
         s = rec["scores"]
+        s_ex, ex = paired(s, exact) if exact else (None, None)
         rows.append({"setting": name, "seconds": statistics.median(rec["seconds"]), "done_frac": 1.0,
                      "forward_passes": rec.get("forward_passes"), "tokens": rec.get("tokens"),
                      "masked": rec.get("masked"),
-                     "spearman": spearman(s, exact) if exact else None,
-                     "top10": top_overlap(s, exact, 10) if exact else None,
+                     "spearman": spearman(s_ex, ex) if exact else None,
+                     "top10": top_overlap(s_ex, ex, 10) if exact else None,
                      "recall10": recall_at(s, causal, 10) if causal and any(causal) else None})
     for r in rows:
         r.update(trace=cache["id"], bucket=cache["bucket"], reasoning_len=cache.get("reasoning_len"),
@@ -548,7 +602,8 @@ def bucket_table(rows: list[dict], bucket: int) -> list[dict]:
                         (r["spearman"] for r in fid), default=None),
                     "top10": _mean([r["top10"] for r in fid]),
                     "recall10": _mean([r["recall10"] for r in g]),
-                    "exact_done_frac": _mean([r["done_frac"] for r in g]) if name == EXACT else None})
+                    "exact_done_frac": _mean([r["done_frac"] for r in g]) if name == EXACT else None,
+                    "exact_stride": max((r.get("exact_stride", 1) for r in g), default=1) if name == EXACT else None})
     return out
 
 
@@ -574,7 +629,7 @@ def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
 
     notes = {s.name: s.note for s in SETTINGS}
     notes[EXACT] = "exact token-level OAR-P (prefix engine), the reference"
-    lines = [f"Model {args.model}, probe {PROBE}, cpu ({torch.get_num_threads()} thread(s)), torch {torch.__version__}, "
+    lines = [f"Model {args.model_label or args.model}, probe {PROBE}, cpu ({torch.get_num_threads()} thread(s)), torch {torch.__version__}, "
              f"commit {_commit()}, {platform.machine()}." + (f" {args.note}" if args.note else ""), ""]
     if unavailable:
         lines += [f"Settings not run (this oar lacks them): {', '.join(unavailable)}.", ""]
@@ -588,7 +643,9 @@ def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tb:
             name = r["setting"]
-            if name == EXACT and r["exact_done_frac"] is not None and r["exact_done_frac"] < 1:
+            if name == EXACT and r["exact_stride"] and r["exact_stride"] > 1:
+                name += f" (every {r['exact_stride']}-th position)"
+            if name.startswith(EXACT) and r["exact_done_frac"] is not None and r["exact_done_frac"] < 1:
                 name += f" ({100 * r['exact_done_frac']:.0f}% of positions done)"
             sp = "-" if r["spearman"] is None else f"{r['spearman']:.3f} ({r['spearman_min']:.3f})"
             lines.append(f"| {name} | {r['traces']} ({r['with_reference']}) | {f(r['reasoning_len'], '.0f')} | "

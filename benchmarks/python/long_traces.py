@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=60.0, help="no new batch starts after this")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0: no limit)")
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a load_model name or a .gguf / model path")
+    p.add_argument("--model-label", default="", help="the model's name recorded with each trace (default: --model)")
     args = p.parse_args(argv)
     if not 0 < args.tolerance < 1:
         raise SystemExit(f"--tolerance must be in (0, 1), got {args.tolerance}")
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
                 text = tok.decode(resp, skip_special_tokens=True)
                 rec = {"id": f"{ds}-{index}-s{seed}", "bucket": b, "length": k, "dataset": ds, "index": index,
                        "problem_id": str(pr.id), "answer": pr.answer, "seed": seed, "batch_problems": batch_ids,
-                       "temperature": args.temperature, "top_k": 0, "top_p": 1.0,
+                       "model": args.model_label or args.model, "temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                        "max_new_tokens": max_new, "system_prompt": args.system_prompt,
                        "truncated": truncated, "eos": ended and not truncated,
                        "has_marker": any(m in text for m in MARKERS),

@@ -17,6 +17,8 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import json
 import math
 import re
@@ -102,6 +104,37 @@ def yaml_load(text: str, what: str):
         return yaml.load(text, Loader=_Loader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ValueError(f"{what} is not valid YAML: {str(e).replace(chr(10), ' ')}") from None
+
+
+def parse_method_spec(spec: str, known: Sequence[str], what: str = "method") -> tuple[str, dict, list]:
+    """``"name"`` or ``"name:key=value,key=value"`` (``oar compare`` / ``oar diagnose`` settings) -> ``(name, {key:
+    parsed value}, [(key, value text), ...])``. Values are YAML scalars (:func:`yaml_load`), as in ``--set``; items
+    are split at commas, so a value cannot hold one. Checks the syntax only; what a key means is the caller's.
+
+    Raises:
+        ValueError: ``spec`` not a non-empty string, ``name`` not in ``known``, an item without ``key=``, a key given
+            twice, ``:`` with no item, or a value that is not YAML; each names ``what`` and the spec.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{what} spec must be a non-empty string like 'oar_g' or 'oar_g:beta=2', got {spec!r}")
+    name, colon, rest = spec.strip().partition(":")
+    name = name.strip()
+    if name not in known:
+        raise ValueError(f"{what} spec {spec!r}: unknown method {name!r}; known: {list(known)} (optionally with "
+                         ":key=value,...)")
+    values: dict = {}
+    items: list = []
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        k, eq, v = (x.strip() for x in item.partition("="))
+        if not eq or not k:
+            raise ValueError(f"{what} spec {spec!r}: expected key=value items after ':', got {item!r}")
+        if k in values:
+            raise ValueError(f"{what} spec {spec!r}: key {k!r} given twice")
+        values[k] = yaml_load(v, f"the value of {k!r} in {what} spec {spec!r}")
+        items.append((k, v))
+    if colon and not items:
+        raise ValueError(f"{what} spec {spec!r}: expected key=value items after ':'")
+    return name, values, items
 
 
 def config_from_mapping(section: dict):

@@ -328,9 +328,9 @@ def test_oar_g_matches_plain_autograd_and_writes_no_grad(tiny, probe):
     gen = torch.Generator().manual_seed(123)
     res = oar_g_scores(HFProbeModel(model), batch, probe=probe, sigma=sigma, generator=gen)
     assert all(prm.grad is None for prm in model.parameters()), "OAR-G wrote parameter .grad"
-    # Re-draw the same noise the engine drew (same generator, same shape: left-padded width T).
+    # Re-draw the same noise the engine drew (same generator: row_noise on the reasoning columns, width T).
     T = batch.input_ids.shape[1]
-    noise = torch.randn((1, T, model.config.hidden_size), generator=torch.Generator().manual_seed(123))
+    noise = _engine_noises(batch, 123, 1, model.config.hidden_size)[0]
     off = T - int(batch.context_len[0])
     expected = _naive_oar_g(model, tok, pids[0], rids[0], answers[0], probe, sigma, noise[:, off:])
     L = int(batch.reasoning_len[0])
@@ -503,6 +503,56 @@ class _NoPrefixGrad:
         return getattr(self._pm, name)
 
 
+def _engine_noises(batch, seed: int, draws: int, H: int) -> list:
+    """The noise oar_g_scores draws with ``Generator().manual_seed(seed)``, laid out as oar_g_reference takes it:
+    one (B, T, H) tensor per draw, row r's :func:`row_noise` on its reasoning columns, zero elsewhere."""
+    from oar.attribution.oar_g import noise_base, row_noise
+
+    base = noise_base(torch.Generator().manual_seed(seed))
+    out = [torch.zeros((batch.batch_size, batch.input_ids.shape[1], H)) for _ in range(draws)]
+    for r in range(batch.batch_size):
+        s, L = int(batch.reasoning_start[r]), int(batch.reasoning_len[r])
+        rn = row_noise(base, r, draws, L, H)
+        for d in range(draws):
+            out[d][r, s:s + L] = rn[d]
+    return out
+
+
+def test_oar_g_noise_is_a_function_of_the_row(tiny):
+    """A row's OAR-G scores do not depend on which other rows are scored, the chunking (memory budget) or their
+    order: row_noise is keyed by (generator draw, row) (issue 42: common random numbers across settings)."""
+    model, tok = tiny
+    pids, rids, answers = _rollouts(tok)
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(pids, rids, answers)
+    pm = HFProbeModel(model)
+    B = batch.batch_size
+    assert B >= 3
+
+    def run(**kw):
+        return oar_g_scores(pm, batch, probe="answer_mean", sigma=1e-2, noise_draws=2,
+                            generator=torch.Generator().manual_seed(11), **kw)
+
+    full = run()
+    alone = run(rows=[B - 1])
+    tiny_budget = run(memory_budget_mb=1)
+    assert tiny_budget.stats["chunks"] > full.stats["chunks"]
+    assert full.scores.abs().max() > 1e-4, "test model too flat: the comparison would be vacuous"
+    # rule 1: every run within the random-rounding estimate of the float32 error around the float64 model's OAR-G
+    # with the noise row_noise gives each row (a different noise would miss by the scores' own size)
+    e64 = float64_copy(model, exact_norms=True)
+    exact = random_rounding(lambda: oar_g_reference(e64, batch, _engine_noises(batch, 11, 2, model.config.hidden_size),
+                                                    "answer_mean", 1e-2))
+    Lm = exact.value.shape[1]
+    assert_within_error_model(full.scores[:, :Lm], exact, what="all rows, one chunk")
+    assert_within_error_model(tiny_budget.scores[:, :Lm], exact, what="all rows, one row per chunk")
+    assert_within_error_model(alone.scores[B - 1, :Lm], exact[B - 1], what="the last row alone")
+    L = int(batch.reasoning_len[B - 1])
+    # a different generator state gives different noise, hence different scores
+    other = oar_g_scores(pm, batch, probe="answer_mean", sigma=1e-2, noise_draws=2,
+                         generator=torch.Generator().manual_seed(12))
+    assert not torch.allclose(other.scores[B - 1, :L], full.scores[B - 1, :L], rtol=1e-2, atol=0)
+
+
 @pytest.mark.parametrize("probe", ["last", "answer_mean", "answer_joint"])
 @pytest.mark.parametrize("draws", [1, 2])
 def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
@@ -531,9 +581,8 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     # sets the tiny divergence's gradient): rule 1, both within the random-rounding estimate of that error around
     # the float64 model's scores (the plain-PyTorch reference with the engine's noise draws: one chunk).
     assert fast.stats["chunks"] == plain.stats["chunks"] == 1
-    W, H = int(batch.context_len.max()), model.config.hidden_size
-    gen = torch.Generator().manual_seed(7)
-    noises = [torch.randn((batch.batch_size, W, H), generator=gen, dtype=torch.float32) for _ in range(draws)]
+    assert int(batch.context_len.max()) == batch.input_ids.shape[1]
+    noises = _engine_noises(batch, 7, draws, model.config.hidden_size)
     e64 = float64_copy(model, exact_norms=True)
     exact = random_rounding(lambda: oar_g_reference(e64, batch, noises, probe, 1e-2))
     Lm = exact.value.shape[1]

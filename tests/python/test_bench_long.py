@@ -89,3 +89,44 @@ def test_rows_exactness_and_resume(tmp_path, monkeypatch):
     assert calls == [{0: list(range(lost["start"], lost["end"]))}]
     assert json.loads(path.read_text())["exact_blocks"]["8"]["scores"] == pytest.approx(lost["scores"], rel=1e-4)
     assert _table(tmp_path)[(24, "window_all")]["spearman"] == table[(24, "window_all")]["spearman"]
+
+
+def test_exact_stride_scores_every_kth_position_and_fidelity_table(tmp_path, monkeypatch):
+    """--exact-stride k: the exact reference scores positions j % k == 0 only, fidelity is measured there, a resume
+    with another stride is refused; fidelity_table.py reads the caches (window_all ranks exactly like exact)."""
+    import fidelity_table
+
+    _traces(tmp_path / "traces.jsonl")
+    monkeypatch.setattr(bench_long, "SETTINGS", bench_long.SETTINGS + [
+        bench_long.Setting("window_all", bench_long._window(10**6), note="window past the end: exact")])
+    args = ["--traces", str(tmp_path / "traces.jsonl"), "--lengths", "24", "--per-length", "2", "--model",
+            "tiny-random-llama", "--model-kwargs", json.dumps(TINY), "--no-grpo", "--exact-block", "8", "--out",
+            str(tmp_path / "out"), "--settings", "window_all", "window4_linear", "--exact-stride", "3"]
+    assert bench_long.main(args) == 0
+    cache = json.loads((tmp_path / "out" / "cache" / "t24-0.json").read_text())
+    assert cache["exact_stride"] == 3
+    exact = bench_long.exact_scores(cache)
+    L = cache["reasoning_len"]
+    assert [j for j in range(L) if exact[j] is not None] == list(range(0, L, 3))
+    # the stride's scores are exact OAR-P's at those positions (the window past the end is exact OAR-P, by another
+    # engine): two float32 KLs of near-equal distributions differ by ~ eps32 x |log p| x a few terms ~ 1e-6
+    full = cache["settings"]["window_all"]["scores"]
+    assert max(full) > 1e-4
+    assert [exact[j] for j in range(0, L, 3)] == pytest.approx([full[j] for j in range(0, L, 3)], rel=0, abs=2e-6)
+    lin = cache["settings"]["window4_linear"]
+    assert lin["tokens"] > lin["forward_tokens"] > 0  # token-columns: forward + backward
+    md = (tmp_path / "out" / "long.md").read_text()
+    assert "oar_p_exact (every 3-th position)" in md
+    with pytest.raises(SystemExit, match="--exact-stride 3"):
+        bench_long.main(args[:-1] + ["2"])
+    out = tmp_path / "fid.md"
+    assert fidelity_table.main(["--set", f"tiny:{tmp_path / 'out'}:{tmp_path / 'traces.jsonl'}", "--out",
+                                str(out)]) == 0
+    text = out.read_text()
+    assert "| tiny | t24-0 |" in text and "| tiny | t24-1 |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| tiny | t24-0 |"))
+    from oar.app.eval_attribution import spearman
+
+    # the table's Spearman is the one on the scored positions (8 of 24 here)
+    want = spearman(*bench_long.paired(lin["scores"], exact))
+    assert row.endswith(f"| {want:.3f} |") and "| 8 (3) |" in row

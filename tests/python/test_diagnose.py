@@ -66,16 +66,84 @@ def test_paired_t_and_sign_flip_by_hand():
 
 # ---- specs -----------------------------------------------------------------------------------------------------
 
+def test_jackknife_se_of_a_mean_is_the_standard_error():
+    from oar.app.stats import jackknife_se
+
+    x = np.array([0.3, -1.2, 2.5, 0.7, 1.1])
+    loo = np.array([np.delete(x, i).mean() for i in range(x.size)])
+    assert jackknife_se(loo) == pytest.approx(x.std(ddof=1) / np.sqrt(x.size), rel=1e-12)
+
+
+def test_t_with_reference_covers_when_the_reference_is_noisy():
+    """Monte Carlo coverage: N units with noise sd 1 around a reference-dependent mean whose own error (sd 0.5) comes
+    from F folds. The batches-only t interval undercovers; the two-source interval covers about 95%."""
+    from oar.app.stats import t_with_reference
+
+    rng = np.random.default_rng(0)
+    N, F, sims, truth = 12, 4, 2000, 0.0
+    hit_two, hit_units = 0, 0
+    for _ in range(sims):
+        folds = rng.normal(0.0, 0.5 * np.sqrt(F), F)  # the reference's error: the mean of F folds, sd 0.5
+        units = truth + folds.mean() + rng.normal(0.0, 1.0, N)
+        loo = np.array([units.mean() - folds.mean() + np.delete(folds, c).mean() for c in range(F)])
+        iv = t_with_reference(units, loo)
+        hit_two += iv.lo <= truth <= iv.hi
+        hit_units += paired_t(units).lo <= truth <= paired_t(units).hi
+    # binomial sd of a 95% coverage over 2000 draws: 0.005; Welch's df is approximate, so allow 3 points
+    assert 0.92 <= hit_two / sims <= 0.98
+    assert hit_units / sims < 0.90  # the reference's noise is real: ignoring it undercovers
+    iv = t_with_reference([1.0, 2.0, 3.0], [2.0, 2.0, 2.0])  # no reference noise: the plain t interval
+    ref = paired_t([1.0, 2.0, 3.0])
+    assert (iv.lo, iv.hi) == pytest.approx((ref.lo, ref.hi), rel=1e-9)
+
+
 def test_parse_credit():
-    s = core.parse_credit("oar_g:beta=2, q=0.5,sign=positive")
-    assert (s.method, dict(s.overrides), s.sign) == ("oar_g", {"beta": 2, "q": 0.5}, "positive")
+    s = core.parse_credit("oar_g:beta=2, q=0.5,credit_rows=positive")
+    assert (s.method, dict(s.overrides), s.credit_rows) == ("oar_g", {"beta": 2, "q": 0.5}, "positive")
     assert core.parse_credit("entropy_top:quantile=0.2").quantile == 0.2
-    for bad, msg in [("nope", "unknown method 'nope'"), ("oar_g:beta", "must look like key=value"),
-                     ("oar_g:sign=up", "sign must be one of"),
+    for bad, msg in [("nope", "unknown method 'nope'"), ("oar_g:beta", "expected key=value"),
+                     ("oar_g:credit_rows=up", "credit_rows must be one of"),
+                     ("oar_g:sign=positive", "sign= is now credit_rows="),
+                     ("oar_g:q=1,q=2", "key 'q' given twice"), ("oar_g:", "expected key=value"),
                      ("oar_g:quantile=0.2", "quantile is a key of entropy_top"),
                      ("entropy_top:quantile=0", r"quantile must be in \(0, 1\]"), ("", "non-empty")]:
         with pytest.raises(ValueError, match=msg):
             core.parse_credit(bad)
+
+
+@pytest.mark.parametrize("spec", ["oar_g", "oar_g:credit_rows=positive", "oar_p:q=0.5, beta=2",
+                                  "oar_g:credit_rows=negative,beta=0"])
+def test_compare_and_diagnose_read_a_setting_alike(spec):
+    """One parser (oar.schema.parse_method_spec) and one name (credit_rows) for both tools."""
+    from oar.app.compare import parse_method
+
+    name, overrides = parse_method(spec)
+    c = core.parse_credit(spec)
+    from oar.schema import yaml_load
+    keys = {o.split("=", 1)[0][len("oar."):]: yaml_load(o.split("=", 1)[1], "v") for o in overrides}
+    assert c.method == name
+    assert {**dict(c.overrides), "credit_rows": c.credit_rows} == {"credit_rows": "all", **keys}
+    cfg = core.config_for(oar.OARConfig(), c, seed=0)
+    assert cfg.credit_rows == keys.get("credit_rows", "all")
+
+
+def test_credit_rows_shares_the_rows_noise(tiny):
+    """oar_g:credit_rows=positive = oar_g's advantages on the rows with A > 0 and GRPO's uniform ones elsewhere,
+    exactly: the pipeline scores only those rows, and OAR-G's noise of a row is a function of (seed, row), not of
+    which rows are scored (common random numbers across settings)."""
+    model, tok = tiny
+    r = _sample(model, tok, _prompts(4), 4, seed=2)
+    kw = dict(model=model, tokenizer=tok, base_config=oar.OARConfig(), seed=17)
+    full, seq, _ = core.method_advantages(core.parse_credit("oar_g"), r, **kw)
+    pos, seq2, _ = core.method_advantages(core.parse_credit("oar_g:credit_rows=positive"), r, **kw)
+    grpo, _, _ = core.method_advantages(core.parse_credit("grpo"), r, **kw)
+    assert torch.equal(seq, seq2)
+    up, down = seq > 0, seq < 0
+    assert up.any() and down.any(), "the sample needs rows of both signs"
+    assert not torch.allclose(full[up], grpo[up]), "OAR-G credit must differ from uniform: else the test is vacuous"
+    # the same noise on the same row: equal up to float32 rounding of a different chunk (other rows padded in)
+    torch.testing.assert_close(pos[up], full[up], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(pos[down], grpo[down], rtol=0, atol=0)
 
 
 def test_bad_override_names_the_spec(tiny):
@@ -106,6 +174,42 @@ def test_reference_gradient_matches_exact_gradient(tiny):
     assert core.grad_norm(est) == pytest.approx(core.grad_norm(exact), rel=0.15)
     with pytest.raises(ValueError, match=">= 2 rollouts per prompt"):
         core.reference_gradient(model, _sample(model, tok, prompts, 1, seed=0), params, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_token_logprobs_are_trls_at_the_sampling_temperature(tiny, temperature):
+    """At T != 1 the rollouts come from softmax(logits / T): token_logprobs (hence u and g_ref) and the entropies
+    equal TRL's own ``_get_per_token_logps_and_entropies`` (logits divided by ``temperature``) on the same ids."""
+    import inspect
+    from types import SimpleNamespace
+
+    trl = pytest.importorskip("trl")
+    model, tok = tiny
+    prompts = _prompts(3)  # equal lengths: TRL passes no position_ids, so no left padding keeps positions equal
+    r = core.sample_rollouts(model, prompts, _first_token_even, group_size=2, temperature=temperature,
+                             max_new_tokens=6, seed=5, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    assert r.temperature == temperature
+    rows = list(range(r.batch_size))
+    with torch.no_grad():
+        lp, ent = core.token_logprobs(model, r, rows, tok.pad_token_id, with_entropy=True)
+        ids = torch.cat([torch.stack(r.prompt_ids), torch.where(r.completion_mask, r.completion_ids,
+                                                                tok.pad_token_id)], 1)
+        att = torch.cat([torch.ones(r.batch_size, len(prompts[0]), dtype=torch.long), r.completion_mask.long()], 1)
+        host = SimpleNamespace(temperature=temperature, _entropy_bonus_enabled=False,
+                               model_kwarg_keys=set(inspect.signature(model.forward).parameters))
+        fn = trl.GRPOTrainer._get_per_token_logps_and_entropies
+        ref_lp, ref_ent, _ = getattr(fn, "__wrapped__", fn)(host, model, ids, att, r.completion_ids.shape[1],
+                                                             compute_entropy=True)
+    m = r.completion_mask
+    assert m.sum() > 6
+    # the same float32 forward and log-softmax: differences are rounding (|log p| <= ~10 here)
+    torch.testing.assert_close(lp[m], ref_lp[m].float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[m], ref_ent[m].float(), rtol=0, atol=1e-5)
+    # and the temperature matters: at T = 1 the log-probs differ by far more than that
+    r1 = core.Rollouts(r.prompt_ids, r.completion_ids, r.completion_mask, r.rewards, r.group_size)
+    with torch.no_grad():
+        lp1 = core.token_logprobs(model, r1, rows, tok.pad_token_id)
+    assert (lp1[m] - lp[m]).abs().max() > 1e-2
 
 
 def test_update_directions_equal_per_row_autograd(tiny):
@@ -148,8 +252,8 @@ def test_uniform_weights_equal_grpo_exactly(tiny):
     for spec in ("oar_g:beta=0,tiers=boost", "entropy_top:quantile=1", "random:beta=0,tiers=boost"):
         adv, _, _ = core.method_advantages(core.parse_credit(spec), r, **kw)
         assert torch.equal(adv, grpo), spec
-    # sign=positive keeps grpo's credit on the negative rows, the method's on the positive rows
-    pos, _, _ = core.method_advantages(core.parse_credit("random:sign=positive"), r, **kw)
+    # credit_rows=positive keeps grpo's credit on the negative rows, the method's on the positive rows
+    pos, _, _ = core.method_advantages(core.parse_credit("random:credit_rows=positive"), r, **kw)
     rnd, _, _ = core.method_advantages(core.parse_credit("random"), r, **kw)
     neg = seq < 0
     assert torch.equal(pos[neg], grpo[neg]) and torch.equal(pos[~neg], rnd[~neg])
@@ -275,6 +379,20 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     assert rows["random:beta=0,tiers=boost"]["cos"] == rows["grpo"]["cos"]
     assert rows["grpo"]["reward_batches"] == 1 and "reward_change" in rows["random"]
     assert os.path.exists(os.path.join(out, "diagnose.png"))
+    # the reference's folds: leave-one-fold-out weights and norms equal the explicit g_(-c); the intervals (which
+    # carry its noise: test_t_with_reference_covers_when_the_reference_is_noisy) are centred on the same mean
+    from oar.app.diagnose import leave_one_fold_out
+    ref = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
+    assert len(ref["folds"]) == s.ref_folds and sum(ref["fold_rollouts"]) == ref["rollouts"]
+    w, norms = leave_one_fold_out(ref)
+    for c in range(s.ref_folds):
+        others = [k for k in range(s.ref_folds) if k != c]
+        n = sum(ref["fold_rollouts"][k] for k in others)
+        g = [sum(ref["folds"][k][i] * (ref["fold_rollouts"][k] / n) for k in others) for i in range(len(ref["grad"]))]
+        assert norms[c] == pytest.approx(core.grad_norm(g), rel=1e-5)
+    for r in first["rows"]:
+        ci, narrow = r["cos_ci"], r["cos_ci_batches_only"]
+        assert ci["mean"] == narrow["mean"] == r["cos"] and ci["lo"] < ci["mean"] < ci["hi"]
     # a killed run: the last batch's line is cut; the rerun computes that batch again, and the same numbers
     path = os.path.join(out, "batches.jsonl")
     lines = open(path).read().splitlines()
@@ -292,13 +410,43 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     grown = run(model, tok, _PlantedSource(tok), DiagnoseSettings(**{**s.__dict__, "batches": 4}), out, progress=False)
     now = records()
     assert sorted(now) == [0, 1, 2, 3] and all(now[b] == kept[b] for b in (0, 1, 2))
-    assert {r["batches"] for r in grown["rows"]} == {4}
+    assert {r["batches"] + r["batches_without_signal"] for r in grown["rows"]} == {4}
     back = run(model, tok, _PlantedSource(tok), s, out, progress=False)
     assert json.dumps(back["rows"], sort_keys=True) == json.dumps(first["rows"], sort_keys=True)
     # other settings in the same folder are refused, naming the field
     s2 = DiagnoseSettings(**{**s.__dict__, "group": 2})
     with pytest.raises(ValueError, match=r"other settings \(\['group'\]\)"):
         run(model, tok, _PlantedSource(tok), s2, out, progress=False)
+    # ... and so are another model / task (provenance) and a folder written by another version of the diagnostic
+    with pytest.raises(ValueError, match=r"provenance.model"):
+        run(model, tok, _PlantedSource(tok), s, out, progress=False, provenance={"model": {"name": "other"}})
+    state = json.load(open(os.path.join(out, "state.json")))
+    json.dump({**state, "version": 1}, open(os.path.join(out, "state.json"), "w"))
+    with pytest.raises(ValueError, match="another version"):
+        run(model, tok, _PlantedSource(tok), s, out, progress=False)
+
+
+class _SilentSource(_PlantedSource):
+    """Every reward 0: no group has signal, every update is 0."""
+
+    def rollouts(self, model, problems, **kw):
+        r = super().rollouts(model, problems, **kw)
+        r.rewards.zero_()
+        return r
+
+
+def test_batches_without_signal_are_reported_not_averaged(tiny, tmp_path):
+    from oar.app.diagnose import DiagnoseSettings, run
+
+    model, tok = tiny
+    s = DiagnoseSettings(methods=["grpo", "random"], batches=2, prompts=2, group=4, ref_prompts=8, ref_group=4,
+                         max_new_tokens=4, temperature=1.0, sketch_dim=256, reward_batches=0, step_norm=0.5)
+    out = str(tmp_path / "silent")
+    summary = run(model, tok, _SilentSource(tok), s, out, progress=False)
+    assert summary["batches_without_signal"] == 2
+    for r in summary["rows"]:
+        assert r["batches"] == 0 and r["batches_without_signal"] == 2 and r["cos"] is None and "dcos" not in r
+    assert "0 with signal (+ 2 where no group had two rewards" in open(os.path.join(out, "diagnose.md")).read()
 
 
 @pytest.mark.parametrize("field,value,msg", [("batches", 1, "batches must be >= 2"),

@@ -149,7 +149,7 @@ def _diagnose(a) -> int:
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         a.parser.error(f"--out must be a folder, got the file {a.out!r}")
     flags = {k: getattr(a, k) for k in ("methods", "batches", "prompts", "group", "ref_prompts", "ref_group",
-                                        "micro_batch", "sketch_dim", "reward_batches", "reward_prompts",
+                                        "ref_folds", "micro_batch", "sketch_dim", "reward_batches", "reward_prompts",
                                         "reward_samples", "step_norm")}
     try:
         _task_problems(dict(load_config(a.config, a.set).task), "train")  # missing data fails before the model loads
@@ -240,12 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/diagnose", help="output folder (resumable: finished batches are kept)")
     d.add_argument("--methods", nargs="+", default=None,
                    help="credit settings, the first is the baseline: grpo oar_g oar_p:screen=window ... "
-                        "oar_g:sign=positive entropy_top:quantile=0.2 (default: docs/diagnose.md)")
+                        "oar_g:credit_rows=positive entropy_top:quantile=0.2 (default: docs/diagnose.md)")
     d.add_argument("--batches", type=int, default=None, help="training batches (the paired units; default 24)")
     d.add_argument("--prompts", type=int, default=None, help="prompts per batch (default: the config's step)")
     d.add_argument("--group", type=int, default=None, help="rollouts per prompt (default: grpo.num_generations)")
     d.add_argument("--ref-prompts", type=int, default=None, help="held-out prompts of the reference gradient (96)")
     d.add_argument("--ref-group", type=int, default=None, help="rollouts per reference prompt (8)")
+    d.add_argument("--ref-folds", type=int, default=None,
+                   help="independent folds of the reference; intervals carry its noise by a jackknife over them (4)")
     d.add_argument("--micro-batch", type=int, default=None, help="rows per forward of the updates (0: whole batch)")
     d.add_argument("--sketch-dim", type=int, default=None, help="count-sketch size per update (65536)")
     d.add_argument("--reward-batches", type=int, default=None,

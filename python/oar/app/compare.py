@@ -81,26 +81,13 @@ def _parse_method(spec: str) -> tuple[str, list[str], str]:
     """:func:`parse_method`, and the setting in a canonical form (method and parsed key values, sorted: two
     spellings of one setting, ``q=0.5,beta=2`` and ``beta=2,q=0.50``, are equal)."""
     import oar
-    from oar.schema import config_from_mapping, yaml_load
+    from oar.schema import config_from_mapping, parse_method_spec
 
-    name, _, rest = str(spec).partition(":")
-    name = name.strip()
-    if name not in oar.METHODS:
-        raise ValueError(f"methods must be among {list(oar.METHODS)} (optionally with :key=value,...), got {spec!r}")
-    keys: dict = {}
-    overrides: list[str] = []
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        k, eq, v = (x.strip() for x in item.partition("="))
-        if not eq or not k:
-            raise ValueError(f"method {spec!r}: expected key=value items after ':', got {item!r}")
+    name, keys, items = parse_method_spec(str(spec), list(oar.METHODS))
+    for k in keys:
         if k in ("method", "seed"):
             raise ValueError(f"method {spec!r}: oar.{k} is set per run by oar compare")
-        if k in keys:
-            raise ValueError(f"method {spec!r}: key {k!r} given twice")
-        keys[k] = yaml_load(v, f"method {spec!r}: the value of {k}")
-        overrides.append(f"oar.{k}={v}")
-    if ":" in str(spec) and not keys:
-        raise ValueError(f"method {spec!r}: expected key=value items after ':'")
+    overrides = [f"oar.{k}={v}" for k, v in items]
     config_from_mapping({"method": name, **keys})  # the schema's own checks, naming the key
     return name, overrides, json.dumps([name, sorted(keys.items())])
 

@@ -4,14 +4,13 @@
 From one policy (the config's model, or a checkpoint folder), the command
 
 1. estimates the gradient of held-out reward, grad E[R], from ``ref_prompts`` held-out prompts x ``ref_group``
-   rollouts each (leave-one-out baseline: unbiased), in two independent halves (their agreement says how noisy
-   the reference is);
+   rollouts each (leave-one-out baseline: unbiased), in ``ref_folds`` independent folds (their agreement says how
+   noisy the reference is, and a jackknife over them puts its noise into every interval);
 2. draws ``batches`` training batches as training would (``prompts`` x ``group`` rollouts, the config's temperature
    and completion length) and, on each, computes every credit setting's token advantages and its update
    direction u_m (:mod:`oar.app.diagnose_core`);
 3. reports per setting, paired across batches: the cosine of u_m with the reference gradient, its difference to
-   grpo's (paired t interval and sign-flip test), the first-order reward gain per unit step, and the
-   signal-to-noise ratio of u_m across batches (count sketches of the updates); optionally the held-out reward
+   grpo's (paired t interval with the reference's noise, and sign-flip test), and the signal-to-noise ratio of u_m across batches (count sketches of the updates); optionally the held-out reward
    after one normalized step along u_m, sampled with the same seeds for every setting (common random numbers).
 
 Output folder: ``state.json`` (the settings; a resume must match them), ``reference.pt`` (the reference gradient),
@@ -36,7 +35,7 @@ require("train", "oar.app.diagnose")
 
 from oar.app import diagnose_core as core  # noqa: E402
 
-DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2", "oar_g:sign=positive",
+DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2", "oar_g:credit_rows=positive",
                    "oar_g:q=0.5", "oar_g:beta=2"]
 
 
@@ -50,6 +49,9 @@ class DiagnoseSettings:
         batches: B training batches (the paired units).
         prompts: prompts per batch; group: rollouts per prompt (the GRPO group).
         ref_prompts, ref_group: the reference sample (held-out prompts x rollouts each).
+        ref_folds: F >= 2 independent folds the reference is estimated in (prompt i in fold i mod F); every
+            interval carries the reference's sampling noise through a jackknife over them (memory: F + 1
+            parameter-sized float32 gradients).
         temperature, max_new_tokens: sampling, as in training (default: the config's grpo section).
         micro_batch: rows per forward of the update directions (0: the whole batch in one forward).
         sketch_dim: count-sketch size of each update (the signal-to-noise ratio).
@@ -66,6 +68,7 @@ class DiagnoseSettings:
     group: int = 4
     ref_prompts: int = 96
     ref_group: int = 8
+    ref_folds: int = 4
     temperature: float = 0.9
     max_new_tokens: int = 48
     micro_batch: int = 0
@@ -83,6 +86,10 @@ class DiagnoseSettings:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        if isinstance(self.ref_folds, bool) or not isinstance(self.ref_folds, int) or not \
+                2 <= self.ref_folds <= self.ref_prompts:
+            raise ValueError(f"ref_folds must be an integer in [2, ref_prompts = {self.ref_prompts}], got "
+                             f"{self.ref_folds!r}")
         if self.ref_group < 2:
             raise ValueError(f"ref_group must be >= 2 (leave-one-out baseline), got {self.ref_group}")
         if self.batches < 2:
@@ -155,22 +162,26 @@ def _batch_problems(source: TaskSource, s: DiagnoseSettings, b: int) -> list:
 
 
 def compute_reference(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, progress=None) -> dict:
-    """The reference gradient (``reference.pt``, loaded when present): two halves of ``ref_prompts`` held-out
-    prompts, their mean, and the statistics that say how noisy it is.
+    """The reference gradient (``reference.pt``, loaded when present): ``ref_folds`` independent folds of the
+    ``ref_prompts`` held-out prompts (prompt i in fold i mod F), their weighted mean, and what says how noisy it is.
 
     Returns:
-        ``{"grad": [per-parameter float32], "norm", "half_cos", "signal_sq", "attenuation", "mean_reward",
-        "mixed_groups", "rollouts"}``; ``signal_sq`` = <g_A, g_B> (an unbiased estimate of |grad E[R]|^2),
-        ``attenuation`` = sqrt(signal_sq) / |g_ref| (cosines with g_ref times 1 / attenuation estimate cosines with
-        the true gradient; None when signal_sq <= 0: the reference is dominated by its noise).
+        ``{"grad": [per-parameter float32], "folds": F such lists, "fold_rollouts": (F,), "gram": (F, F) inner
+        products of the folds, "norm", "fold_cos", "signal_sq", "attenuation", "mean_reward", "mixed_groups",
+        "rollouts"}``; ``signal_sq`` = the mean of <g_c, g_c'> over pairs of different folds (an unbiased estimate of
+        |grad E[R]|^2), ``fold_cos`` the mean cosine between different folds, ``attenuation`` = sqrt(signal_sq) /
+        |g_ref| (cosines with g_ref times 1 / attenuation estimate cosines with the true gradient; None when
+        signal_sq <= 0: the reference is dominated by its noise).
     """
     path = os.path.join(out_dir, "reference.pt")
     if os.path.exists(path):
         return torch.load(path, weights_only=False)
     params = _params(model)
     probs = source.heldout[: s.ref_prompts]
-    halves, rewards, mixed = [], [], 0
-    for h, part in enumerate((probs[0::2], probs[1::2])):
+    F = s.ref_folds
+    folds, counts, rewards, mixed = [], [], [], 0
+    for h in range(F):
+        part = probs[h::F]
         acc = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         n = 0
         for c in range(0, len(part), 8):
@@ -186,18 +197,37 @@ def compute_reference(model, tok, source: TaskSource, s: DiagnoseSettings, out_d
             mixed += int(((rg.max(1).values - rg.min(1).values) > 0).sum())
             if progress is not None:
                 progress(len(chunk))
-        halves.append([a / max(1, n) for a in acc])
-    g = [(a + b) / 2 for a, b in zip(*halves)]
-    signal = core.grad_dot(halves[0], halves[1])
+        folds.append([a / max(1, n) for a in acc])
+        counts.append(n)
+    N = float(sum(counts))
+    g = [sum(fc[i] * (n / N) for fc, n in zip(folds, counts)) for i in range(len(params))]
+    gram = np.array([[core.grad_dot(folds[a], folds[b]) for b in range(F)] for a in range(F)])
+    off = gram[~np.eye(F, dtype=bool)]
+    signal = float(off.mean())
+    norms = np.sqrt(np.diag(gram))
+    cos = [gram[a, b] / max(1e-30, norms[a] * norms[b]) for a in range(F) for b in range(F) if a != b]
     norm = core.grad_norm(g)
-    ref = {"grad": g, "norm": norm,
-           "half_cos": signal / max(1e-30, core.grad_norm(halves[0]) * core.grad_norm(halves[1])),
-           "signal_sq": signal, "attenuation": (math.sqrt(signal) / norm) if signal > 0 and norm > 0 else None,
+    ref = {"grad": g, "folds": folds, "fold_rollouts": counts, "gram": gram.tolist(), "norm": norm,
+           "fold_cos": float(np.mean(cos)), "signal_sq": signal,
+           "attenuation": (math.sqrt(signal) / norm) if signal > 0 and norm > 0 else None,
            "mean_reward": float(np.mean(rewards)), "mixed_groups": mixed / max(1, len(probs)),
            "rollouts": len(rewards)}
     torch.save(ref, path + ".tmp")
     os.replace(path + ".tmp", path)
     return ref
+
+
+def leave_one_fold_out(ref: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Weights and norms of the reference without fold c: g_(-c) = sum_{c' != c} w[c, c'] g_c' (F, F) and
+    |g_(-c)| (F,), from the folds' Gram matrix (no parameter-sized work)."""
+    n = np.asarray(ref["fold_rollouts"], dtype=np.float64)
+    G = np.asarray(ref["gram"], dtype=np.float64)
+    F = n.size
+    w = np.tile(n, (F, 1))
+    np.fill_diagonal(w, 0.0)
+    w /= w.sum(1, keepdims=True)
+    norms = np.sqrt(np.maximum(0.0, np.einsum("ca,ab,cb->c", w, G, w)))
+    return w, norms
 
 
 def _heldout_reward(model, source: TaskSource, s: DiagnoseSettings) -> float:
@@ -243,20 +273,23 @@ def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, 
     with torch.no_grad():
         _, ent = core.token_logprobs(model, r, list(range(r.batch_size)), _pad_id(tok), with_entropy=True)
     advs, metrics, seq = {}, {}, None
-    for k, spec in enumerate(specs):
+    for spec in specs:
+        # one seed per batch for every setting (not per position in --methods): random draws are common random
+        # numbers across settings (OAR-G's noise of a row is a function of (seed, row): oar_g.row_noise)
         adv, seq, m = core.method_advantages(spec, r, model=model, tokenizer=tok, base_config=base_config,
-                                             seed=s.seed * 1_000_003 + b * 101 + k, entropies=ent.cpu())
+                                             seed=s.seed * 1_000_003 + b * 101, entropies=ent.cpu())
         advs[spec.label], metrics[spec.label] = adv, m
     t_adv = time.perf_counter() - t0 - t_gen
     dirs = core.update_directions(model, r, advs, params, _pad_id(tok), micro_batch=s.micro_batch or None)
     rec = {"batch": b, "mean_reward": float(r.rewards.mean()), "active_rows": int((seq != 0).sum()),
+           "signal": bool((seq != 0).any()),
            "tokens": int(r.completion_mask.sum()), "methods": {}}
     sk = {}
     for spec in specs:
         u = dirs[spec.label]
         dot, norm = core.grad_dot(u, ref["grad"]), core.grad_norm(u)
         entry = {"dot": dot, "norm": norm, "cos": dot / (norm * ref["norm"]) if norm > 0 and ref["norm"] > 0 else 0.0,
-                 "gain_per_unit_step": dot / norm if norm > 0 else 0.0,
+                 "fold_dots": [core.grad_dot(u, f) for f in ref["folds"]],
                  "ess_ratio": metrics[spec.label].get("oar/ess_ratio"),
                  "attribution_seconds": metrics[spec.label].get("oar/attribution_seconds")}
         sk[spec.label] = sketch(u)
@@ -269,8 +302,13 @@ def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, 
     return rec, sk
 
 
+#: Version of what a batch record means (2: logits divided by the sampling temperature, one seed per batch for every
+#: setting, batches without signal marked); an output folder of another version is not resumed.
+STATE_VERSION = 2
+
+
 def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, base_config=None, lr: float = 2e-5,
-        progress: bool = True) -> dict:
+        progress: bool = True, provenance: dict | None = None) -> dict:
     """Runs (or resumes) the diagnostic into ``out_dir`` and writes the report.
 
     Args:
@@ -281,12 +319,15 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
         out_dir: the output folder (created).
         base_config: ``oar.OARConfig`` every setting's overrides apply to (default: OAR's defaults).
         lr: the learning rate that sets the default ``step_norm``.
+        provenance: what else determines the numbers (``oar diagnose`` passes the task, the model and the whole run
+            config); stored in ``state.json`` with the task's name, and a resume with other values is refused.
 
     Returns:
         The report's summary (also in ``diagnose.json``).
 
     Raises:
-        ValueError: bad settings, or settings that differ from an earlier run in ``out_dir`` (naming the fields).
+        ValueError: bad settings, or settings, task, model or config that differ from an earlier run in ``out_dir``
+            (naming the fields), or an ``out_dir`` written by another version of the diagnostic.
     """
     from oar.schema import OARConfig
 
@@ -297,17 +338,26 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
         core.config_for(base_config, spec, s.seed)
     os.makedirs(os.path.join(out_dir, "sketches"), exist_ok=True)
     state_path = os.path.join(out_dir, "state.json")
-    state = {"settings": asdict(s), "base_config": json.loads(base_config.to_json())}
+    prov = {"task": getattr(getattr(source, "task", None), "name", None), "lr": float(lr), **(provenance or {})}
+    state = {"version": STATE_VERSION, "settings": asdict(s), "base_config": json.loads(base_config.to_json()),
+             "provenance": json.loads(json.dumps(prov, default=str))}
     if os.path.exists(state_path):
         with open(state_path) as f:
             old = json.load(f)
+        if old.get("version") != STATE_VERSION:
+            raise ValueError(f"{out_dir} holds a diagnostic of another version ({old.get('version', 1)}, this is "
+                             f"{STATE_VERSION}: its batches measured other updates); use another output folder")
         # `batches` may change: batch b is the same draw whatever the total, so a pilot extends to a full run
         # (and the report covers batches 0 .. batches - 1).
         diff = sorted(k for k in set(old["settings"]) | set(state["settings"])
                       if k != "batches" and old["settings"].get(k) != state["settings"].get(k))
-        if diff or old.get("base_config") != state["base_config"]:
-            raise ValueError(f"{out_dir} holds a diagnostic with other settings ({diff or ['base_config']}): pass "
-                             "the same settings to resume (only --batches may change), or another output folder")
+        if old.get("base_config") != state["base_config"]:
+            diff.append("base_config")
+        op, np_ = old.get("provenance", {}), state["provenance"]
+        diff += [f"provenance.{k}" for k in sorted(set(op) | set(np_)) if op.get(k) != np_.get(k)]
+        if diff:
+            raise ValueError(f"{out_dir} holds a diagnostic with other settings ({diff}): pass the same settings, "
+                             "task, model and config to resume (only --batches may change), or another output folder")
     _write_json(state_path, state)
     model.eval()
     params = _params(model)
@@ -396,27 +446,53 @@ def snr_from_sketches(sketches: np.ndarray, sq_norms: np.ndarray) -> tuple[float
 
 def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward,
               n_params: int) -> dict:
-    """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``)."""
-    from oar.app.stats import paired_t, sign_flip_pvalue
+    """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``).
 
-    bs = sorted(done)
+    Intervals of cos and Δcos carry both noises: the batches' (t over batches) and the reference's (jackknife over
+    its folds: each batch's cosine recomputed against the reference without fold c, from the stored <u, g_c>);
+    :func:`oar.app.stats.t_with_reference`. The SNR's interval is a jackknife over batches."""
+    from oar.app.stats import jackknife_se, paired_t, sign_flip_pvalue, t_quantile, t_with_reference
+
+    w_loo, n_loo = leave_one_fold_out(ref)
+
+    def cos_loo(lab: str) -> np.ndarray:
+        """(B, F): each batch's cosine with the reference without fold c."""
+        out = np.zeros((len(bs), len(n_loo)))
+        for i, b in enumerate(bs):
+            m = done[b]["methods"][lab]
+            if m["norm"] > 0:
+                out[i] = (w_loo @ np.asarray(m["fold_dots"])) / (m["norm"] * np.maximum(n_loo, 1e-30))
+        return out
+
+    # batches where no group has reward signal (every sequence advantage 0) give every setting u = 0: they say
+    # nothing about credit and are counted apart, not averaged in as cos = 0
+    bs = sorted(b for b in done if done[b].get("signal", done[b].get("active_rows", 1) > 0))
+    silent = len(done) - len(bs)
     base = labels[0]
     rows = []
     att = ref.get("attenuation")
     for lab in labels:
         cos = np.array([done[b]["methods"][lab]["cos"] for b in bs])
-        gain = np.array([done[b]["methods"][lab]["gain_per_unit_step"] for b in bs])
-        row = {"method": lab, "batches": len(bs), "cos": float(cos.mean()) if len(bs) else float("nan")}
+        row = {"method": lab, "batches": len(bs), "batches_without_signal": silent,
+               "cos": float(cos.mean()) if len(bs) else None}
         if len(bs) >= 2:
-            row["cos_ci"] = paired_t(cos).as_dict()
-            row["gain_per_unit_step"] = float(gain.mean())
+            loo = cos_loo(lab)
+            row["cos_ci"] = t_with_reference(cos, loo.mean(0)).as_dict()
+            row["cos_ci_batches_only"] = paired_t(cos).as_dict()
             row["cos_true_est"] = float(cos.mean() / att) if att else None
             sk = np.stack([torch.load(os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))[lab].numpy() for b in bs])
             sq = np.array([done[b]["methods"][lab]["norm"] ** 2 for b in bs])
             row["snr"], row["cross_batch_cos"] = snr_from_sketches(sk, sq)
+            if len(bs) >= 3:
+                jk = [snr_from_sketches(np.delete(sk, i, 0), np.delete(sq, i))[0] for i in range(len(bs))]
+                h = t_quantile(0.975, len(bs) - 1) * jackknife_se(jk)
+                row["snr_ci"] = {"mean": row["snr"], "lo": row["snr"] - h, "hi": row["snr"] + h, "level": 0.95,
+                                 "n": len(bs)}
             if lab != base:
                 d = cos - np.array([done[b]["methods"][base]["cos"] for b in bs])
-                row["dcos"] = paired_t(d).as_dict() if np.any(d != 0) else {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+                d_loo = loo - cos_loo(base)
+                row["dcos"] = t_with_reference(d, d_loo.mean(0)).as_dict() if np.any(d != 0) else \
+                    {"mean": 0.0, "lo": 0.0, "hi": 0.0}
                 row["dcos_p_signflip"] = sign_flip_pvalue(d) if np.any(d != 0) else 1.0
             rc = [done[b]["methods"][lab].get("reward_change") for b in bs]
             rc = [x for x in rc if x is not None]
@@ -433,11 +509,13 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
         ess = [e for e in ess if e is not None]
         row["ess_ratio"] = float(np.mean(ess)) if ess else None
         rows.append(row)
-    secs = [done[b]["seconds"]["total"] for b in bs]
-    return {"baseline": base, "rows": rows, "reference": {k: v for k, v in ref.items() if k != "grad"},
+    secs = [done[b]["seconds"]["total"] for b in sorted(done)]
+    return {"baseline": base, "rows": rows,
+            "reference": {k: v for k, v in ref.items() if k not in ("grad", "folds")},
             "step_norm": step_norm, "base_reward": base_reward, "n_params": n_params,
             "median_batch_seconds": float(np.median(secs)) if secs else None,
-            "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in bs])) if bs else None}
+            "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in done])) if done else None,
+            "batches_without_signal": silent}
 
 
 def _fmt(x, spec="+.4f"):
@@ -454,13 +532,19 @@ def write_report(summary: dict, out_dir: str) -> None:
     lines = ["# oar diagnose", "",
              f"Reference gradient: {ref['rollouts']} held-out rollouts, mean reward {ref['mean_reward']:.3f}, "
              f"groups with both rewards {ref['mixed_groups']:.2f}; cosine of its two halves "
-             f"{ref['half_cos']:+.3f} (attenuation {_fmt(ref.get('attenuation'), '.3f')}: a cosine with the reference "
+             f"groups with both rewards {ref['mixed_groups']:.2f}; mean cosine between its {len(ref['gram'])} folds "
+             f"{ref['fold_cos']:+.3f} (attenuation {_fmt(ref.get('attenuation'), '.3f')}: a cosine with the reference "
              "divided by it estimates the cosine with the true gradient; '-' means the reference is mostly noise).",
-             f"Batches: {summary['rows'][0]['batches']}, mean reward {_fmt(summary['mean_batch_reward'], '.3f')}, "
+             f"Batches: {summary['rows'][0]['batches']} with signal"
+             f" (+ {summary.get('batches_without_signal', 0)} where no group had two rewards: every u = 0, not "
+             "counted)"
+             f", mean reward {_fmt(summary['mean_batch_reward'], '.3f')}, "
              f"median {_fmt(summary['median_batch_seconds'], '.1f')} s per batch; {summary['n_params']} parameters.",
+             "Intervals carry the batches' and the reference's noise (jackknife over its folds); the SNR's is a "
+             "jackknife over batches.",
              "", f"| setting | cos(u, g_ref) [95% CI] | est. cos(u, g) | Δcos vs {base} [95% CI] | sign-flip p | "
-             "gain per unit step | SNR | cross-batch cos | ESS ratio | Δreward (1 step) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "SNR [95% CI] | cross-batch cos | ESS ratio | Δreward (1 step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         ci = r.get("cos_ci")
         d = r.get("dcos")
@@ -468,8 +552,9 @@ def write_report(summary: dict, out_dir: str) -> None:
             f"| {r['method']} | {_fmt(r['cos'])}" + (f" [{ci['lo']:+.4f}, {ci['hi']:+.4f}]" if ci else "") +
             f" | {_fmt(r.get('cos_true_est'))} | " +
             (f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else "(baseline)") +
-            f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('gain_per_unit_step'), '.3g')} | "
-            f"{_fmt(r.get('snr'), '.3f')} | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "
+            f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('snr'), '.3f')}"
+            + (f" [{r['snr_ci']['lo']:+.3f}, {r['snr_ci']['hi']:+.3f}]" if r.get("snr_ci") else "") +
+            f" | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "
             f"{_fmt(r.get('ess_ratio'), '.3f')} | "
             f"{_fmt(r.get('reward_change'), '+.4f')} |")
     if summary.get("base_reward") is not None:
@@ -479,7 +564,7 @@ def write_report(summary: dict, out_dir: str) -> None:
     lines += ["", "How to read this and what it cannot tell: docs/diagnose.md."]
     with open(os.path.join(out_dir, "diagnose.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    keys = ["method", "batches", "cos", "cos_true_est", "gain_per_unit_step", "snr", "cross_batch_cos", "ess_ratio",
+    keys = ["method", "batches", "batches_without_signal", "cos", "cos_true_est", "snr", "cross_batch_cos", "ess_ratio",
             "dcos_p_signflip", "reward_change"]
     with open(os.path.join(out_dir, "diagnose.csv"), "w", newline="") as f:
         w = csv.writer(f)
@@ -549,5 +634,7 @@ def diagnose_main(config: str | None, overrides: list, out_dir: str, flags: dict
     torch.manual_seed(s.seed)
     model, tok = load_by_name(mcfg.pop("name", "smollm2-135m-instruct"), dtype=dtype, seed=s.seed, **mcfg)
     lr = float(cfg.grpo.get("learning_rate", 2e-5))
+    prov = {"model": dict(cfg.model), "task_config": dict(cfg.task), "grpo": dict(cfg.grpo), "eval": dict(cfg.eval),
+            "seed": cfg.run.get("seed", 0)}
     return run(model, tok, TaskSource(task, tok, train, heldout), s, out_dir, base_config=cfg.oar, lr=lr,
-               progress=progress)
+               progress=progress, provenance=prov)

@@ -34,6 +34,9 @@ class Rollouts:
         rewards: (B,) float32 rewards.
         group_size: rollouts per prompt (rows [g * G, (g + 1) * G) share prompt g).
         answers: B reference answers (str) or None.
+        temperature: the sampling temperature T (> 0). The policy the rollouts were drawn from is
+            softmax(logits / T), so :func:`token_logprobs` (hence every update direction and the reference gradient)
+            divides the logits by T, as TRL's ``_get_per_token_logps_and_entropies`` does.
     """
 
     prompt_ids: list
@@ -42,6 +45,11 @@ class Rollouts:
     rewards: torch.Tensor
     group_size: int
     answers: list | None = None
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not float(self.temperature) > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
 
     @property
     def batch_size(self) -> int:
@@ -58,8 +66,10 @@ class CreditSpec:
             sequence advantage on the tokens whose policy entropy is in the batch's top ``quantile``, 0 elsewhere;
             not mass-preserving, as in TRL).
         overrides: ``oar.OARConfig`` keys set for this setting (e.g. ``q``, ``beta``, ``screen``, ``mask_unit``).
-        sign: ``both`` (the method on every row), ``positive`` (the method's credit on rows with A > 0, uniform
-            GRPO credit on rows with A < 0) or ``negative`` (the reverse).
+        credit_rows: oar's ``credit_rows`` (docs/method.md section 12): ``all`` (the method on every row),
+            ``positive`` (the method's credit on rows with A > 0, uniform GRPO credit on the others) or
+            ``negative`` (the reverse). For oar's methods it is passed to the config (the pipeline then scores only
+            those rows, as in training); ``entropy_top`` and ``credit`` apply it to their advantages.
         quantile: ``entropy_top`` only: the kept fraction (TRL's ``top_entropy_quantile``; default 0.2).
         credit: a callable ``(rollouts, sequence_advantages (B,), entropies (B, C)) -> (B, C)`` token advantages used
             instead of ``method`` (tests, planted credit).
@@ -68,52 +78,43 @@ class CreditSpec:
     label: str
     method: str
     overrides: tuple = ()
-    sign: str = "both"
+    credit_rows: str = "all"
     quantile: float = 0.2
     credit: Callable | None = field(default=None, compare=False)
 
 
-SIGNS = ("both", "positive", "negative")
-
-
 def parse_credit(spec: str) -> CreditSpec:
-    """``"oar_g"``, ``"oar_g:beta=2,q=0.5"``, ``"oar_g:sign=positive"``, ``"entropy_top:quantile=0.2"`` -> CreditSpec.
+    """``"oar_g"``, ``"oar_g:beta=2,q=0.5"``, ``"oar_g:credit_rows=positive"``, ``"entropy_top:quantile=0.2"`` ->
+    CreditSpec, with the parser of ``oar compare``'s settings (:func:`oar.schema.parse_method_spec`).
 
-    Values are parsed as YAML scalars; ``sign`` and ``quantile`` are the diagnostic's own keys, every other key must
-    be an ``oar.OARConfig`` key (checked when the config is built: :func:`method_advantages`).
+    ``quantile`` is the diagnostic's own key (``entropy_top``); ``credit_rows`` is oar's config key; every other key
+    must be an ``oar.OARConfig`` key (checked when the config is built: :func:`method_advantages`).
 
     Raises:
-        ValueError: empty spec, unknown method, a ``key=value`` item without ``=``, a bad ``sign`` or ``quantile``.
+        ValueError: empty spec, unknown method, a ``key=value`` item without ``=``, a key given twice, a bad
+            ``credit_rows`` or ``quantile``, the former key ``sign`` (renamed ``credit_rows``).
     """
-    from oar.schema import METHODS, yaml_load
+    from oar.schema import CREDIT_ROWS, METHODS, parse_method_spec
 
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"method spec must be a non-empty string like 'oar_g' or 'oar_g:beta=2', got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    known = list(METHODS) + ["entropy_top"]
-    if name not in known:
-        raise ValueError(f"method spec {spec!r}: unknown method {name!r}; known: {known}")
-    over, sign, quantile = {}, "both", 0.2
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        if "=" not in item:
-            raise ValueError(f"method spec {spec!r}: item {item!r} must look like key=value")
-        k, v = (s.strip() for s in item.split("=", 1))
-        val = yaml_load(v, f"the value of {k!r} in method spec {spec!r}")
-        if k == "sign":
-            if val not in SIGNS:
-                raise ValueError(f"method spec {spec!r}: sign must be one of {list(SIGNS)}, got {val!r}")
-            sign = val
-        elif k == "quantile":
-            if name != "entropy_top":
-                raise ValueError(f"method spec {spec!r}: quantile is a key of entropy_top only")
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 < float(val) <= 1.0:
-                raise ValueError(f"method spec {spec!r}: quantile must be in (0, 1], got {val!r}")
-            quantile = float(val)
-        else:
-            over[k] = val
-    if name == "entropy_top" and over:
-        raise ValueError(f"method spec {spec!r}: entropy_top takes only quantile= and sign=, got {sorted(over)}")
-    return CreditSpec(spec.strip(), name, tuple(sorted(over.items())), sign, quantile)
+    name, keys, _ = parse_method_spec(spec, list(METHODS) + ["entropy_top"])
+    if "sign" in keys:
+        raise ValueError(f"method spec {spec!r}: sign= is now credit_rows= (oar's config key: all, positive or "
+                         "negative), e.g. 'oar_g:credit_rows=positive'")
+    credit_rows = keys.pop("credit_rows", "all")
+    if credit_rows not in CREDIT_ROWS:
+        raise ValueError(f"method spec {spec!r}: credit_rows must be one of {list(CREDIT_ROWS)}, got {credit_rows!r}")
+    quantile = 0.2
+    if "quantile" in keys:
+        val = keys.pop("quantile")
+        if name != "entropy_top":
+            raise ValueError(f"method spec {spec!r}: quantile is a key of entropy_top only")
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 < float(val) <= 1.0:
+            raise ValueError(f"method spec {spec!r}: quantile must be in (0, 1], got {val!r}")
+        quantile = float(val)
+    if name == "entropy_top" and keys:
+        raise ValueError(f"method spec {spec!r}: entropy_top takes only quantile= and credit_rows=, got "
+                         f"{sorted(keys)}")
+    return CreditSpec(spec.strip(), name, tuple(sorted(keys.items())), credit_rows, quantile)
 
 
 def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Callable[[int, list, str], float], *,
@@ -171,7 +172,8 @@ def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Calla
         text = tokenizer.decode(c, skip_special_tokens=True) if tokenizer is not None else ""
         rewards[r] = float(reward_fn(pi, c, text))
     ans = [answers[pi] for pi, _ in flat] if answers is not None else None
-    return Rollouts([torch.tensor(p, dtype=torch.long) for _, p in flat], cids, cmask, rewards, group_size, ans)
+    return Rollouts([torch.tensor(p, dtype=torch.long) for _, p in flat], cids, cmask, rewards, group_size, ans,
+                    float(temperature))
 
 
 def _layout(r: Rollouts, rows: Sequence[int], pad_id: int):
@@ -193,17 +195,19 @@ def _layout(r: Rollouts, rows: Sequence[int], pad_id: int):
 
 
 def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with_entropy: bool = False):
-    """log pi(y_t | x, y_<t) of the completion tokens of ``rows`` (with autograd when grad is enabled).
+    """log pi_T(y_t | x, y_<t) of the completion tokens of ``rows`` (with autograd when grad is enabled), where
+    pi_T = softmax(logits / T) is the sampling policy at the rollouts' temperature T (``r.temperature``), as TRL's
+    ``_get_per_token_logps_and_entropies`` computes it (logits divided by ``args.temperature``).
 
     Returns:
         (n, C) float32 log-probs (0 off the mask), and with ``with_entropy`` also (n, C) float32 full-vocabulary
-        entropies (detached; 0 off the mask).
+        entropies of pi_T (detached; 0 off the mask).
     """
     dev = next(model.parameters()).device
     ids, attn, pos, P = _layout(r, rows, pad_id)
     C = int(r.completion_ids.shape[1])
     logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev)).logits
-    logits = logits[:, P - 1:P - 1 + C].float()
+    logits = logits[:, P - 1:P - 1 + C].float() / float(r.temperature)
     logp_all = torch.log_softmax(logits, dim=-1)
     tgt = r.completion_ids[list(rows)].to(dev)
     mask = r.completion_mask[list(rows)].to(dev)
@@ -216,7 +220,8 @@ def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with
 
 
 def config_for(base_config, spec: CreditSpec, seed: int):
-    """The ``oar.OARConfig`` of ``spec``: ``base_config`` with its method, overrides and ``seed``. Raises ValueError
+    """The ``oar.OARConfig`` of ``spec``: ``base_config`` with its method, overrides, ``credit_rows`` (oar's methods;
+    ``entropy_top`` and ``credit`` settings apply theirs to their own advantages) and ``seed``. Raises ValueError
     naming the spec for a bad override."""
     import json
 
@@ -225,6 +230,8 @@ def config_for(base_config, spec: CreditSpec, seed: int):
     cfg = with_method(base_config, "grpo" if spec.method == "entropy_top" else spec.method)
     obj = json.loads(cfg.to_json())
     obj.update(dict(spec.overrides))
+    if spec.credit is None and spec.method != "entropy_top":
+        obj["credit_rows"] = spec.credit_rows
     obj["seed"] = int(seed)
     try:
         return OARConfig(**obj)
@@ -254,6 +261,9 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
     from oar.batch import RolloutBatch
     from oar.pipeline import Pipeline
 
+    from oar.pipeline import credited_rows
+
+    own = spec.credit is None and spec.method != "entropy_top"  # oar's method: the pipeline applies credit_rows
     cfg = config_for(base_config, spec, seed)
     batch = RolloutBatch(r.completion_ids, r.completion_mask, prompt_ids=r.prompt_ids, rewards=r.rewards,
                          group_ids=[i // r.group_size for i in range(r.batch_size)], answers=r.answers)
@@ -276,10 +286,9 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
             thr = torch.quantile(vals, 1.0 - spec.quantile)
             keep = (entropies >= thr) & mask
         adv = seq[:, None] * keep.float()
-    if spec.sign != "both":
+    if not own and spec.credit_rows != "all":
         uniform = seq[:, None] * r.completion_mask.float()
-        use = seq > 0 if spec.sign == "positive" else seq < 0
-        adv = torch.where(use[:, None], adv, uniform)
+        adv = torch.where(credited_rows(seq, spec.credit_rows)[:, None], adv, uniform)
     return adv, seq, dict(res.metrics)
 
 

@@ -187,6 +187,52 @@ def paired_t(diffs, *, level: float = 0.95) -> Interval:
     return Interval(m, m - h, m + h, level, n)
 
 
+def jackknife_se(leave_one_out) -> float:
+    """Jackknife standard error from the F leave-one-out values of a statistic: sqrt((F - 1) / F x sum (theta_(-c) -
+    mean)^2) (Efron & Tibshirani, An Introduction to the Bootstrap, ch. 11).
+
+    Raises:
+        ValueError: fewer than 2 or non-finite values.
+    """
+    v = _finite_2d(leave_one_out, "leave_one_out")
+    if v.shape[0] != 1 or v.shape[1] < 2:
+        raise ValueError(f"leave_one_out must be 1-D with >= 2 values, got shape {np.shape(leave_one_out)}")
+    v = v[0]
+    F = v.size
+    return float(math.sqrt((F - 1) / F * float(((v - v.mean()) ** 2).sum())))
+
+
+def t_with_reference(per_unit, reference_leave_one_out, *, level: float = 0.95) -> Interval:
+    """Mean over N independent units (batches) of a statistic that also depends on a noisy reference estimated from
+    F independent folds, with an interval carrying both noises.
+
+    ``per_unit`` (N,): the statistic of each unit against the whole reference; ``reference_leave_one_out`` (F,): the
+    mean over units against the reference without fold c. The two sources are independent, so their variances add
+    (first order): SE^2 = var(per_unit) / N + jackknife SE^2 over folds (:func:`jackknife_se`); the t quantile takes
+    Welch-Satterthwaite's degrees of freedom, SE^4 / (SE_units^4 / (N - 1) + SE_ref^4 / (F - 1)).
+
+    Raises:
+        ValueError: fewer than 2 units or folds, non-finite values, ``level`` outside (0, 1).
+    """
+    _check_level(level, 1)
+    d = _finite_2d(per_unit, "per_unit")
+    if d.shape[0] != 1 or d.shape[1] < 2:
+        raise ValueError(f"per_unit must be 1-D with >= 2 values, got shape {np.shape(per_unit)}")
+    d = d[0]
+    n = d.size
+    se_u2 = float(d.var(ddof=1)) / n
+    se_r = jackknife_se(reference_leave_one_out)
+    F = int(np.asarray(reference_leave_one_out).size)
+    se2 = se_u2 + se_r ** 2
+    m = float(d.mean())
+    if se2 == 0:
+        return Interval(m, m, m, level, n)
+    den = (se_u2 ** 2) / (n - 1) + (se_r ** 4) / (F - 1)
+    df = max(1.0, se2 ** 2 / den) if den > 0 else float(n - 1)
+    h = t_quantile((1 + level) / 2, df) * math.sqrt(se2)
+    return Interval(m, m - h, m + h, level, n)
+
+
 def sign_flip_pvalue(diffs, *, resamples: int = 20000, seed: int = 0) -> float:
     """Two-sided p-value of the sign-flip permutation test of mean(diffs) = 0 (paired differences symmetric about 0
     under the null). Exact (all 2^N sign patterns) for N <= 16, else ``resamples`` random patterns (the observed one

@@ -28,6 +28,26 @@ from oar.attribution.model import ProbeModel, gather_probe_logits
 
 _log = logging.getLogger("oar")
 
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive row indices over the seed space
+
+
+def noise_base(generator: torch.Generator | None) -> int:
+    """The one draw an :func:`oar_g_scores` call takes from ``generator`` (the global CPU RNG when None): an int in
+    [0, 2^62) from which every row's noise is derived (:func:`row_noise`)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def row_noise(base: int, row: int, noise_draws: int, length: int, hidden_size: int) -> torch.Tensor:
+    """OAR-G's embedding noise of batch row ``row``: (noise_draws, length, hidden_size) float32 N(0, 1), one
+    ``torch.randn`` call on a CPU generator seeded with a mix of ``base`` (:func:`noise_base`) and the row index.
+    Draw d's noise of reasoning token j is ``[d, j]``. A row's noise depends only on (base, row), not on which other
+    rows are scored, how rows are chunked or the memory budget, so two settings that score the same row with the
+    same generator state perturb it with the same numbers (common random numbers; docs/design.md)."""
+    seed = (int(base) ^ ((int(row) + 1) * _GOLDEN)) & (2**63 - 1)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((noise_draws, length, hidden_size), generator=g, dtype=torch.float32)
+
+
 
 def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):
     """Key/value cache (per layer (keys, values), each (n, kv_heads, p, head_dim)) of window columns [0, p) of
@@ -96,7 +116,9 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
 
     Args:
         sigma: noise std (absolute, > 0). noise_draws: K >= 1.
-        generator: torch.Generator for the noise (CPU); results are deterministic for a fixed seed.
+        generator: torch.Generator (CPU) of the noise: one int is drawn from it per call (:func:`noise_base`) and row
+            r's noise is :func:`row_noise` (base, r, ...), so it does not depend on the other rows scored, the
+            chunking or the memory budget; results are deterministic for a fixed seed.
         positions: optional {row: reasoning indices}: noise falls on those tokens only and only they are scored
             (the others keep score 0), e.g. to leave tool outputs unperturbed. Checked as in
             :func:`~oar.attribution.oar_p.oar_p_scores`.
@@ -151,6 +173,7 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
                    "checkpointing %s", "prompt-once" if use_prefix else "plain", why, len(rows), len(plan),
                    budget >> 20, noise_draws, "on" if checkpoint else "off")
     backward = 0
+    base = noise_base(generator)
     for ch in plan:
         chunk_rows = rows[ch.begin:ch.end]
         idx = torch.tensor(chunk_rows, dtype=torch.long)
@@ -191,9 +214,13 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
         else:
             clean = clean_all[torch.tensor([clean_row[r] for r in chunk_rows], dtype=torch.long).to(clean_all.device)]
         acc = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
-        for _ in range(noise_draws):
-            # Noise is drawn over the whole window either way, so every path uses the same numbers.
-            noise = torch.randn((len(chunk_rows), width, model.hidden_size), generator=generator, dtype=torch.float32)
+        # each row's noise on its own reasoning columns (row_noise: a function of (base, row) only); zero elsewhere
+        spans = [(int(batch.reasoning_start[r]) - off, int(batch.reasoning_len[r])) for r in chunk_rows]
+        per_row = [row_noise(base, r, noise_draws, L, model.hidden_size) for r, (_, L) in zip(chunk_rows, spans)]
+        for d in range(noise_draws):
+            noise = torch.zeros((len(chunk_rows), width, model.hidden_size), dtype=torch.float32)
+            for i, (s, L) in enumerate(spans):
+                noise[i, s:s + L] = per_row[i][d]
             ckpt = model.activation_checkpointing() if checkpoint else contextlib.nullcontext()
             with torch.enable_grad(), ckpt:  # grad also under the caller's torch.no_grad() (trainers make experiences so)
                 g, Ep = _noisy_input_grad(model, clean, batch, idx, probe, noise, sigma, noise_mask, E, kv, ids, attn,
