@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-minutes", type=float, default=60.0, help="no new batch starts after this")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (0: no limit)")
     p.add_argument("--system-prompt", default=DEFAULT_SYSTEM)
+    p.add_argument("--min-distinct-lines", type=float, default=0.0,
+                   help="keep a response only when its kept text's distinct_line_frac is at least this (0.8 drops "
+                        "repetition loops; 0: keep all)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="a load_model name or a .gguf / model path")
     p.add_argument("--model-label", default="", help="the model's name recorded with each trace (default: --model)")
     args = p.parse_args(argv)
@@ -204,13 +207,19 @@ def main(argv=None) -> int:
                 gen_tokens += n
                 a = assign(n, [has_newline(t) for t in resp], args.buckets, need, args.tolerance, ended)
                 index = int(pr.metadata["line"]) - 1
-                fatt.write(json.dumps({"dataset": ds, "index": index, "length": n, "eos": ended, "seed": seed, "max_new_tokens": max_new,
-                                       "kept": a is not None, "seconds": dt}) + "\n")
+                reason = None if a is not None else "no bucket"
+                if a is not None:
+                    b, k, truncated = a
+                    resp = resp[:k]
+                    text = tok.decode(resp, skip_special_tokens=True)
+                    frac = distinct_line_frac(text)
+                    if frac < args.min_distinct_lines:
+                        a, reason = None, f"distinct_line_frac {frac:.3f} < {args.min_distinct_lines}"
+                fatt.write(json.dumps({"dataset": ds, "index": index, "length": n, "eos": ended, "seed": seed,
+                                       "max_new_tokens": max_new, "kept": a is not None, "reason": reason,
+                                       "seconds": dt}) + "\n")
                 if a is None:
                     continue
-                b, k, truncated = a
-                resp = resp[:k]
-                text = tok.decode(resp, skip_special_tokens=True)
                 rec = {"id": f"{ds}-{index}-s{seed}", "bucket": b, "length": k, "dataset": ds, "index": index,
                        "problem_id": str(pr.id), "answer": pr.answer, "seed": seed, "batch_problems": batch_ids,
                        "model": args.model_label or args.model, "temperature": args.temperature, "top_k": 0, "top_p": 1.0,

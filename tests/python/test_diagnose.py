@@ -379,6 +379,7 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     assert rows["random:beta=0,tiers=boost"]["cos"] == rows["grpo"]["cos"]
     assert rows["grpo"]["reward_batches"] == 1 and "reward_change" in rows["random"]
     assert os.path.exists(os.path.join(out, "diagnose.png"))
+    assert "Sign-flip p: exact, over all 2^N sign patterns" in open(os.path.join(out, "diagnose.md")).read()
     # the reference's folds: leave-one-fold-out weights and norms equal the explicit g_(-c); the intervals (which
     # carry its noise: test_t_with_reference_covers_when_the_reference_is_noisy) are centred on the same mean
     from oar.app.diagnose import leave_one_fold_out

@@ -557,6 +557,10 @@ def write_report(summary: dict, out_dir: str) -> None:
             f" | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "
             f"{_fmt(r.get('ess_ratio'), '.3f')} | "
             f"{_fmt(r.get('reward_change'), '+.4f')} |")
+    n = summary["rows"][0]["batches"] if summary["rows"] else 0
+    lines += ["", "Sign-flip p: " + ("exact, over all 2^N sign patterns of the N paired batch differences."
+                                   if n <= 16 else f"Monte Carlo, 20,000 random sign patterns of the {n} paired batch "
+                                   "differences (the observed one counted; exact enumeration is used up to 16).")]
     if summary.get("base_reward") is not None:
         lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is "
                   "the "
