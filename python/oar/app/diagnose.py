@@ -281,6 +281,7 @@ def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, 
         advs[spec.label], metrics[spec.label] = adv, m
     t_adv = time.perf_counter() - t0 - t_gen
     dirs = core.update_directions(model, r, advs, params, _pad_id(tok), micro_batch=s.micro_batch or None)
+    t_upd = time.perf_counter() - t0 - t_gen - t_adv
     rec = {"batch": b, "mean_reward": float(r.rewards.mean()), "active_rows": int((seq != 0).sum()),
            "signal": bool((seq != 0).any()),
            "tokens": int(r.completion_mask.sum()), "methods": {}}
@@ -298,7 +299,7 @@ def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, 
                 entry["reward_after_step"] = _heldout_reward(model, source, s)
             entry["reward_change"] = entry["reward_after_step"] - base_reward
         rec["methods"][spec.label] = entry
-    rec["seconds"] = {"generation": t_gen, "advantages": t_adv, "total": time.perf_counter() - t0}
+    rec["seconds"] = {"generation": t_gen, "advantages": t_adv, "updates": t_upd, "total": time.perf_counter() - t0}
     return rec, sk
 
 
@@ -451,7 +452,7 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
     Intervals of cos and Δcos carry both noises: the batches' (t over batches) and the reference's (jackknife over
     its folds: each batch's cosine recomputed against the reference without fold c, from the stored <u, g_c>);
     :func:`oar.app.stats.t_with_reference`. The SNR's interval is a jackknife over batches."""
-    from oar.app.stats import jackknife_se, paired_t, sign_flip_pvalue, t_quantile, t_with_reference
+    from oar.app.stats import break_even_dcos, jackknife_se, paired_t, sign_flip_pvalue, t_quantile, t_with_reference
 
     w_loo, n_loo = leave_one_fold_out(ref)
 
@@ -508,13 +509,28 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
         ess = [done[b]["methods"][lab].get("ess_ratio") for b in bs]
         ess = [e for e in ess if e is not None]
         row["ess_ratio"] = float(np.mean(ess)) if ess else None
+        att_s = [done[b]["methods"][lab].get("attribution_seconds") or 0.0 for b in bs]
+        row["attribution_seconds"] = float(np.median(att_s)) if att_s else None
         rows.append(row)
+    # break-even: the Δcos that pays for a setting's attribution if that compute bought grpo more rollouts instead
+    # (oar.app.stats.break_even_dcos); a step = generation + one update (the batch's update time shared by the
+    # settings: one backward each on a shared forward)
+    steps = [done[b]["seconds"]["generation"] + done[b]["seconds"]["updates"] / max(1, len(labels)) for b in bs
+             if "updates" in done[b]["seconds"]]
+    step_s = float(np.median(steps)) if steps else None
+    b_row = rows[0]
+    for row in rows:
+        row["cost_ratio"] = (row["attribution_seconds"] / step_s) if step_s and row["attribution_seconds"] is not None \
+            else None
+        if row is not b_row and row["cost_ratio"] is not None and b_row.get("snr") is not None and b_row["cos"]:
+            row["break_even_dcos"] = break_even_dcos(b_row["cos"], b_row["snr"], row["cost_ratio"])
     secs = [done[b]["seconds"]["total"] for b in sorted(done)]
     return {"baseline": base, "rows": rows,
             "reference": {k: v for k, v in ref.items() if k not in ("grad", "folds")},
             "step_norm": step_norm, "base_reward": base_reward, "n_params": n_params,
             "median_batch_seconds": float(np.median(secs)) if secs else None,
             "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in done])) if done else None,
+            "step_seconds": step_s,
             "batches_without_signal": silent}
 
 
@@ -543,8 +559,8 @@ def write_report(summary: dict, out_dir: str) -> None:
              "Intervals carry the batches' and the reference's noise (jackknife over its folds); the SNR's is a "
              "jackknife over batches.",
              "", f"| setting | cos(u, g_ref) [95% CI] | est. cos(u, g) | Δcos vs {base} [95% CI] | sign-flip p | "
-             "SNR [95% CI] | cross-batch cos | ESS ratio | Δreward (1 step) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "SNR [95% CI] | cross-batch cos | ESS ratio | cost / step | break-even Δcos | Δreward (1 step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         ci = r.get("cos_ci")
         d = r.get("dcos")
@@ -555,9 +571,14 @@ def write_report(summary: dict, out_dir: str) -> None:
             f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('snr'), '.3f')}"
             + (f" [{r['snr_ci']['lo']:+.3f}, {r['snr_ci']['hi']:+.3f}]" if r.get("snr_ci") else "") +
             f" | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "
-            f"{_fmt(r.get('ess_ratio'), '.3f')} | "
+            f"{_fmt(r.get('ess_ratio'), '.3f')} | {_fmt(r.get('cost_ratio'), '.3f')} | "
+            f"{_fmt(r.get('break_even_dcos'), '+.4f')} | "
             f"{_fmt(r.get('reward_change'), '+.4f')} |")
     n = summary["rows"][0]["batches"] if summary["rows"] else 0
+    lines += ["", f"cost / step: the setting's attribution seconds (median per batch) / a {base} step's (generation + "
+              f"one update, median {_fmt(summary.get('step_seconds'), '.1f')} s); break-even Δcos: the cosine gain "
+              f"that pays for that cost had it bought {base} more rollouts instead (oar.app.stats.break_even_dcos, "
+              f"from {base}'s cos and SNR). A setting is worth its cost when its Δcos interval lies above it."]
     lines += ["", "Sign-flip p: " + ("exact, over all 2^N sign patterns of the N paired batch differences."
                                    if n <= 16 else f"Monte Carlo, 20,000 random sign patterns of the {n} paired batch "
                                    "differences (the observed one counted; exact enumeration is used up to 16).")]
@@ -569,6 +590,7 @@ def write_report(summary: dict, out_dir: str) -> None:
     with open(os.path.join(out_dir, "diagnose.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     keys = ["method", "batches", "batches_without_signal", "cos", "cos_true_est", "snr", "cross_batch_cos", "ess_ratio",
+            "cost_ratio", "break_even_dcos",
             "dcos_p_signflip", "reward_change"]
     with open(os.path.join(out_dir, "diagnose.csv"), "w", newline="") as f:
         w = csv.writer(f)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean", "t_quantile", "paired_t", "sign_flip_pvalue"]
+__all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean", "t_quantile", "paired_t", "sign_flip_pvalue",
+           "jackknife_se", "t_with_reference", "break_even_dcos"]
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,28 @@ def t_with_reference(per_unit, reference_leave_one_out, *, level: float = 0.95) 
     df = max(1.0, se2 ** 2 / den) if den > 0 else float(n - 1)
     h = t_quantile((1 + level) / 2, df) * math.sqrt(se2)
     return Interval(m, m - h, m + h, level, n)
+
+
+def break_even_dcos(cos_base: float, snr_base: float, cost_ratio: float) -> float:
+    """The cosine gain a credit setting must show over the baseline to pay for its extra compute, if that compute
+    bought the baseline more rollouts instead (issue 42).
+
+    Model: a batch's update is u = mu + noise with signal-to-noise ratio SNR = |mu|^2 / E|noise|^2 (the diagnostic's
+    SNR); averaging k independent batches keeps mu and divides the noise's energy by k, so to first order cos(u_k,
+    g) = cos(u_1, g) x sqrt((SNR + 1) / (SNR + 1 / k)). A setting costing ``cost_ratio`` = c times a baseline step
+    more would, spent on rollouts, give the baseline k = 1 + c batches: break-even Delta-cos = cos_base x
+    (sqrt((SNR + 1) / (SNR + 1 / (1 + c))) - 1), about cos_base x c / 2 when SNR and c are small.
+
+    Raises:
+        ValueError: a non-finite input, ``snr_base`` < 0 or ``cost_ratio`` < 0.
+    """
+    vals = (cos_base, snr_base, cost_ratio)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+        raise ValueError(f"cos_base, snr_base and cost_ratio must be finite numbers, got {vals}")
+    if snr_base < 0 or cost_ratio < 0:
+        raise ValueError(f"snr_base and cost_ratio must be >= 0, got {snr_base}, {cost_ratio}")
+    k = 1.0 + cost_ratio
+    return float(cos_base * (math.sqrt((snr_base + 1.0) / (snr_base + 1.0 / k)) - 1.0))
 
 
 def sign_flip_pvalue(diffs, *, resamples: int = 20000, seed: int = 0) -> float:
