@@ -12,8 +12,8 @@ own responses to MATH500 / GSM8K questions), side by side in one run:
 * **settings**, one row each of :data:`SETTINGS` (adding a setting is adding a row): OAR-G (1 draw), windowed OAR-P
   (W = 8, 32), screened OAR-P (window-8 screen, its time counted, + exact masking of its top 10% / 20% and a random
   5%), windowed OAR-P with the experimental linearized tail (``window4_linear``, ``window8_linear``: its tokens are
-  token-columns, forward + 2 x tail columns per backward pass), and, when ``oar.attribution.spans`` exists and ``oar_p_scores`` takes ``spans=``, span-level OAR-P (word,
-  line, sentence units) exact and windowed.
+  token-columns, forward + 2 x tail columns per backward pass), and, when ``oar.attribution.spans`` exists and
+  ``oar_p_scores`` takes ``spans=``, span-level OAR-P (word, line, sentence units) exact and windowed.
 * **the GRPO step of one rollout** on CPU, measured as ``bench_step.py`` defines a step (generation + policy update):
   ``model.generate`` of a group of ``--group`` rollouts of exactly the trace's length from its prompt (batched,
   sampling), divided by the group size, plus one forward + backward of the token-level policy-gradient loss over
@@ -629,7 +629,8 @@ def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
 
     notes = {s.name: s.note for s in SETTINGS}
     notes[EXACT] = "exact token-level OAR-P (prefix engine), the reference"
-    lines = [f"Model {args.model_label or args.model}, probe {PROBE}, cpu ({torch.get_num_threads()} thread(s)), torch {torch.__version__}, "
+    lines = [f"Model {args.model_label or args.model}, probe {PROBE}, cpu ({torch.get_num_threads()} thread(s)), "
+             f"torch {torch.__version__}, "
              f"commit {_commit()}, {platform.machine()}." + (f" {args.note}" if args.note else ""), ""]
     if unavailable:
         lines += [f"Settings not run (this oar lacks them): {', '.join(unavailable)}.", ""]

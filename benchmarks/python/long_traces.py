@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                     continue
                 rec = {"id": f"{ds}-{index}-s{seed}", "bucket": b, "length": k, "dataset": ds, "index": index,
                        "problem_id": str(pr.id), "answer": pr.answer, "seed": seed, "batch_problems": batch_ids,
-                       "model": args.model_label or args.model, "temperature": args.temperature, "top_k": 0, "top_p": 1.0,
+                       "model": args.model_label or args.model, "temperature": args.temperature, "top_k": 0,
+                       "top_p": 1.0,
                        "max_new_tokens": max_new, "system_prompt": args.system_prompt,
                        "truncated": truncated, "eos": ended and not truncated,
                        "has_marker": any(m in text for m in MARKERS),

@@ -10,7 +10,8 @@ From one policy (the config's model, or a checkpoint folder), the command
    and completion length) and, on each, computes every credit setting's token advantages and its update
    direction u_m (:mod:`oar.app.diagnose_core`);
 3. reports per setting, paired across batches: the cosine of u_m with the reference gradient, its difference to
-   grpo's (paired t interval with the reference's noise, and sign-flip test), and the signal-to-noise ratio of u_m across batches (count sketches of the updates); optionally the held-out reward
+   grpo's (paired t interval with the reference's noise, and sign-flip test), and the signal-to-noise ratio of
+   u_m across batches (count sketches of the updates); optionally the held-out reward
    after one normalized step along u_m, sampled with the same seeds for every setting (common random numbers).
 
 Output folder: ``state.json`` (the settings; a resume must match them), ``reference.pt`` (the reference gradient),
@@ -35,8 +36,8 @@ require("train", "oar.app.diagnose")
 
 from oar.app import diagnose_core as core  # noqa: E402
 
-DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2", "oar_g:credit_rows=positive",
-                   "oar_g:q=0.5", "oar_g:beta=2"]
+DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2",
+                   "oar_g:credit_rows=positive", "oar_g:q=0.5", "oar_g:beta=2"]
 
 
 @dataclass

@@ -62,6 +62,14 @@ def _finite_2d(values, name: str) -> np.ndarray:
     return x
 
 
+def _vector(values, name: str) -> np.ndarray:
+    """``values`` as a finite 1-D float64 array of >= 2 entries; ValueError naming ``name`` otherwise."""
+    d = _finite_2d(values, name)
+    if d.shape[0] != 1 or d.shape[1] < 2:
+        raise ValueError(f"{name} must be 1-D with >= 2 values, got shape {np.shape(values)}")
+    return d[0]
+
+
 def bootstrap_mean(values, *, level: float = 0.95, resamples: int = 4000, seed: int = 0,
                    clusters=None) -> Interval:
     """Mean of ``values`` (N,) float with a percentile-bootstrap interval (problems resampled).
@@ -178,10 +186,7 @@ def paired_t(diffs, *, level: float = 0.95) -> Interval:
         ValueError: fewer than 2 or non-finite differences, ``level`` outside (0, 1).
     """
     _check_level(level, 1)
-    d = _finite_2d(diffs, "diffs")
-    if d.shape[0] != 1 or d.shape[1] < 2:
-        raise ValueError(f"diffs must be 1-D with >= 2 values, got shape {np.shape(diffs)}")
-    d = d[0]
+    d = _vector(diffs, "diffs")
     n = d.size
     m, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(n))
     h = t_quantile((1 + level) / 2, n - 1) * se
@@ -195,10 +200,7 @@ def jackknife_se(leave_one_out) -> float:
     Raises:
         ValueError: fewer than 2 or non-finite values.
     """
-    v = _finite_2d(leave_one_out, "leave_one_out")
-    if v.shape[0] != 1 or v.shape[1] < 2:
-        raise ValueError(f"leave_one_out must be 1-D with >= 2 values, got shape {np.shape(leave_one_out)}")
-    v = v[0]
+    v = _vector(leave_one_out, "leave_one_out")
     F = v.size
     return float(math.sqrt((F - 1) / F * float(((v - v.mean()) ** 2).sum())))
 
@@ -216,10 +218,7 @@ def t_with_reference(per_unit, reference_leave_one_out, *, level: float = 0.95) 
         ValueError: fewer than 2 units or folds, non-finite values, ``level`` outside (0, 1).
     """
     _check_level(level, 1)
-    d = _finite_2d(per_unit, "per_unit")
-    if d.shape[0] != 1 or d.shape[1] < 2:
-        raise ValueError(f"per_unit must be 1-D with >= 2 values, got shape {np.shape(per_unit)}")
-    d = d[0]
+    d = _vector(per_unit, "per_unit")
     n = d.size
     se_u2 = float(d.var(ddof=1)) / n
     se_r = jackknife_se(reference_leave_one_out)
