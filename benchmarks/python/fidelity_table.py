@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_long  # noqa: E402  (cache files, the exact reference and its positions)
 
 COLUMNS = ["oar_g", "window4_probe", "window4_linear", "window4", "window8_probe", "window8_linear", "window8",
-           "screen0.1", "span_line"]
+           "window32", "screen0.1", "span_line"]
 PAIRS = [("window8_linear", "window8"), ("window4_linear", "window4"), ("window8_probe", "window8"),
          ("window8_linear", "window8_probe")]
 
