@@ -636,7 +636,7 @@ def write_tables(rows: list[dict], args, unavailable: list[str]) -> None:
         lines += [f"Settings not run (this oar lacks them): {', '.join(unavailable)}.", ""]
     for b in buckets:
         tb = [r for r in table if r["length"] == b]
-        grpo = _mean([r["grpo_step_s"] for r in rows if r["bucket"] == b])
+        grpo = _mean(list({r["trace"]: r["grpo_step_s"] for r in rows if r["bucket"] == b}.values()))  # per trace
         n = len({r["trace"] for r in rows if r["bucket"] == b})
         lines += [f"### L = {b}: {n} traces, GRPO step per rollout {f(grpo, '.1f')} s", "",
                   "| setting | traces (with reference) | reasoning tokens | seconds | x GRPO step | x exact | forwards | "
