@@ -219,6 +219,12 @@ def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with
     return lp, ent.detach()
 
 
+def _pipeline_credits_rows(spec: CreditSpec) -> bool:
+    """oar's own method: the pipeline applies ``credit_rows`` (``entropy_top`` and ``credit`` settings do it
+    themselves on their advantages)."""
+    return spec.credit is None and spec.method != "entropy_top"
+
+
 def config_for(base_config, spec: CreditSpec, seed: int):
     """The ``oar.OARConfig`` of ``spec``: ``base_config`` with its method, overrides, ``credit_rows`` (oar's methods;
     ``entropy_top`` and ``credit`` settings apply theirs to their own advantages) and ``seed``. Raises ValueError
@@ -230,7 +236,7 @@ def config_for(base_config, spec: CreditSpec, seed: int):
     cfg = with_method(base_config, "grpo" if spec.method == "entropy_top" else spec.method)
     obj = json.loads(cfg.to_json())
     obj.update(dict(spec.overrides))
-    if spec.credit is None and spec.method != "entropy_top":
+    if _pipeline_credits_rows(spec):
         obj["credit_rows"] = spec.credit_rows
     obj["seed"] = int(seed)
     try:
@@ -263,7 +269,6 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
 
     from oar.pipeline import credited_rows
 
-    own = spec.credit is None and spec.method != "entropy_top"  # oar's method: the pipeline applies credit_rows
     cfg = config_for(base_config, spec, seed)
     batch = RolloutBatch(r.completion_ids, r.completion_mask, prompt_ids=r.prompt_ids, rewards=r.rewards,
                          group_ids=[i // r.group_size for i in range(r.batch_size)], answers=r.answers)
@@ -286,7 +291,7 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
             thr = torch.quantile(vals, 1.0 - spec.quantile)
             keep = (entropies >= thr) & mask
         adv = seq[:, None] * keep.float()
-    if not own and spec.credit_rows != "all":
+    if not _pipeline_credits_rows(spec) and spec.credit_rows != "all":
         uniform = seq[:, None] * r.completion_mask.float()
         adv = torch.where(credited_rows(seq, spec.credit_rows)[:, None], adv, uniform)
     return adv, seq, dict(res.metrics)
