@@ -1,4 +1,4 @@
-"""The linearized tail of windowed OAR-P (issue 41 item 3, experimental) against the exact reference.
+"""The linearized tail of windowed OAR-P (issue 41 item 3; config `screen_tail: linear`) against the exact reference.
 
 On the long real traces that have an exact token-level OAR-P reference in ``docs/benchmarks/long/cache/`` (written by
 ``bench_long.py``), for W = 4 and 8: Spearman against exact OAR-P, tokens run, forwards per row (tokens / T, T = the
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_long  # noqa: E402  (loading, caches and the exact reference of the long benchmark)
 
 NOTES = "<!-- notes: kept across reruns -->"
-HEADER = """# Windowed OAR-P with a linearized tail (issue 41 item 3, experimental)
+HEADER = """# Windowed OAR-P with a linearized tail (issue 41 item 3; config `screen_tail: linear`)
 
 `oar.attribution.linear_tail.oar_p_linear_tail_scores`: the masked token and its W followers are re-run exactly on
 the clean prefix (as `oar_p_window_scores`); the tail (conclude string + probe window) is not re-run. Per layer, the

@@ -11,7 +11,7 @@ own responses to MATH500 / GSM8K questions), side by side in one run:
   then measured on those positions, and the exact row's seconds / tokens are those of the subset.
 * **settings**, one row each of :data:`SETTINGS` (adding a setting is adding a row): OAR-G (1 draw), windowed OAR-P
   (W = 8, 32), screened OAR-P (window-8 screen, its time counted, + exact masking of its top 10% / 20% and a random
-  5%), windowed OAR-P with the experimental linearized tail (``window4_linear``, ``window8_linear``: its tokens are
+  5%), windowed OAR-P with the linearized tail (config ``screen_tail: linear``) (``window4_linear``, ``window8_linear``: its tokens are
   token-columns, forward + 2 x tail columns per backward pass), and, when ``oar.attribution.spans`` exists and
   ``oar_p_scores`` takes ``spans=``, span-level OAR-P (word, line, sentence units) exact and windowed.
 * **the GRPO step of one rollout** on CPU, measured as ``bench_step.py`` defines a step (generation + policy update):
@@ -208,9 +208,9 @@ SETTINGS: list[Setting] = [
     Setting("window4_probe", _window(4, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 4, probe-window tail"),
     Setting("window8_probe", _window(8, tail="probe"), _has_probe_tail, "windowed OAR-P, W = 8, probe-window tail"),
     Setting("window4_linear", _linear(4), _has_linear_tail,
-            "windowed OAR-P, W = 4, linearized tail (experimental; tokens = forward + 2 x tail per backward pass)"),
+            "windowed OAR-P, W = 4, linearized tail (tokens = forward + 2 x tail per backward pass)"),
     Setting("window8_linear", _linear(8), _has_linear_tail,
-            "windowed OAR-P, W = 8, linearized tail (experimental; tokens = forward + 2 x tail per backward pass)"),
+            "windowed OAR-P, W = 8, linearized tail (tokens = forward + 2 x tail per backward pass)"),
     Setting("screen0.1", _screened(0.1), note="window-8 screen + exact top 10% + random 5%"),
     Setting("screen0.2", _screened(0.2), note="window-8 screen + exact top 20% + random 5%"),
     Setting("span_word", _span_exact("word"), _has_spans, "exact OAR-P, word units"),

@@ -15,6 +15,9 @@ token is not in the count (it adds ~T / (12 hidden) of a token's projections: 8%
     window W    1 clean + sum over tokens t of min(1 + W + tail, T - t) / T
     window_probe W  1 clean + sum over t of (min(1 + W, T - keep - t) + keep) / T  (rerun_tail="probe": the probe
                 window of ``keep`` tokens instead of the whole tail)
+    window_linear W  1 clean (the whole row: no prompt-once) + sum over t of (1 + W, or T - t when the window reaches
+                the tail) / T + tail x (1 + 2 R) / T (screen_tail "linear": the Jacobian's tail forward and R = 33
+                output gradients, each counted as 2 tail columns; ``cost_tokens`` of oar_p_linear_tail_scores)
     span        1 clean + sum over units u of (T - start_u) / T
     span_window 1 clean + sum over units u of min(len_u + W + tail, T - start_u) / T
     screened f  the window screen + f x L exact variants of mean suffix (T - t)
@@ -52,6 +55,8 @@ SHAPES = {
 
 GRPO_FORWARDS = 5.0
 OAR_G_FORWARDS = 3.0
+#: readouts of the linear tail's Jacobian at its default top_r = 32 (and the rest cell)
+LINEAR_READOUTS = 33
 
 
 def unit_starts(L: int, unit_len: int) -> list[int]:
@@ -78,6 +83,9 @@ def forwards_per_row(setting: str, L: int, prompt: int, tail: int, *, window: in
         return clean + sum(min(1 + window + tail, T - (prompt + t)) for t in range(L)) / T
     if setting == "window_probe":  # [t, t + 1 + W) and the probe window [T - keep, T)
         return clean + sum(min(1 + window, T - keep - (prompt + t)) + keep for t in range(L)) / T
+    if setting == "window_linear":  # [t, t + 1 + W); a window reaching the tail re-runs [t, T) exactly
+        cols = sum(1 + window if t + 1 + window < L else T - (prompt + t) for t in range(L))
+        return 1 + (cols + tail * (1 + 2 * LINEAR_READOUTS)) / T
     starts = unit_starts(L, unit_len)
     if setting == "span":
         return clean + sum(T - (prompt + s) for s in starts) / T
@@ -88,8 +96,8 @@ def forwards_per_row(setting: str, L: int, prompt: int, tail: int, *, window: in
     if setting == "screened":
         mean_suffix = sum(T - (prompt + t) for t in range(L)) / L
         return forwards_per_row("window", L, prompt, tail, window=window, group=group) + fraction * L * mean_suffix / T
-    raise ValueError(f"setting must be one of grpo, oar_g, exact, window, window_probe, span, span_window, "
-                     f"span_window_probe, screened, got {setting!r}")
+    raise ValueError(f"setting must be one of grpo, oar_g, exact, window, window_probe, window_linear, span, "
+                     f"span_window, span_window_probe, screened, got {setting!r}")
 
 
 def cost_table(lengths, prompt: int, tail: int, window: int, unit_lens, fraction: float, group: int = 1,
@@ -135,7 +143,7 @@ def _write(rows: list[dict], out: str, name: str, title: str) -> None:
 # ---- timings ---------------------------------------------------------------------------------------------------
 
 #: Engine settings ``time`` knows (``--settings`` picks a subset; ``dense`` and ``grpo``, the reference rows, always run).
-TIME_SETTINGS = ("dense", "grpo", "oar_g", "exact", "window", "window_probe", "span", "span_window",
+TIME_SETTINGS = ("dense", "grpo", "oar_g", "exact", "window", "window_probe", "window_linear", "span", "span_window",
                  "span_window_probe")
 #: Forwards of a GRPO step that the update proxy (one forward + backward = 3) stands for: old log-probs 1,
 #: reference 1, update 3 (module docstring).
@@ -199,8 +207,8 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     (profiling on a shallower model of the same widths; E is per layer, so it moves little). ``no_full_blocks``: only
     names the output file (``--no-full-blocks`` sets the switch). Raises ValueError on an unknown setting."""
     from oar.app.models import minimal_tokenizer, tiny_random_llama
-    from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores,
-                                 oar_p_window_scores)
+    from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_linear_tail_scores,
+                                 oar_p_scores, oar_p_window_scores)
 
     unknown = sorted(set(settings or ()) - set(TIME_SETTINGS))
     if unknown:
@@ -262,6 +270,9 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     runs = {"oar_g": lambda: oar_g_scores(pm, batch, memory_budget_mb=budget_mb,
                                           generator=torch.Generator().manual_seed(1))}
     runs.update(oar_p_runs(pm))
+    # the linear tail (no prompt-once clean pass, so no A/B row): its tokens are cost_tokens (backward included)
+    runs[f"window_linear W={window}"] = lambda: oar_p_linear_tail_scores(pm, batch, window=window,
+                                                                        memory_budget_mb=budget_mb)
     if group > 1:  # the A/B of the prompt-once clean pass: same rows, every prompt run
         plain = HFProbeModel(model)
         plain.prompt_once_clean_pass = False
@@ -353,8 +364,8 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
                 stats[name], ran[name] = {}, res
             else:
                 stats[name] = getattr(res, "stats", {}) or {}
-                ran[name] = stats[name].get("tokens") or (3 * int(batch.attention_mask.sum())
-                                                          if name == "oar_g" else None)
+                ran[name] = (stats[name].get("cost_tokens") or stats[name].get("tokens")
+                             or (3 * int(batch.attention_mask.sum()) if name == "oar_g" else None))
             if dev.type == "cuda":
                 peak[name] = torch.cuda.max_memory_allocated(dev) / 2**30
             flush()

@@ -43,8 +43,9 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "batch", "rloo")
 SCREENS: tuple[str, ...] = ("window", "oar_g")
 
 #: ``screen_tail``: the probe-side tokens the window screen re-runs (:func:`oar.attribution.oar_p_window_scores`,
-#: ``rerun_tail``).
-SCREEN_TAILS: tuple[str, ...] = ("conclude", "probe")
+#: ``rerun_tail``: ``conclude``, ``probe``), or ``linear``: none, the tail's response linearized
+#: (:func:`oar.attribution.oar_p_linear_tail_scores`).
+SCREEN_TAILS: tuple[str, ...] = ("conclude", "probe", "linear")
 
 #: ``mask_unit``: what OAR-P masks per variant and the token-level scorers sum over (docs/method.md section 11).
 MASK_UNITS: tuple[str, ...] = ("token", "word", "line", "sentence")

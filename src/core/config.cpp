@@ -185,8 +185,8 @@ OARConfig parse_oar_config(const std::string& json_text) {
   cfg.screen_window = get_int(obj, "screen_window", cfg.screen_window);
   if (cfg.screen_window < 0) fail("screen_window", "must be >= 0, got " + std::to_string(cfg.screen_window));
   cfg.screen_tail = get_string(obj, "screen_tail", cfg.screen_tail);
-  if (cfg.screen_tail != "conclude" && cfg.screen_tail != "probe")
-    fail("screen_tail", "must be \"conclude\" or \"probe\", got " + json(cfg.screen_tail).dump());
+  if (cfg.screen_tail != "conclude" && cfg.screen_tail != "probe" && cfg.screen_tail != "linear")
+    fail("screen_tail", "must be \"conclude\", \"probe\" or \"linear\", got " + json(cfg.screen_tail).dump());
   cfg.mask_unit = get_string(obj, "mask_unit", cfg.mask_unit);
   if (cfg.mask_unit != "token" && cfg.mask_unit != "word" && cfg.mask_unit != "line" && cfg.mask_unit != "sentence")
     fail("mask_unit", "must be \"token\", \"word\", \"line\" or \"sentence\", got " + json(cfg.mask_unit).dump());

@@ -107,8 +107,9 @@ TEST(Config, ErrorsNameTheKey) {
                  "oar.credit_rows must be \"all\", \"positive\" or \"negative\", got \"pos\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"credit_rows": "positive"})"))).credit_rows, "positive");
   expect_invalid([] { parse_oar_config(R"({"screen_tail": "all"})"); },
-                 "oar.screen_tail must be \"conclude\" or \"probe\", got \"all\"");
+                 "oar.screen_tail must be \"conclude\", \"probe\" or \"linear\", got \"all\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "probe"})"))).screen_tail, "probe");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "linear"})"))).screen_tail, "linear");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"mask_unit": "word"})"))).mask_unit, "word");
   expect_invalid([] { parse_oar_config(R"({"qq": 0.3})"); }, "unknown key \"qq\"");
   expect_invalid([] { parse_oar_config(R"([1, 2])"); }, "must be a JSON object");

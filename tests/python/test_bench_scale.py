@@ -64,6 +64,22 @@ def test_window_probe_tail_count(one_row, window):
     assert res.stats["tokens"] == pytest.approx(want)
 
 
+@pytest.mark.parametrize("window", [0, 8, 60])
+def test_window_linear_count(one_row, window):
+    """The linear tail's token-columns (forward + 2 tail columns per output gradient) are the cost model's; W = 60
+    reaches the tail from every token: exact re-runs only, as the prefix engine's suffixes."""
+    from oar.attribution import oar_p_linear_tail_scores
+
+    pm, batch, P, L, T, tail = one_row
+    res = oar_p_linear_tail_scores(pm, batch, window=window)
+    assert res.stats["backward_passes"] == bs.LINEAR_READOUTS * (res.stats["linearized"] > 0)
+    want = bs.forwards_per_row("window_linear", L, P, tail, window=window) * T
+    if window == 60:  # no Jacobian: nothing linearized
+        want -= tail * (1 + 2 * bs.LINEAR_READOUTS)
+        assert want == pytest.approx(T + sum(T - (P + t) for t in range(L)))
+    assert res.stats["cost_tokens"] == pytest.approx(want)
+
+
 @pytest.mark.parametrize("window", [0, 8])
 def test_prompt_once_count(one_row, window):
     """G rollouts of one prompt (same length): the prompt-once clean pass runs the prompt once, the count's clean
@@ -90,7 +106,8 @@ def test_cost_table_orders_the_settings():
 def test_time_runs_every_setting(tmp_path):
     rows = bs.time_settings("tiny", 40, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1,
                             scored_fraction=0.5, out=str(tmp_path))
-    names = ["oar_g", "window W=2", "window_probe W=2", "span 8", "span_window 8 W=2", "span_window_probe 8 W=2"]
+    names = ["oar_g", "window W=2", "window_probe W=2", "window_linear W=2", "span 8", "span_window 8 W=2",
+             "span_window_probe 8 W=2"]
     assert [r["setting"] for r in rows] == ["dense_forward", "grpo_update_proxy"] + names + ["grpo_step"]
     by = {r["setting"]: r for r in rows}
     assert all(r["seconds"] > 0 for r in rows)
@@ -109,6 +126,7 @@ def test_time_runs_every_setting(tmp_path):
         assert r["x_grpo_step_batch_row"] == pytest.approx(0.5 * r["x_grpo_step_scored_row"], abs=1e-3)
         assert r["x_grpo_step_scored_row"] == pytest.approx(r["seconds"] / step, rel=0.02, abs=1e-3)
     assert by["window W=2"]["cost_forwards"] * tv == pytest.approx(by["window W=2"]["tokens"], abs=1)
+    assert by["window_linear W=2"]["cost_forwards"] * tv == pytest.approx(by["window_linear W=2"]["tokens"], abs=1)
     with open(tmp_path / "time_tiny_L40_cpu.csv") as f:  # the table as written after the last call
         assert [r["setting"] for r in csv.DictReader(f)] == [r["setting"] for r in rows]
     two = bs.time_settings("tiny", 24, "cpu", "float32", window=2, unit_len=8, prompt=16, repeats=1, group=2,

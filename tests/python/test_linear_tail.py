@@ -1,11 +1,13 @@
-"""Invariants of the (experimental) linearized tail of windowed OAR-P (oar.attribution.linear_tail)."""
+"""Invariants of the linearized tail of windowed OAR-P (oar.attribution.linear_tail; config ``screen_tail: linear``)."""
 
 import pytest
 import torch
 
 from oar.app.models import tiny_random_llama
 from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_p_scores, oar_p_window_scores
-from oar.attribution.linear_tail import oar_p_linear_tail_scores
+from oar.attribution.linear_tail import _tail_response, linear_tail_support, oar_p_linear_tail_scores
+
+from _devices import DEVICES
 
 CONCLUDE = "\nTherefore, the final answer is \\boxed{"
 
@@ -118,3 +120,124 @@ def test_model_must_be_hf_probe_model(tiny):
     pm, batch = tiny
     with pytest.raises(ValueError, match="model"):
         oar_p_linear_tail_scores(pm.model, batch, window=1)
+
+
+def test_positions_score_those_tokens_only(tiny):
+    """``positions``: the variants of the listed tokens only, each scored as in the full run (a variant's score
+    depends on its row's clean pass, Jacobian and readout cells alone, which are the same); the row's other tokens
+    score 0 (as the window engine's)."""
+    pm, batch = tiny
+    full = oar_p_linear_tail_scores(pm, batch, window=1)
+    pos = {0: [0, 2, 5], 1: [1]}
+    part = oar_p_linear_tail_scores(pm, batch, window=1, rows=[0, 1], positions=pos)
+    assert part.stats["variants"] == 4
+    for r, js in pos.items():
+        # other chunks, other float32 summation orders: ~eps32 x |log p| ~ 1e-6 on a KL (as in the chunking test)
+        torch.testing.assert_close(part.scores[r, js], full.scores[r, js], rtol=1e-4, atol=2e-6)
+        assert float(full.scores[r, js].max()) > 2e-5  # ten times atol: the comparison has content
+        others = [j for j in range(int(batch.reasoning_len[r])) if j not in js]
+        assert (part.scores[r, others] == 0).all()
+    assert not part.mask[2].any()
+    with pytest.raises(ValueError, match=r"positions\[0\] must be reasoning indices"):
+        oar_p_linear_tail_scores(pm, batch, window=1, positions={0: [99]})
+
+
+def test_spans_with_a_full_window_are_exact_span_oar_p(tiny):
+    """``spans``: one variant per span masking all its tokens; with ``window >= L - 1`` nothing is linearized and the
+    scores are exact span OAR-P's (the exact engine on the same spans; same tolerance as the token case)."""
+    pm, batch = tiny
+    spans = {0: [(0, 2), (2, 5), (5, int(batch.reasoning_len[0]))], 1: [(0, 1), (1, 4)]}
+    L = int(batch.reasoning_len.max())
+    ex = oar_p_scores(pm, batch, rows=[0, 1], spans=spans)
+    lt = oar_p_linear_tail_scores(pm, batch, window=L - 1, rows=[0, 1], spans=spans)
+    assert lt.stats["variants"] == 5 and lt.stats["linearized"] == 0
+    assert torch.equal(lt.mask, ex.mask)
+    torch.testing.assert_close(lt.scores, ex.scores, rtol=1e-4, atol=2e-6)
+    short = oar_p_linear_tail_scores(pm, batch, window=0, rows=[0, 1], spans=spans)
+    for r, units in spans.items():  # every token of a span carries the span's score
+        for j0, j1 in units:
+            assert bool((short.scores[r, j0:j1] == short.scores[r, j0]).all())
+
+
+def test_tail_response_is_float32_outside_autocast(tiny):
+    """The linear arithmetic (a difference of near-equal attention sums) runs in float32 with autocast off: bf16
+    inputs give a float32 result, the same with and without a bf16 autocast around it, and within bf16's input
+    rounding of the float64 computation on the same (rounded) inputs."""
+    pm, batch = tiny
+    from oar.attribution.linear_tail import _net
+    net = _net(pm)
+    g = torch.Generator().manual_seed(0)
+    kvH, d, n, nt, N, S, R = net.kv_heads, net.head_dim, 12, 4, 3, 5, 6
+    H, gq, nl = net.heads, net.heads // net.kv_heads, len(net.layers)
+    bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    K0, V0, Q0 = bf(kvH, n, d), bf(kvH, n, d), bf(H, nt, d)
+    # a consistent clean state: the tail's log-sum-exps and outputs of causal attention over the clean keys
+    s_ = torch.einsum("kgid,knd->kgin", Q0.double().view(kvH, gq, nt, d), K0.double()) * net.scale
+    s_ = s_.masked_fill(torch.arange(n)[None, :] > torch.arange(n - nt, n)[:, None], float("-inf"))
+    lse0 = torch.logsumexp(s_, -1)
+    A0 = torch.einsum("kgin,knd->kgid", torch.exp(s_ - lse0[..., None]), V0.double())
+    Ks, Vs, Qt = [K0] * nl, [V0] * nl, [Q0] * nl
+    At, Lt = [A0.reshape(H, nt, d).to(torch.bfloat16)] * nl, [lse0.reshape(H, nt).to(torch.bfloat16)] * nl
+    J = torch.randn(R, nl, nt, H * d, generator=g)
+    cq = torch.stack([torch.randperm(n - nt, generator=g)[:S] for _ in range(N)])  # distinct window columns
+    wmask = torch.rand(N, S, generator=g) > 0.3
+    k, v = bf(N, kvH, S, d), bf(N, kvH, S, d)
+    plain = _tail_response(net, 0, cq, wmask, k, v, Ks, Vs, Qt, At, Lt, J)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = _tail_response(net, 0, cq, wmask, k, v, Ks, Vs, Qt, At, Lt, J)
+    assert plain.dtype == auto.dtype == torch.float32 and plain.shape == (N, R)
+    assert torch.equal(plain, auto)
+    f64 = lambda xs: [x.double() for x in xs]  # noqa: E731
+    want = _tail_response(net, 0, cq, wmask, k.double(), v.double(), f64(Ks), f64(Vs), f64(Qt), f64(At), f64(Lt),
+                          J.double())
+    # float32: exp of O(10) arguments (relative 1e-6), sums of S * d terms, a contraction of nt * H * d terms of
+    # O(1): the result's error is ~1e-6 x sqrt(terms) x the terms' size
+    torch.testing.assert_close(plain.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert float(want.abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_on_the_model_device(tiny, device):
+    """The engine runs where the model lives (every tensor it builds on the model's device); scores on the CPU
+    (float32 Attribution) equal the CPU run's within float32 kernels' differences."""
+    import copy
+
+    pm, batch = tiny
+    want = oar_p_linear_tail_scores(pm, batch, window=1)
+    moved = HFProbeModel(copy.deepcopy(pm.model).to(device))
+    got = oar_p_linear_tail_scores(moved, batch, window=1)
+    assert got.scores.device.type == "cpu" and torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-3, atol=1e-6)
+
+
+def test_sharded_parameters_are_refused(tiny):
+    """Parameters the modules cannot use one by one (DeepSpeed ZeRO-3's, an FSDP2 module) are refused with the
+    wrapper's name, before any forward; a plain model is accepted."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+
+    pm, batch = tiny
+    assert linear_tail_support(pm) is None
+    zero3 = copy.deepcopy(pm.model)
+    next(zero3.parameters()).ds_id = 0  # what deepspeed.zero.Init sets on every partitioned parameter
+    assert "DeepSpeed ZeRO-3" in linear_tail_support(HFProbeModel(zero3))
+    with pytest.raises(ValueError, match="needs unsharded parameters; the model is sharded by DeepSpeed ZeRO-3"):
+        oar_p_linear_tail_scores(HFProbeModel(zero3), batch, window=1)
+    fsdp2 = copy.deepcopy(pm.model)
+    layer = fsdp2.model.layers[0]
+    layer.__class__ = type("FSDP" + type(layer).__name__, (FSDPModule, type(layer)), {})  # as fully_shard does
+    assert "FSDP2" in linear_tail_support(HFProbeModel(fsdp2))
+
+
+def test_chunking_does_not_change_the_scores(tiny, monkeypatch):
+    """Chunks of two variants (each reading the prefix up to its own last start) give the one-chunk scores."""
+    import oar.attribution.linear_tail as lt
+
+    pm, batch = tiny
+    want = oar_p_linear_tail_scores(pm, batch, window=2)
+    monkeypatch.setattr(lt, "_CHUNK_VARIANTS", 2)
+    got = oar_p_linear_tail_scores(pm, batch, window=2)
+    assert got.stats["forward_passes"] > want.stats["forward_passes"] + 4
+    # other shapes, other float32 summation orders: a KL of near-equal distributions carries ~eps32 x |log p| ~ 1e-6
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-4, atol=2e-6)

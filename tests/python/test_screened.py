@@ -263,7 +263,7 @@ def test_window_probe_tail_equals_the_stepwise_reference(tiny, shared):  # noqa:
         assert_within_error_model(full.scores, want, what="conclude tail vs probe tail")
     with pytest.raises(ValueError, match=r"rerun_tail must be one of \('conclude', 'probe'\), got 'all'"):
         oar_p_window_scores(pm, batch, window=2, rerun_tail="all")
-    assert oar.schema.SCREEN_TAILS == oar.attribution.window.RERUN_TAILS
+    assert oar.schema.SCREEN_TAILS == oar.attribution.window.RERUN_TAILS + ("linear",)
 
 
 def test_window_covering_the_rest_is_exact_oar_p(tiny):  # noqa: F811
@@ -352,6 +352,36 @@ def test_pipeline_window_screen(tiny, monkeypatch, caplog):  # noqa: F811
     want = oar_g_scores(NoCache(model), pbatch, rows=[0, 1, 2], sigma=cfg.sigma,
                         generator=torch.Generator().manual_seed(5), positions=kw["positions"])
     assert torch.equal(screen.scores, want.scores)
+
+
+def test_pipeline_linear_tail_screen(tiny, monkeypatch):  # noqa: F811
+    """``screen_tail: linear``: the screen is :func:`oar_p_linear_tail_scores` with ``screen_window`` on the eligible
+    tokens of the active rows (no clean pass handed over: the exact pass runs its own); a model it cannot run
+    (here ZeRO-3-partitioned parameters) is refused with the reason and the settings that work, not screened
+    otherwise."""
+    import copy
+
+    from oar.attribution import oar_p_linear_tail_scores
+
+    model, tok = tiny
+    batch, _ = _pipeline_batch(tok)
+    cfg = oar.OARConfig(method="oar_p", screen_fraction=0.3, screen_sample=0.1, screen_window=2, screen_tail="linear",
+                        seed=5)
+    calls = []
+    real = screened.oar_p_screened_scores
+    monkeypatch.setattr(oar_p_method, "oar_p_screened_scores",
+                        lambda m, pb, screen, **kw: calls.append((pb, screen, kw)) or real(m, pb, screen, **kw))
+    res = Pipeline(cfg, tok).compute(batch, model)
+    (pbatch, screen, kw), = calls
+    assert screen.stats["engine"] == "linear_tail" and screen.clean_pass is None
+    want = oar_p_linear_tail_scores(HFProbeModel(model), pbatch, window=2, rows=[0, 1, 2], positions=kw["positions"])
+    assert torch.equal(screen.scores, want.scores)
+    assert res.metrics["oar/screen_fraction"] == 0.3
+    zero3 = copy.deepcopy(model)
+    next(zero3.parameters()).ds_id = 0
+    with pytest.raises(ValueError, match=r"oar.screen_tail 'linear' cannot run on this model: .*sharded by "
+                                         r"DeepSpeed ZeRO-3; set oar.screen_tail to 'probe' or 'conclude'"):
+        Pipeline(cfg, tok).compute(batch, zero3)
 
 
 def test_window_screen_hands_its_clean_pass_to_the_exact_pass(tiny):  # noqa: F811

@@ -301,3 +301,28 @@ def test_pipeline_windowed_span_oar_p_is_the_window_engine(tiny):  # noqa: F811
     for i in active:
         assert torch.equal(sc.scores[i, :lens[i]], want.scores[i, :lens[i]])
         assert float(want.scores[i, :lens[i]].max()) > 1e-3
+
+
+def test_pipeline_linear_tail_is_the_linear_tail_engine(tiny):  # noqa: F811
+    """``screen_tail: linear`` with ``screen_fraction = screen_sample = 0``: the pipeline's scores are
+    :func:`oar_p_linear_tail_scores`'s on the same probe contexts and word spans (the engine the config names)."""
+    from oar.attribution import oar_p_linear_tail_scores
+
+    model, tok = tiny
+    rb, cids, cmask = _rollout_batch(tok)
+    cfg = oar.OARConfig(method="oar_p", mask_unit="word", screen_fraction=0.0, screen_sample=0.0, screen_window=2,
+                        screen_tail="linear")
+    pipe = Pipeline(cfg, tok)
+    sc = pipe.scores(rb, model)
+    pids, rids, answers = _rollouts(tok)
+    lens = pipe.reasoning_lengths(cids, cmask, [0, 1, 2])
+    active = [i for i in range(3) if bool(sc.reasoning_mask[i].any())]
+    on = lambda i, x, stub: x if i in active else stub  # noqa: E731 - the pipeline's stubs for rows not scored
+    pb = pipe.builder.build([on(i, pids[i], []) for i in range(3)], [on(i, torch.tensor(rids[i]), []) for i in range(3)],
+                            [on(i, answers[i], "0") for i in range(3)], [on(i, lens[i], 0) for i in range(3)])
+    units = {i: spans_of(span_starts(token_texts(tok, cids[i, :lens[i]]), "word")) for i in active}
+    want = oar_p_linear_tail_scores(HFProbeModel(model), pb, window=2, rows=active, spans=units)
+    assert want.stats["linearized"] > 0
+    for i in active:
+        assert torch.equal(sc.scores[i, :lens[i]], want.scores[i, :lens[i]])
+        assert float(want.scores[i, :lens[i]].max()) > 1e-3

@@ -71,7 +71,9 @@ struct OARConfig {
   int64_t screen_window = 8;                 ///< >= 0, the "window" screen's re-run reasoning tokens
   /// The probe-side tokens the "window" screen re-runs with each variant: "conclude" (the conclude string and the
   /// probe window, as the full context would) or "probe" (only the probe window; the conclude tokens keep their
-  /// clean keys/values: about a third of the cost at long responses; docs/design.md "Windowed OAR-P: the tail").
+  /// clean keys/values: about a third of the cost at long responses; docs/design.md "Windowed OAR-P: the tail") or
+  /// "linear" (the tail not re-run: its response to the window's keys/values linearized, Hugging Face Llama / Qwen2
+  /// / Qwen3 with unsharded parameters; docs/design.md "Windowed OAR-P: the linear tail").
   std::string screen_tail = "conclude";
   /// in [0, 1]; screen_fraction = screen_sample = 0: the screen's scores alone, nothing masked exactly (with
   /// screen "window": windowed OAR-P, the cheap setting at long responses; docs/method.md section 11)

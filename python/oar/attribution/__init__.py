@@ -7,6 +7,7 @@ from oar.attribution.oar_g import oar_g_scores
 from oar.attribution.oar_p import oar_p_scores
 from oar.attribution.random import random_scores
 from oar.attribution.window import oar_p_window_scores
+from oar.attribution.linear_tail import linear_tail_support, oar_p_linear_tail_scores
 from oar.attribution.screened import oar_p_screened_scores
 from oar.attribution.model import (
     EmbeddingNoiseModel,
@@ -26,5 +27,5 @@ __all__ = [
     "clean_probe_logits", "entropy_scores", "policy_entropies", "oar_g_scores", "oar_p_scores", "oar_p_window_scores",
     "random_scores", "HFProbeModel", "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities",
     "as_probe_model", "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",
-    "WindowMasks",
+    "WindowMasks", "oar_p_linear_tail_scores", "linear_tail_support",
 ]

@@ -1,4 +1,5 @@
-"""Windowed OAR-P with a linearized probe tail (EXPERIMENTAL; issue 41 item 3, "a cheaper tail").
+"""Windowed OAR-P with a linearized probe tail (config ``screen_tail: linear``; docs/design.md "Windowed OAR-P: the
+linear tail").
 
 :func:`oar_p_linear_tail_scores` keeps what :func:`~oar.attribution.window.oar_p_window_scores` runs exactly for each
 masked token t (token t as PAD and the W reasoning tokens after it, re-run on the row's clean prefix) but does not
@@ -13,7 +14,8 @@ approximated instead:
    (1 - sum_win w_old + sum_win w_new)``, ``delta a_l = a' - a``.
 2. **First-order map to the probe through the clean tail**, once per row: the tail is run with grad on the clean
    prefix (constant keys/values) with a zero leaf added to every layer's attention output (before o_proj), and
-   the Jacobian of R *readouts* of the probe w.r.t. those leaves is taken with R backward passes (shape
+   the Jacobian of R *readouts* of the probe w.r.t. those leaves is taken with R vector-Jacobian products in one
+   batched backward (shape
    (R, layers, n_tail, H * d)). Per variant, ``delta rho = sum_l <J_l, delta a_l>``.
 3. **Readouts and divergence.** KL has zero gradient at the clean point, so the readouts are not the KL but the
    log-probabilities of a partition of the vocabulary: the top ``r`` entries of the clean probe distribution (the
@@ -39,7 +41,10 @@ contraction with J, O(R * layers * n_tail * H * d)) is not counted as token-colu
 
 Only Hugging Face Llama / Qwen2 / Qwen3 decoders wrapped in :class:`~oar.attribution.model.HFProbeModel` are
 supported (the forward is re-implemented here from their modules: RMSNorm, RoPE, grouped-query attention, gated
-MLP); CPU float32 is what was tested.
+MLP, with its own dense attention, so flash-attention models run too), with unsharded parameters: the modules are
+called one by one, which FSDP / DeepSpeed ZeRO-3 parameters do not allow (:func:`linear_tail_support` says why not).
+The linear arithmetic (re-normalization, Jacobian contraction, cell KL) runs in float32 whatever the model's dtype,
+outside autocast.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -59,6 +64,7 @@ from oar.attribution.base import (
     _engine_args,
     _int_value,
     _store,
+    _units,
     _variants,
 )
 from oar.attribution.context import ProbeBatch
@@ -68,6 +74,8 @@ _log = logging.getLogger("oar")
 
 #: model_type values of the configs this module can run.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: at most this many variants per chunk: a chunk's prefix attention reads the columns before its last start only.
+_CHUNK_VARIANTS = 256
 
 
 @dataclass
@@ -83,16 +91,49 @@ class _Net:
     scale: float
 
 
-def _net(model) -> _Net:
+def _sharding(module) -> str | None:
+    """The parameter sharding of ``module`` or a submodule (FSDP1 / FSDP2 wrappers, DTensor or ZeRO-3 parameters),
+    None if its parameters are whole tensors."""
+    for m in module.modules():
+        bases = {b.__name__ for b in type(m).__mro__}
+        if "FullyShardedDataParallel" in bases:
+            return "FSDP"
+        if "FSDPModule" in bases:
+            return "FSDP2"
+    for prm in module.parameters():
+        if hasattr(prm, "ds_id"):
+            return "DeepSpeed ZeRO-3"
+        if "DTensor" in {b.__name__ for b in type(prm).__mro__}:
+            return "DTensor parameters"
+    return None
+
+
+def linear_tail_support(model) -> str | None:
+    """Why :func:`oar_p_linear_tail_scores` cannot run ``model`` (a sentence naming what is unsupported), or None
+    when it can: it needs an :class:`~oar.attribution.model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder
+    (:data:`SUPPORTED_MODEL_TYPES`) without sliding-window attention, with unsharded parameters."""
     if not isinstance(model, HFProbeModel):
-        raise ValueError(f"model must be an HFProbeModel (Llama / Qwen2 / Qwen3), got {type(model).__name__}")
+        return f"model must be an HFProbeModel (Llama / Qwen2 / Qwen3), got {type(model).__name__}"
     hf = model.model
     cfg = getattr(hf, "config", None)
     mt = getattr(cfg, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model: oar_p_linear_tail_scores supports model_type {SUPPORTED_MODEL_TYPES}, got {mt!r}")
+        return f"model: oar_p_linear_tail_scores supports model_type {SUPPORTED_MODEL_TYPES}, got {mt!r}"
     if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("model: sliding-window attention is not supported by oar_p_linear_tail_scores")
+        return "model: sliding-window attention is not supported by oar_p_linear_tail_scores"
+    wrapper = _sharding(hf)
+    if wrapper is not None:
+        return (f"model: oar_p_linear_tail_scores calls the decoder's modules one by one, which needs unsharded "
+                f"parameters; the model is sharded by {wrapper}")
+    return None
+
+
+def _net(model) -> _Net:
+    why = linear_tail_support(model)
+    if why is not None:
+        raise ValueError(why)
+    hf = model.model
+    cfg = hf.config
     inner = hf.model
     attn = inner.layers[0].self_attn
     heads = int(cfg.num_attention_heads)
@@ -143,6 +184,27 @@ def _attend(net: _Net, q, keys, values, mask):
     return out.reshape(N, H, S, d), lse.reshape(N, H, S)
 
 
+def _attend_prefix(net: _Net, q, kp, vp, mask_p, k, v, mask_s):
+    """Softmax attention of the re-run queries q (N, H, S, d) over the row's clean prefix kp / vp (kvH, n, d),
+    shared by the N variants and read in place (mask_p (N, S, n)), and over their own keys / values k / v
+    (N, kvH, S, d) (mask_s (N, S, S), True on the diagonal): one softmax over both, as over their concatenation,
+    without copying the prefix per variant. Returns (N, H, S, d)."""
+    N, H, S, d = q.shape
+    kvH, g = net.kv_heads, H // net.kv_heads
+    q5 = q.view(N, kvH, g, S, d)
+    # the large scores (kvH, N, g, S, n) come out of one batched matmul over the kv heads in the layout the second
+    # matmul reads: no copy of them, no copy of the prefix per variant; masking and softmax in place
+    s_p = torch.matmul(q5.permute(1, 0, 2, 3, 4).reshape(kvH, N * g * S, d), kp.transpose(1, 2))
+    s_p = s_p.mul_(net.scale).view(kvH, N, g, S, -1).masked_fill_(~mask_p[None, :, None], float("-inf"))
+    s_s = torch.einsum("nkgsd,nktd->kngst", q5, k).mul_(net.scale).masked_fill_(~mask_s[None, :, None], float("-inf"))
+    m = torch.maximum(s_p.amax(-1), s_s.amax(-1)).unsqueeze(-1)  # finite: every query sees itself
+    p_p, p_s = s_p.sub_(m).exp_(), s_s.sub_(m).exp_()
+    den = (p_p.sum(-1) + p_s.sum(-1)).unsqueeze(-1)
+    out = torch.matmul(p_p.view(kvH, N * g * S, -1), vp).view(kvH, N, g, S, d)
+    out = (out + torch.einsum("kngst,nktd->kngsd", p_s, v)) / den
+    return out.permute(1, 0, 2, 3, 4).reshape(N, H, S, d)
+
+
 def _merge(out):
     """(N, H, S, d) -> (N, S, H * d)."""
     N, H, S, d = out.shape
@@ -155,7 +217,7 @@ def _clean_row(net: _Net, ids, pos, tail0: int, keep: int, q_block: int = 512):
     n = ids.shape[0]
     h = net.embed(ids[None])
     cos, sin = net.rotary(h, pos[None])
-    col = torch.arange(n)
+    col = torch.arange(n, device=ids.device)
     Ks, Vs, Qt, At, Lt = [], [], [], [], []
     for layer in net.layers:
         attn = layer.self_attn
@@ -201,12 +263,14 @@ def _tail_jacobian(net: _Net, ids_t, pos_t, Ks, Vs, tail0: int, keep: int, probe
     """J (R, layers, nt, H * d): d readouts / d (attention output of each tail column before o_proj), through the
     clean tail run on the clean prefix (constant keys/values); and the readouts of that run (R,)."""
     nt = ids_t.shape[0]
-    col = torch.arange(nt)
-    mask = torch.cat([torch.ones(nt, tail0, dtype=torch.bool), col[None, :] <= col[:, None]], 1)[None]
+    dev = ids_t.device
+    col = torch.arange(nt, device=dev)
+    mask = torch.cat([torch.ones(nt, tail0, dtype=torch.bool, device=dev), col[None, :] <= col[:, None]], 1)[None]
     with torch.enable_grad():
         h = net.embed(ids_t[None]).detach()
         cos, sin = net.rotary(h, pos_t[None])
-        eps = [torch.zeros(1, nt, net.heads * net.head_dim, dtype=h.dtype, requires_grad=True) for _ in net.layers]
+        eps = [torch.zeros(1, nt, net.heads * net.head_dim, dtype=h.dtype, device=dev, requires_grad=True)
+               for _ in net.layers]
         for i, layer in enumerate(net.layers):
             attn = layer.self_attn
             q, k, v = _qkv(net, attn, layer.input_layernorm(h), cos, sin)
@@ -217,11 +281,12 @@ def _tail_jacobian(net: _Net, ids_t, pos_t, Ks, Vs, tail0: int, keep: int, probe
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = net.lm_head(net.norm(h[:, nt - keep:]))
         rho = _readouts(gather_probe_logits(logits, probe_start, K), probe, answer_ids, K_r, top)
-        J = []
-        for j in range(rho.numel()):
-            g = torch.autograd.grad(rho[j], eps, retain_graph=j < rho.numel() - 1)
-            J.append(torch.stack([x[0] for x in g]))
-    return torch.stack(J), rho.detach()
+        # the R backward passes as one batched backward (vmap over the one-hot output gradients)
+        R = rho.numel()
+        g = torch.autograd.grad(rho, eps, grad_outputs=torch.eye(R, dtype=rho.dtype, device=dev),
+                                is_grads_batched=True)
+        J = torch.stack([x[:, 0] for x in g], 1).float()  # (R, layers, nt, H * d)
+    return J, rho.detach().float()
 
 
 def _cell_kl(rho, drho):
@@ -233,22 +298,26 @@ def _cell_kl(rho, drho):
 
 
 def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
-                             rows: Sequence[int] | None = None, memory_budget_mb: int = 512, top_r: int = 32,
-                             exact_reach: bool = True) -> Attribution:
-    """EXPERIMENTAL. Windowed OAR-P whose tail is linearized (module docstring): I_t for every reasoning token t is
-    the probe divergence when token t is replaced by PAD and t plus the ``window`` reasoning tokens after it are
-    re-run exactly on the clean prefix (as :func:`~oar.attribution.window.oar_p_window_scores`), while the tail
-    (conclude + probe window) is not re-run: its response is the exact re-normalization of its attention at clean
-    queries over the window's new keys/values, mapped to the probe by a Jacobian taken once per row through the
-    clean tail, and the divergence is the KL over the top ``top_r`` vocabulary cells + a rest cell.
+                             rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
+                             memory_budget_mb: int = 512, spans: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                             top_r: int = 32, exact_reach: bool = True) -> Attribution:
+    """Windowed OAR-P whose tail is linearized (module docstring; config ``screen_tail: linear``): I_t for every
+    reasoning token t is the probe divergence when token t is replaced by PAD and t plus the ``window`` reasoning
+    tokens after it are re-run exactly on the clean prefix (as :func:`~oar.attribution.window.oar_p_window_scores`),
+    while the tail (conclude + probe window) is not re-run: its response is the exact re-normalization of its
+    attention at clean queries over the window's new keys/values, mapped to the probe by a Jacobian taken once per
+    row through the clean tail, and the divergence is the KL over the top ``top_r`` vocabulary cells + a rest cell.
 
     Args:
-        model: :class:`~oar.attribution.model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder (float32 tested).
+        model: :class:`~oar.attribution.model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder with unsharded
+            parameters (:func:`linear_tail_support`), on any device, in any float dtype.
         batch: :class:`ProbeBatch`; run on its :meth:`~ProbeBatch.probe_view`.
         window: int >= 0, later reasoning tokens re-run with each masked token.
         probe: ``"answer_mean"`` (default), ``"last"`` or ``"answer_joint"``.
-        rows: rows to score (default all).
+        rows, positions: as :func:`~oar.attribution.oar_p.oar_p_scores` (default all rows, every reasoning token).
         memory_budget_mb: int >= 1, rough bound (MiB) on the attention scores of one chunk of variants.
+        spans: optional {row: [(j0, j1), ...]} masking units, as :func:`~oar.attribution.window.oar_p_window_scores`
+            (a span's variant masks all its tokens; the window counts tokens after its last one).
         top_r: int >= 1, vocabulary cells of the readout (R = top_r + 1 backward passes per row, top_r + 1 >= V:
             V cells, no rest cell); ignored by ``answer_joint`` (R = 1).
         exact_reach: variants whose window reaches the end of the reasoning re-run the tail exactly (default; with
@@ -263,8 +332,8 @@ def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: st
         ``cost_tokens`` (tokens + backward_tokens), ``engine`` (``"linear_tail"``), ``seconds``.
 
     Raises:
-        ValueError: ``window`` not an int >= 0, ``top_r`` not an int >= 1, ``exact_reach`` not a bool, a model that
-            is not an HFProbeModel of a supported architecture, and as :func:`~oar.attribution.oar_p.oar_p_scores`.
+        ValueError: ``window`` not an int >= 0, ``top_r`` not an int >= 1, ``exact_reach`` not a bool, a model
+            :func:`linear_tail_support` refuses (its sentence), and as :func:`~oar.attribution.oar_p.oar_p_scores`.
     """
     window = _int_value("window", window)
     if window < 0:
@@ -275,22 +344,21 @@ def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: st
     if not isinstance(exact_reach, bool):
         raise ValueError(f"exact_reach must be a bool, got {exact_reach!r}")
     net = _net(model)
-    _, probe, rows, budget, _ = _engine_args(model, batch, probe, rows, None, memory_budget_mb)
+    _, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     batch = batch.probe_view()
+    units = _units(batch, rows, positions, spans)
     _check_ids(model, batch)
     t0 = time.perf_counter()
     res = _empty(batch, rows)
-    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0]
+    rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     stats = dict(forward_passes=0, variants=0, linearized=0, tokens=0, backward_passes=0, backward_tokens=0)
     T = int(batch.input_ids.shape[1])
     K = int(batch.answer_ids.shape[1])
     keep = int(batch.keep)
     dev = torch.device(model.device)
-    if dev.type != "cpu":
-        raise ValueError(f"model: oar_p_linear_tail_scores runs on CPU only (prototype), got device {dev}")
     with torch.no_grad():
         for r in rows:
-            _row(net, model, batch, r, T, K, keep, window, probe, top_r, exact_reach, budget, res, stats)
+            _row(net, batch, r, T, K, keep, window, probe, top_r, exact_reach, budget, res, stats, units, dev)
     stats.update(cost_tokens=stats["tokens"] + stats["backward_tokens"], engine="linear_tail",
                  seconds=time.perf_counter() - t0)
     res.stats.update(stats)
@@ -299,11 +367,11 @@ def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: st
     return res
 
 
-def _row(net: _Net, model, batch: ProbeBatch, r: int, T: int, K: int, keep: int, window: int, probe: str,
-         top_r: int, exact_reach: bool, budget: int, res: Attribution, stats: dict) -> None:
+def _row(net: _Net, batch: ProbeBatch, r: int, T: int, K: int, keep: int, window: int, probe: str,
+         top_r: int, exact_reach: bool, budget: int, res: Attribution, stats: dict, units, dev) -> None:
     a = T - int(batch.context_len[r])
-    ids = batch.input_ids[r, a:]
-    pos = batch.position_ids[r, a:]
+    ids = batch.input_ids[r, a:].to(dev)
+    pos = batch.position_ids[r, a:].to(dev)
     n = ids.shape[0]
     s0 = int(batch.reasoning_start[r]) - a
     L = int(batch.reasoning_len[r])
@@ -316,7 +384,7 @@ def _row(net: _Net, model, batch: ProbeBatch, r: int, T: int, K: int, keep: int,
     stats["tokens"] += n
     clean = gather_probe_logits(logits, ps, K)  # (1, K, V)
 
-    row_t, col_t, j_t, len_t = _variants(batch, [r])
+    row_t, col_t, j_t, len_t = _variants(batch, [r], units)
     cols = (col_t - a).tolist()
     lens = len_t.tolist()
     ends = [c + m + window for c, m in zip(cols, lens)]
@@ -329,15 +397,15 @@ def _row(net: _Net, model, batch: ProbeBatch, r: int, T: int, K: int, keep: int,
     J = rho = None
     if lin:
         V = clean.shape[-1]
-        top = torch.empty(0, dtype=torch.long)
+        top = torch.empty(0, dtype=torch.long, device=dev)
         if probe != "answer_joint":
             z = clean[0, :K_r].float()
             zz = z.mean(0) if probe == "answer_mean" else z[0]
             top = torch.topk(zz, min(top_r, V)).indices
             if top.numel() >= V - 1:  # a rest cell of one entry: take it as a cell of its own
-                top = torch.arange(V)
+                top = torch.arange(V, device=dev)
         J, rho = _tail_jacobian(net, ids[tail0:], pos[tail0:], Ks, Vs, tail0, keep, ps, K, probe,
-                                batch.answer_ids[r], K_r, top)
+                                batch.answer_ids[r].to(dev), K_r, top)
         stats["forward_passes"] += 1
         stats["tokens"] += nt
         stats["backward_passes"] += int(rho.numel())
@@ -349,7 +417,8 @@ def _row(net: _Net, model, batch: ProbeBatch, r: int, T: int, K: int, keep: int,
             continue
         S = max((min(ends[i], tail0) if linear else n) - cols[i] for i in group)
         per_variant = 4 * H * S * (n + S) * 3 + 1
-        step = max(1, int(budget // per_variant))
+        # variants are in column order: a chunk of at most _CHUNK_VARIANTS reads the prefix up to its last start only
+        step = max(1, min(_CHUNK_VARIANTS, int(budget // per_variant)))
         for b in range(0, len(group), step):
             idx = group[b:b + step]
             d = _chunk(net, ids, pos, batch.pad_id, [cols[i] for i in idx], [lens[i] for i in idx],
@@ -362,58 +431,67 @@ def _row(net: _Net, model, batch: ProbeBatch, r: int, T: int, K: int, keep: int,
             _store(res, d, probe, row_t[idx], j_t[idx], len_t[idx])
 
 
+def _tail_response(net: _Net, i: int, cq, wmask, k, v, Ks, Vs, Qt, At, Lt, J):
+    """Layer i's first-order change of the readouts (N, R) float32: the tail's attention output re-normalized exactly
+    at its clean queries over the window's new keys/values ``k``, ``v`` (N, kvH, S, d) at columns ``cq`` (N, S)
+    (``wmask``: the window's columns), contracted with J. In float32 (float64 when J is), autocast off: the change is
+    a difference of near-equal sums."""
+    with torch.autocast(device_type=cq.device.type, enabled=False):
+        f = torch.promote_types(J.dtype, torch.float32)
+        g = net.heads // net.kv_heads
+        k_old = Ks[i][:, cq].permute(1, 0, 2, 3).to(f)  # (N, kvH, S, d)
+        v_old = Vs[i][:, cq].permute(1, 0, 2, 3).to(f)
+        qt = Qt[i].view(net.kv_heads, g, -1, net.head_dim).to(f)  # (kvH, g, nt, d)
+        lse = Lt[i].view(net.kv_heads, g, -1, 1).to(f)
+        a0 = At[i].view(net.kv_heads, g, -1, net.head_dim).to(f)
+        m = wmask[:, None, None, None, :].to(f)
+        w_old = torch.exp(torch.einsum("kgid,nksd->nkgis", qt, k_old) * net.scale - lse) * m
+        w_new = torch.exp(torch.einsum("kgid,nksd->nkgis", qt, k.to(f)) * net.scale - lse) * m
+        num = a0[None] - torch.einsum("nkgis,nksd->nkgid", w_old, v_old) + torch.einsum(
+            "nkgis,nksd->nkgid", w_new, v.to(f))
+        den = 1.0 - w_old.sum(-1) + w_new.sum(-1)
+        da = num / den.unsqueeze(-1) - a0[None]  # (N, kvH, g, nt, d)
+        N = da.shape[0]
+        da = da.permute(0, 3, 1, 2, 4).reshape(N, -1, net.heads * net.head_dim)  # (N, nt, H * d)
+        return torch.einsum("nie,rie->nr", da, J[:, i])
+
+
 def _chunk(net: _Net, ids, pos, pad_id: int, starts, lens, stops, linear: bool, tail0: int, keep: int, Ks, Vs, Qt,
            At, Lt, J, rho, stats):
     """One chunk of variants of a row: variant n re-runs columns [starts[n], stops[n]) with its unit
     [starts[n], starts[n] + lens[n]) as PAD, on the clean prefix. Linear: returns the approximate divergences (N,);
     else the logits of the last ``keep`` columns (N, keep, V) (the chunk's stops are the row's end)."""
     N = len(starts)
+    dev = ids.device
     S = max(e - s for s, e in zip(starts, stops))
     colq = torch.full((N, S), -1, dtype=torch.long)
     for i, (s, e) in enumerate(zip(starts, stops)):
         colq[i, S - (e - s):] = torch.arange(s, e)
+    colq = colq.to(dev)
     valid = colq >= 0
-    st = torch.tensor(starts).view(-1, 1)
+    st = torch.tensor(starts, device=dev).view(-1, 1)
     x_ids = ids[colq.clamp_min(0)]
-    x_ids[(colq >= st) & (colq < st + torch.tensor(lens).view(-1, 1)) | ~valid] = pad_id
+    x_ids[(colq >= st) & (colq < st + torch.tensor(lens, device=dev).view(-1, 1)) | ~valid] = pad_id
     x_pos = pos[colq.clamp_min(0)]
     stats["tokens"] += int(valid.sum())
-    n = ids.shape[0]
-    see_prefix = (torch.arange(n)[None, None, :] < st[:, :, None]) & valid[:, :, None]  # (N, S, n)
+    pre = max(starts)  # no variant sees a clean column at or after its own start
+    see_prefix = (torch.arange(pre, device=dev)[None, None, :] < st[:, :, None]) & valid[:, :, None]  # (N, S, pre)
     see_self = (colq[:, None, :] <= colq[:, :, None]) & valid[:, None, :] & valid[:, :, None]
-    see_self |= torch.eye(S, dtype=torch.bool)[None]  # padding slots see themselves (never read)
-    mask = torch.cat([see_prefix, see_self], 2)
+    see_self |= torch.eye(S, dtype=torch.bool, device=dev)[None]  # padding slots see themselves (never read)
     h = net.embed(x_ids)
     cos, sin = net.rotary(h, x_pos)
-    g = net.heads // net.kv_heads
     if linear:
         wmask = valid & (colq < tail0)  # (N, S)
-        drho = torch.zeros(N, rho.numel(), dtype=torch.float32)
+        drho = torch.zeros(N, rho.numel(), dtype=torch.float32, device=dev)
     nl = len(net.layers)
     for i, layer in enumerate(net.layers):
         attn = layer.self_attn
         q, k, v = _qkv(net, attn, layer.input_layernorm(h), cos, sin)
         if linear:
-            cq = colq.clamp_min(0)
-            k_old = Ks[i][:, cq].permute(1, 0, 2, 3)  # (N, kvH, S, d)
-            v_old = Vs[i][:, cq].permute(1, 0, 2, 3)
-            qt = Qt[i].view(net.kv_heads, g, -1, net.head_dim)  # (kvH, g, nt, d)
-            lse = Lt[i].view(net.kv_heads, g, -1, 1)
-            a0 = At[i].view(net.kv_heads, g, -1, net.head_dim)
-            m = wmask[:, None, None, None, :].to(q.dtype)
-            w_old = torch.exp(torch.einsum("kgid,nksd->nkgis", qt, k_old) * net.scale - lse) * m
-            w_new = torch.exp(torch.einsum("kgid,nksd->nkgis", qt, k) * net.scale - lse) * m
-            num = a0[None] - torch.einsum("nkgis,nksd->nkgid", w_old, v_old) + torch.einsum(
-                "nkgis,nksd->nkgid", w_new, v)
-            den = 1.0 - w_old.sum(-1) + w_new.sum(-1)
-            da = num / den.unsqueeze(-1) - a0[None]  # (N, kvH, g, nt, d)
-            da = da.permute(0, 3, 1, 2, 4).reshape(N, -1, net.heads * net.head_dim)  # (N, nt, H * d)
-            drho += torch.einsum("nie,rie->nr", da, J[:, i]).float()
+            drho += _tail_response(net, i, colq.clamp_min(0), wmask, k, v, Ks, Vs, Qt, At, Lt, J)
             if i == nl - 1:
                 break  # the top layer's attention and MLP of the window reach no tail readout
-        kk = torch.cat([Ks[i][None].expand(N, -1, -1, -1), k], 2)
-        vv = torch.cat([Vs[i][None].expand(N, -1, -1, -1), v], 2)
-        out, _ = _attend(net, q, kk, vv, mask)
+        out = _attend_prefix(net, q, Ks[i][:, :pre], Vs[i][:, :pre], see_prefix, k, v, see_self)
         h = h + attn.o_proj(_merge(out))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     if linear:

@@ -31,7 +31,8 @@ from oar.attribution.model import ProbeModel, WindowMasks, gather_probe_logits, 
 _log = logging.getLogger("oar")
 
 
-#: ``rerun_tail`` values of :func:`oar_p_window_scores` (= ``oar.schema.SCREEN_TAILS``, the config's ``screen_tail``).
+#: ``rerun_tail`` values of :func:`oar_p_window_scores`: the config's ``screen_tail`` values (``oar.schema.SCREEN_TAILS``)
+#: but ``linear``, which re-runs no tail (:func:`oar.attribution.linear_tail.oar_p_linear_tail_scores`).
 RERUN_TAILS = ("conclude", "probe")
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import time
 
-from oar.attribution import oar_g_scores, oar_p_scores, oar_p_window_scores, probe_capabilities
+from oar.attribution import (linear_tail_support, oar_g_scores, oar_p_linear_tail_scores, oar_p_scores,
+                             oar_p_window_scores, probe_capabilities)
 from oar.attribution.screened import budget_fraction, oar_p_screened_scores
 from oar.attribution.spans import span_sums
 from oar.methods.base import MethodSpec, Step
@@ -42,12 +43,20 @@ class OARPScorer:
         """The screen (config ``screen``: windowed OAR-P with ``screen_window``, or OAR-G with the config's sigma and
         noise draws), then exact masking of the selection. A model without the prefix-cache capability (sliding-window
         or recurrent layers), or one whose attention takes no 4-D mask (flash attention) and has no shared-prefix
-        attention, cannot run the window screen: OAR-G screens instead (warned once). With
+        attention, cannot run the window screen: OAR-G screens instead (warned once). ``screen_tail: linear`` runs
+        :func:`~oar.attribution.oar_p_linear_tail_scores` (its own forward: flash attention is fine) and raises
+        ValueError naming the reason for a model it cannot run (:func:`~oar.attribution.linear_tail_support`). With
         ``screen_fraction = screen_sample = 0`` the screen's scores are the result (windowed OAR-P: nothing is masked
         exactly, no calibration; the reshaping normalizes each row's scores anyway)."""
         cfg = self.config
         screen_only = cfg.screen_fraction == 0 and cfg.screen_sample == 0
         kind = cfg.screen
+        if kind == "window" and cfg.screen_tail == "linear":
+            why = linear_tail_support(pm)
+            if why is not None:
+                raise ValueError(f"oar.screen_tail 'linear' cannot run on this model: {why}; set oar.screen_tail to "
+                                 "'probe' or 'conclude'")
+            kind = "linear"
         caps = probe_capabilities(pm)
         why = ("needs a model with the prefix-cache capability; %s has none" if not caps.prefix_cache else
                "needs shared-prefix attention or a model that takes 4-D masks; %s runs attention "
@@ -58,7 +67,11 @@ class OARPScorer:
                 self._warned_screen = True
             kind = "oar_g"
         t0 = time.perf_counter()
-        if kind == "window":
+        if kind == "linear":
+            screen = oar_p_linear_tail_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
+                                              rows=step.active, positions=positions,
+                                              memory_budget_mb=step.memory_budget_mb, spans=step.spans)
+        elif kind == "window":
             screen = oar_p_window_scores(pm, pbatch, window=int(cfg.screen_window), probe=cfg.probe,
                                          rows=step.active, positions=positions, memory_budget_mb=step.memory_budget_mb,
                                          keep_clean_pass=not screen_only, spans=step.spans,
