@@ -7,7 +7,9 @@
 #             `cmake --build` of the three targets and the import check.
 #   time1.5b  cap 150 s: benchmarks/python/bench_scale.py time, a random-weight Qwen2.5-1.5B-shaped model in bf16,
 #             one row of L = 4096 reasoning tokens (units of 25 tokens, W = 8), settings
-#             `dense grpo oar_g window_probe window`: seconds, first-call seconds, peak GiB, engine efficiency E.
+#             `dense grpo oar_g window_probe window window_linear`: seconds, first-call seconds, peak GiB, engine
+#             efficiency E (window_linear, the linearized tail, last: never run on a GPU; a capped run keeps the rows
+#             measured before it).
 #   time7b    cap 270 s: the same on Qwen2.5-7B's shape (bf16 weights 15 GB, built on the device in bf16; the GRPO
 #             proxy's forward + backward needs about 57 GiB on paper, inside an H100's 78 GiB; not yet run).
 #   tests     cap 120 s: the CUDA tests of tests/python/test_shared_prefix_flex.py (FlexAttention engines against
@@ -100,7 +102,7 @@ done
 T0=$(date +%s)
 BUDGET=${SCALE_BUDGET_S:-540}
 LENGTH=${SCALE_LENGTH:-4096}
-SETTINGS=${SCALE_SETTINGS:-dense grpo oar_g window_probe window}
+SETTINGS=${SCALE_SETTINGS:-dense grpo oar_g window_probe window window_linear}
 AB_SETTINGS=${SCALE_AB_SETTINGS:-window_probe window}
 PROFILE_SETTINGS=${SCALE_PROFILE_SETTINGS:-oar_g window_probe}
 BUILD_DIR=${OAR_GPU_BUILD_DIR:-$ROOT/build-gpu}

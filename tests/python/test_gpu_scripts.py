@@ -188,7 +188,8 @@ def test_a_run_stops_skips_and_summarizes_each_phase(tmp_path):
     rows7 = (out / "time_qwen2.5-7b_L4096_cuda.csv").read_text().splitlines()[1:]
     assert 1 <= len(rows7) < 5 and rows7[0].endswith("dense,1.0"), rows7
     rows15 = (out / "time_qwen2.5-1.5b_L4096_cuda.csv").read_text().splitlines()[1:]
-    assert [r.split(",")[1] for r in rows15] == ["dense", "grpo", "oar_g", "window_probe", "window"]
+    assert [r.split(",")[1] for r in rows15] == ["dense", "grpo", "oar_g", "window_probe", "window",
+                                                     "window_linear"]
     full = (out / "phases.log").read_text()
     assert "KeyboardInterrupt" in full and "Traceback (most recent call last)" in full
     assert "==== [time7b] exit status 124" in full
