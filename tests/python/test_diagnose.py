@@ -342,6 +342,14 @@ def test_planted_credit_is_ranked_right(tiny):
     assert abs(np.mean(cos["anti"])) < 0.25 * np.mean(cos["oracle"])
 
 
+def test_stored_runs_of_version_1_cannot_be_recomputed():
+    from oar.app.diagnose import summarize_stored
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "diagnose", "full24")
+    with pytest.raises(ValueError, match="has no 'gram': written before version 2"):
+        summarize_stored(root)
+
+
 def test_count_sketch_inner_products_and_snr():
     g = torch.Generator().manual_seed(0)
     numels = [1000, 37, 4000]
@@ -364,9 +372,16 @@ def test_count_sketch_inner_products_and_snr():
     mu[:2000] = 1.0
     ups = [mu + 2.0 * torch.randn(D, generator=g) for _ in range(64)]
     full = core.CountSketch([D], 4096, seed=3)
-    snr, _ = snr_from_sketches(np.stack([full([x]).numpy() for x in ups]),
-                               np.array([float(x @ x) for x in ups]))
+    S = np.stack([full([x]).numpy() for x in ups])
+    sq = np.array([float(x @ x) for x in ups])
+    snr, _ = snr_from_sketches(S, sq)
     assert snr == pytest.approx(2000 / (D * 4), rel=0.25)
+    # the Gram form is the same estimate: the off-diagonal sum is |sum S_b|^2 - sum |S_b|^2
+    from oar.app.diagnose import snr_from_gram
+    S64 = S.astype(np.float64)
+    tot = S64.sum(0)
+    cross = (tot @ tot - (S64 * S64).sum()) / (64 * 63)
+    assert snr_from_gram(S64 @ S64.T, sq)[0] == pytest.approx(cross / (sq.mean() - cross), rel=1e-9)
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -445,6 +460,13 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     for r in first["rows"]:
         ci, narrow = r["cos_ci"], r["cos_ci_batches_only"]
         assert ci["mean"] == narrow["mean"] == r["cos"] and ci["lo"] < ci["mean"] < ci["hi"]
+    # every number of the report from the files small enough to publish (no reference.pt, no sketches/)
+    from oar.app.diagnose import summarize_stored
+    import shutil
+    shutil.copytree(out, str(tmp_path / "published"), ignore=shutil.ignore_patterns("reference.pt*", "sketches"))
+    stored = json.load(open(os.path.join(out, "diagnose.json")))
+    assert json.dumps(summarize_stored(str(tmp_path / "published")), sort_keys=True) == json.dumps(stored, sort_keys=True)
+    assert len(stored["sketch_gram"]["gram"]["grpo"]) == len(stored["sketch_gram"]["batches"]) == 3
     # a killed run: the last batch's line is cut; the rerun computes that batch again, and the same numbers
     path = os.path.join(out, "batches.jsonl")
     lines = open(path).read().splitlines()

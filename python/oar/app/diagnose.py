@@ -436,10 +436,17 @@ def snr_from_sketches(sketches: np.ndarray, sq_norms: np.ndarray) -> tuple[float
         ``(snr, mean cosine between different batches' updates)``; the SNR is NaN-free (0 when the signal estimate
         is <= 0).
     """
-    B = sketches.shape[0]
     S = sketches.astype(np.float64)
-    tot = S.sum(0)
-    cross = (tot @ tot - (S * S).sum()) / (B * (B - 1))
+    return snr_from_gram(S @ S.T, sq_norms)
+
+
+def snr_from_gram(gram: np.ndarray, sq_norms: np.ndarray) -> tuple[float, float]:
+    """:func:`snr_from_sketches` from the (B, B) Gram matrix of the B sketches (float64), which is all it reads: the
+    off-diagonal sum is B (B - 1) times the cross-product estimate of |E u|^2. ``diagnose.json`` keeps it per setting
+    (``sketch_gram``), so the SNR and its jackknife are recomputed from the stored files without the sketches."""
+    G = np.asarray(gram, dtype=np.float64)
+    B = G.shape[0]
+    cross = (G.sum() - np.trace(G)) / (B * (B - 1))
     mean_sq = float(np.mean(sq_norms))
     noise = mean_sq - cross
     snr = max(0.0, cross) / noise if noise > 0 else 0.0
@@ -447,12 +454,14 @@ def snr_from_sketches(sketches: np.ndarray, sq_norms: np.ndarray) -> tuple[float
 
 
 def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward,
-              n_params: int) -> dict:
+              n_params: int, grams: dict | None = None) -> dict:
     """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``).
 
     Intervals of cos and Δcos carry both noises: the batches' (t over batches) and the reference's (jackknife over
     its folds: each batch's cosine recomputed against the reference without fold c, from the stored <u, g_c>);
-    :func:`oar.app.stats.t_with_reference`. The SNR's interval is a jackknife over batches."""
+    :func:`oar.app.stats.t_with_reference`. The SNR's interval is a jackknife over batches. ``grams``: the sketches'
+    Gram matrices ``{"batches": [...], "gram": {label: (B, B)}}`` as the summary stores them (``sketch_gram``);
+    None computes them from ``out_dir/sketches``."""
     from oar.app.stats import break_even_dcos, jackknife_se, paired_t, sign_flip_pvalue, t_quantile, t_with_reference
 
     w_loo, n_loo = leave_one_fold_out(ref)
@@ -470,6 +479,16 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
     # nothing about credit and are counted apart, not averaged in as cos = 0
     bs = sorted(b for b in done if done[b].get("signal", done[b].get("active_rows", 1) > 0))
     silent = len(done) - len(bs)
+    if grams is None:
+        grams = {"batches": bs, "gram": {}}
+        if len(bs) >= 2:
+            for lab in labels:
+                sk = np.stack([torch.load(os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))[lab].numpy()
+                               for b in bs]).astype(np.float64)
+                grams["gram"][lab] = (sk @ sk.T).tolist()
+    elif list(grams["batches"]) != bs:
+        raise ValueError(f"grams: the Gram matrices are of batches {list(grams['batches'])[:8]}..., the batches with "
+                         f"signal are {bs[:8]}...")
     base = labels[0]
     rows = []
     att = ref.get("attenuation")
@@ -482,11 +501,11 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
             row["cos_ci"] = t_with_reference(cos, loo.mean(0)).as_dict()
             row["cos_ci_batches_only"] = paired_t(cos).as_dict()
             row["cos_true_est"] = float(cos.mean() / att) if att else None
-            sk = np.stack([torch.load(os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))[lab].numpy() for b in bs])
+            G = np.asarray(grams["gram"][lab], dtype=np.float64)
             sq = np.array([done[b]["methods"][lab]["norm"] ** 2 for b in bs])
-            row["snr"], row["cross_batch_cos"] = snr_from_sketches(sk, sq)
+            row["snr"], row["cross_batch_cos"] = snr_from_gram(G, sq)
             if len(bs) >= 3:
-                jk = [snr_from_sketches(np.delete(sk, i, 0), np.delete(sq, i))[0] for i in range(len(bs))]
+                jk = [snr_from_gram(np.delete(np.delete(G, i, 0), i, 1), np.delete(sq, i))[0] for i in range(len(bs))]
                 h = t_quantile(0.975, len(bs) - 1) * jackknife_se(jk)
                 row["snr_ci"] = {"mean": row["snr"], "lo": row["snr"] - h, "hi": row["snr"] + h, "level": 0.95,
                                  "n": len(bs)}
@@ -532,7 +551,36 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
             "median_batch_seconds": float(np.median(secs)) if secs else None,
             "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in done])) if done else None,
             "step_seconds": step_s,
-            "batches_without_signal": silent}
+            "batches_without_signal": silent,
+            "sketch_gram": grams}
+
+
+def summarize_stored(out_dir: str) -> dict:
+    """The summary of a finished run recomputed from the files it keeps that are small enough to publish:
+    ``batches.jsonl`` and ``diagnose.json`` (the reference's norms, fold counts and Gram matrix; the sketches' Gram
+    matrices), without ``reference.pt`` or ``sketches/`` (docs/diagnose/*: every number of a report from its
+    folder). Equal to the stored summary for a run of this version (tested).
+
+    Raises:
+        ValueError: a folder whose ``diagnose.json`` has no fold Gram matrix or no sketch Gram (written before
+            version 2 of the diagnostic), naming the missing field.
+    """
+    with open(os.path.join(out_dir, "diagnose.json")) as f:
+        stored = json.load(f)
+    for key, where in (("gram", stored.get("reference", {})), ("fold_rollouts", stored.get("reference", {})),
+                       ("sketch_gram", stored)):
+        if key not in where:
+            raise ValueError(f"{out_dir}/diagnose.json has no {key!r}: written before version 2 of oar diagnose, its "
+                             "numbers cannot be recomputed from the stored files")
+    done = {}
+    with open(os.path.join(out_dir, "batches.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                done[int(rec["batch"])] = rec
+    return summarize(done, stored["reference"], [r["method"] for r in stored["rows"]], out_dir,
+                     step_norm=stored["step_norm"], base_reward=stored["base_reward"], n_params=stored["n_params"],
+                     grams=stored["sketch_gram"])
 
 
 def _fmt(x, spec="+.4f"):
@@ -548,7 +596,6 @@ def write_report(summary: dict, out_dir: str) -> None:
     ref, base = summary["reference"], summary["baseline"]
     lines = ["# oar diagnose", "",
              f"Reference gradient: {ref['rollouts']} held-out rollouts, mean reward {ref['mean_reward']:.3f}, "
-             f"groups with both rewards {ref['mixed_groups']:.2f}; cosine of its two halves "
              f"groups with both rewards {ref['mixed_groups']:.2f}; mean cosine between its {len(ref['gram'])} folds "
              f"{ref['fold_cos']:+.3f} (attenuation {_fmt(ref.get('attenuation'), '.3f')}: a cosine with the reference "
              "divided by it estimates the cosine with the true gradient; '-' means the reference is mostly noise).",
