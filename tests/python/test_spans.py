@@ -282,12 +282,13 @@ def test_pipeline_span_starts_override_the_unit(tiny):  # noqa: F811
         Pipeline(oar.OARConfig(method="oar_p"), tok).scores(rb, model)
 
 
-def test_pipeline_windowed_span_oar_p_is_the_window_engine(tiny):  # noqa: F811
-    """``screen_fraction = screen_sample = 0`` with the window screen: windowed OAR-P alone (nothing masked exactly),
-    here over lines: the pipeline's scores are the window engine's on the same probe contexts and spans."""
+def _windowed_span_pipeline(tiny, **cfg_kw):  # noqa: F811
+    """The pipeline's windowed word-span scores (``screen_fraction = screen_sample = 0``, ``screen_window`` 2, plus
+    ``cfg_kw``) and what an engine needs to recompute them: (scores, probe batch, active rows, units, lengths, model)."""
     model, tok = tiny
     rb, cids, cmask = _rollout_batch(tok)
-    cfg = oar.OARConfig(method="oar_p", mask_unit="word", screen_fraction=0.0, screen_sample=0.0, screen_window=2)
+    cfg = oar.OARConfig(method="oar_p", mask_unit="word", screen_fraction=0.0, screen_sample=0.0, screen_window=2,
+                        **cfg_kw)
     pipe = Pipeline(cfg, tok)
     sc = pipe.scores(rb, model)
     pids, rids, answers = _rollouts(tok)
@@ -297,6 +298,13 @@ def test_pipeline_windowed_span_oar_p_is_the_window_engine(tiny):  # noqa: F811
     pb = pipe.builder.build([on(i, pids[i], []) for i in range(3)], [on(i, torch.tensor(rids[i]), []) for i in range(3)],
                             [on(i, answers[i], "0") for i in range(3)], [on(i, lens[i], 0) for i in range(3)])
     units = {i: spans_of(span_starts(token_texts(tok, cids[i, :lens[i]]), "word")) for i in active}
+    return sc, pb, active, units, lens, model
+
+
+def test_pipeline_windowed_span_oar_p_is_the_window_engine(tiny):  # noqa: F811
+    """``screen_fraction = screen_sample = 0`` with the window screen: windowed OAR-P alone (nothing masked exactly),
+    here over words: the pipeline's scores are the window engine's on the same probe contexts and spans."""
+    sc, pb, active, units, lens, model = _windowed_span_pipeline(tiny)
     want = oar_p_window_scores(HFProbeModel(model), pb, window=2, rows=active, spans=units)
     for i in active:
         assert torch.equal(sc.scores[i, :lens[i]], want.scores[i, :lens[i]])
@@ -308,19 +316,7 @@ def test_pipeline_linear_tail_is_the_linear_tail_engine(tiny):  # noqa: F811
     :func:`oar_p_linear_tail_scores`'s on the same probe contexts and word spans (the engine the config names)."""
     from oar.attribution import oar_p_linear_tail_scores
 
-    model, tok = tiny
-    rb, cids, cmask = _rollout_batch(tok)
-    cfg = oar.OARConfig(method="oar_p", mask_unit="word", screen_fraction=0.0, screen_sample=0.0, screen_window=2,
-                        screen_tail="linear")
-    pipe = Pipeline(cfg, tok)
-    sc = pipe.scores(rb, model)
-    pids, rids, answers = _rollouts(tok)
-    lens = pipe.reasoning_lengths(cids, cmask, [0, 1, 2])
-    active = [i for i in range(3) if bool(sc.reasoning_mask[i].any())]
-    on = lambda i, x, stub: x if i in active else stub  # noqa: E731 - the pipeline's stubs for rows not scored
-    pb = pipe.builder.build([on(i, pids[i], []) for i in range(3)], [on(i, torch.tensor(rids[i]), []) for i in range(3)],
-                            [on(i, answers[i], "0") for i in range(3)], [on(i, lens[i], 0) for i in range(3)])
-    units = {i: spans_of(span_starts(token_texts(tok, cids[i, :lens[i]]), "word")) for i in active}
+    sc, pb, active, units, lens, model = _windowed_span_pipeline(tiny, screen_tail="linear")
     want = oar_p_linear_tail_scores(HFProbeModel(model), pb, window=2, rows=active, spans=units)
     assert want.stats["linearized"] > 0
     for i in active:
