@@ -509,6 +509,35 @@ class _SilentSource(_PlantedSource):
         return r
 
 
+def test_reference_resumes_by_fold(tiny, tmp_path):
+    """A run stopped inside its reference keeps the folds it finished (reference_fold<c>.pt) and redoes only the
+    rest: the same reference as an uninterrupted run (same seeds per fold and chunk), fold files removed at the end."""
+    from oar.app.diagnose import DiagnoseSettings, compute_reference
+
+    model, tok = tiny
+    s = DiagnoseSettings(methods=["grpo"], batches=1, prompts=2, group=4, ref_prompts=16, ref_group=4,
+                         max_new_tokens=4, temperature=1.0, sketch_dim=256, reward_batches=0, step_norm=0.5)
+    (tmp_path / "a").mkdir()
+    whole = compute_reference(model, tok, _PlantedSource(tok), s, str(tmp_path / "a"))
+    out = tmp_path / "b"
+    out.mkdir()
+    calls = []
+
+    def stop_in_fold_3(n):
+        calls.append(n)
+        if len(calls) == 3:  # 16 prompts in 4 folds of 4: one progress call per fold; the third is fold 2's
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compute_reference(model, tok, _PlantedSource(tok), s, str(out), progress=stop_in_fold_3)
+    assert sorted(p.name for p in out.iterdir()) == ["reference_fold0.pt", "reference_fold1.pt"]
+    again = compute_reference(model, tok, _PlantedSource(tok), s, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["reference.pt"]
+    assert again["gram"] == whole["gram"] and again["fold_rollouts"] == whole["fold_rollouts"]
+    assert again["mean_reward"] == whole["mean_reward"] and again["mixed_groups"] == whole["mixed_groups"]
+    assert all(torch.equal(x, y) for x, y in zip(again["grad"], whole["grad"]))
+
+
 def test_batches_without_signal_are_reported_not_averaged(tiny, tmp_path):
     from oar.app.diagnose import DiagnoseSettings, run
 
