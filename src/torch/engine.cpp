@@ -1,5 +1,5 @@
 // The C++ OAR-P engine (include/oar/torch/engine.h): the batched masking engine of
-// python/oar/attribution/engines.py (`_oar_p_batched`) for C++ callers, over oar::ProbeModel.
+// python/oar/attribution/oar_p.py (`_oar_p_batched`) for C++ callers, over oar::ProbeModel.
 #include "oar/torch/engine.h"
 
 #include <c10/core/InferenceMode.h>

@@ -180,9 +180,6 @@ class MetricsWriter:
     def train_rows(self) -> list[dict]:
         return [r for r in self.rows if "reward" in r]
 
-    def eval_rows(self) -> list[dict]:
-        return [r for r in self.rows if "heldout/accuracy" in r]
-
     def close(self):
         self.fh.close()
 

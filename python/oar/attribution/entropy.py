@@ -106,7 +106,7 @@ def _chunked_entropies(model: ProbeModel, contexts: Sequence[tuple[torch.Tensor,
 
 
 def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] | None = None,
-                   memory_budget_mb: int = 1024) -> Attribution:
+                   memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB) -> Attribution:
     """Entropy baseline (method.md section 8): I_t = H(softmax(logits predicting reasoning token t)), the
     full-vocabulary entropy of the policy at the step that produced token t (temperature 1), in nats. The probe
     context's prefix is exactly the generation context, so these equal the sampling-time entropies.
@@ -157,7 +157,7 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
 
 
 def policy_entropies(model, prompt_ids: Sequence, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
-                     memory_budget_mb: int = 1024) -> torch.Tensor:
+                     memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB) -> torch.Tensor:
     """Full-vocabulary entropy H_t (nats, temperature 1) of the policy at every completion token: the
     entropy of the next-token distribution at the position that predicts completion token t.
 

@@ -56,6 +56,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
     _check_ids,
@@ -299,7 +300,8 @@ def _cell_kl(rho, drho):
 
 def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                              rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
-                             memory_budget_mb: int = 512, spans: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                             memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB,
+                             spans: Mapping[int, Sequence[tuple[int, int]]] | None = None,
                              top_r: int = 32, exact_reach: bool = True) -> Attribution:
     """Windowed OAR-P whose tail is linearized (module docstring; config ``screen_tail: linear``): I_t for every
     reasoning token t is the probe divergence when token t is replaced by PAD and t plus the ``window`` reasoning

@@ -93,7 +93,7 @@ def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: i
 
 def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
                  sigma: float = 1e-3, noise_draws: int = 1, generator: torch.Generator | None = None,
-                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = 4096,
+                 clean_logits: torch.Tensor | None = None, memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB,
                  positions: Mapping[int, Sequence[int]] | None = None) -> Attribution:
     """OAR-G importance (method.md section 4): I_t = |sum_h g[t,h] E[t,h]| with g = dJ/dE,
     J = KL(p_clean || p(E + delta)) (``answer_joint``: J = phi_clean - phi(E + delta)),

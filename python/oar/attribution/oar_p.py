@@ -58,7 +58,7 @@ class _OarPRun:
 
 
 def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_mean", rows: Sequence[int] | None = None,
-                 memory_budget_mb: int = 1024, max_variants_per_chunk: int = 0,
+                 memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB, max_variants_per_chunk: int = 0,
                  clean_logits: torch.Tensor | None = None, engine: str = "auto",
                  max_prefix_waste: float = 0.1, positions: Mapping[int, Sequence[int]] | None = None,
                  clean_pass: CleanPass | None = None,

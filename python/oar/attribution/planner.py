@@ -55,6 +55,10 @@ from oar.attribution.model import ProbeModel
 _C = load_extension()
 _log = logging.getLogger("oar")
 
+#: Every engine's default ``memory_budget_mb``: the config's (``oar::core::OARConfig::memory_budget_mb``), so a call
+#: without a budget plans as the pipeline does with the default config.
+DEFAULT_MEMORY_BUDGET_MB: int = int(_C.OARConfig().memory_budget_mb)
+
 #: Largest budget in MiB: its bytes fit the planners' int64 (products are taken in long double there).
 _MAX_BUDGET_MB = (1 << 43) - 1
 

@@ -31,14 +31,14 @@ from oar.attribution.model import ProbeModel, WindowMasks, gather_probe_logits, 
 _log = logging.getLogger("oar")
 
 
-#: ``rerun_tail`` values of :func:`oar_p_window_scores`: the config's ``screen_tail`` values (``oar.schema.SCREEN_TAILS``)
-#: but ``linear``, which re-runs no tail (:func:`oar.attribution.linear_tail.oar_p_linear_tail_scores`).
+#: ``rerun_tail`` values of :func:`oar_p_window_scores`: the config's ``screen_tail`` values
+#: (``oar.schema.SCREEN_TAILS``) but ``linear``, which re-runs no tail (:func:`oar.attribution.oar_p_linear_tail_scores`).
 RERUN_TAILS = ("conclude", "probe")
 
 
 def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, probe: str = "answer_mean",
                         rows: Sequence[int] | None = None, positions: Mapping[int, Sequence[int]] | None = None,
-                        memory_budget_mb: int = 1024, keep_clean_pass: bool = False,
+                        memory_budget_mb: int = planner.DEFAULT_MEMORY_BUDGET_MB, keep_clean_pass: bool = False,
                         spans: Mapping[int, Sequence[tuple[int, int]]] | None = None,
                         rerun_tail: str = "conclude") -> Attribution:
     """Windowed OAR-P (the screen of screened OAR-P; docs/design.md "Screened OAR-P"): I_t as in

@@ -56,7 +56,8 @@ DEFAULT_LEVEL = 2
 #: float32, CPU) with this task's default prompts (system prompt, one worked example per operation,
 #: "Put the final answer in \\boxed{}."): 32 test problems (seed 0) x 4 samples, temperature 0.8,
 #: top_k off, top_p 1, max_new_tokens 96, default reward (last-number fallback on). Measured with
-#: ``oar.app.tasks.evaluate.sample_accuracy``; 128 samples, so about +-4 points of standard error.
+#: ``oar.app.tasks.evaluate.generate_completions`` scored by ``reward``; 128 samples, so about +-4 points of
+#: standard error.
 LEVEL_ACCURACY: dict[int, float] = {1: 0.297, 2: 0.383, 3: 0.047, 4: 0.594, 5: 0.055}
 
 #: Fraction of the 32 problems whose 4 samples got both rewards (a non-zero GRPO advantage), same runs.

@@ -1,20 +1,21 @@
 """Sampling completions from a causal LM and measuring a task's accuracy (pass@1 over samples).
 
-Plain ``model.generate`` with sampling, batched with left padding: enough for evaluation and for
-measuring whether a task has the reward variance GRPO needs (the arithmetic levels were tuned with
-:func:`sample_accuracy`). Imports torch, so ``oar.app.tasks`` does not import this module eagerly.
+Plain ``model.generate``, batched with left padding: enough for evaluation (:func:`heldout_accuracy`, greedy) and for
+measuring whether a task has the reward variance GRPO needs (sampled :func:`generate_completions` scored with
+``task.reward``, as the arithmetic levels were tuned). Imports torch, so ``oar.app.tasks`` does not import this module
+eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from oar.app.tasks.base import Problem, Task
 
-__all__ = ["generate_completions", "sample_accuracy", "AccuracyReport", "heldout_accuracy", "HeldoutResult"]
+__all__ = ["generate_completions", "heldout_accuracy", "HeldoutResult"]
 
 
 def generate_completions(
@@ -77,40 +78,6 @@ def generate_completions(
     finally:
         tokenizer.padding_side = old_side
     return [outs[i * num_samples : (i + 1) * num_samples] for i in range(len(messages))]
-
-
-@dataclass
-class AccuracyReport:
-    """Result of :func:`sample_accuracy`.
-
-    Attributes:
-        accuracy: mean reward over all problems x samples.
-        frac_mixed_groups: fraction of problems whose samples got both rewards (non-zero GRPO
-            advantage for that group).
-        rewards: ``rewards[i][j]`` for problem i, sample j.
-        completions: ``completions[i][j]``.
-    """
-
-    accuracy: float
-    frac_mixed_groups: float
-    rewards: list[list[float]] = field(repr=False)
-    completions: list[list[str]] = field(repr=False)
-
-
-def sample_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer: Any, **gen_kwargs: Any) -> AccuracyReport:
-    """Sample completions for ``problems`` (``generate_completions`` keywords) and score them.
-
-    Raises:
-        ValueError: empty ``problems`` or bad generation arguments.
-    """
-    if not problems:
-        raise ValueError("problems must not be empty")
-    comps = generate_completions(model, tokenizer, [task.prompt(p) for p in problems], **gen_kwargs)
-    rewards = [[task.reward(c, p) for c in cs] for cs, p in zip(comps, problems)]
-    total = sum(len(r) for r in rewards)
-    acc = sum(sum(r) for r in rewards) / total
-    mixed = sum(1 for r in rewards if 0.0 < sum(r) < len(r)) / len(rewards)
-    return AccuracyReport(acc, mixed, rewards, comps)
 
 
 @dataclass
