@@ -130,7 +130,7 @@ def main(argv=None) -> int:
 
 
 def write_table(res: dict, args, traces) -> None:
-    from oar.app.eval_attribution import spearman
+    from oar.app.stats import spearman
 
     lines = [f"Model smollm2-135m-instruct, probe {bench_long.PROBE}, CPU, 1 thread, torch {torch.__version__}, "
              f"{platform.machine()}; a machine shared with other jobs (seconds are noisy; tokens are exact).", "",

@@ -527,7 +527,8 @@ def load_traces(path: str) -> list[dict]:
 
 def per_trace_rows(cache: dict, names: list[str]) -> list[dict]:
     """One row per setting of one trace (and one for exact OAR-P), fidelity filled when the reference is done."""
-    from oar.app.eval_attribution import recall_at, spearman, top_overlap
+    from oar.app.eval_attribution import recall_at, top_overlap
+    from oar.app.stats import spearman
 
     exact = exact_scores(cache)
     grpo = cache.get("grpo", {}).get("step_per_rollout_s")

@@ -461,7 +461,8 @@ def block_table(L: int, prompt: int, keep: int, conclude: int, variants: int, wi
     41): partial and full (query block, key block) pairs and the share of the pairs in listed blocks that are visible
     (the kernel computes every pair of a listed block; a partial one also evaluates the mask on each). Counted from
     the layout on the CPU: the kernel's work, not its time."""
-    from oar.attribution.model import WindowMasks, _shared_prefix_blocks
+    from oar.attribution.model import WindowMasks
+    from oar.attribution.shared_prefix import _shared_prefix_blocks
     from oar.attribution.window import _run_columns, _run_lengths
 
     T = prompt + L + conclude + keep
@@ -561,9 +562,9 @@ def main(argv=None) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         if a.no_full_blocks:
-            import oar.attribution.model as model_mod
+            from oar.attribution import shared_prefix
 
-            model_mod._FLEX_FULL_BLOCKS = False
+            shared_prefix._FLEX_FULL_BLOCKS = False
         time_settings(a.shape, a.length, a.device, a.dtype, a.window, a.unit_len, a.prompt, a.repeats, a.budget_mb,
                       a.settings, a.group, profile_dir=(a.out or ".") if a.profile else None, out=a.out,
                       scored_fraction=a.scored_fraction, generation=a.generation,

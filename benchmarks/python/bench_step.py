@@ -61,7 +61,8 @@ import oar
 from oar import ops, reference
 from oar.attribution import HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_scores, oar_p_window_scores
 from oar.attribution.screened import oar_p_screened_scores
-from oar.app.eval_attribution import reshaped_weights_l1, spearman, top_overlap
+from oar.app.eval_attribution import reshaped_weights_l1, top_overlap
+from oar.app.stats import spearman
 
 
 def _commit() -> str:

@@ -16,21 +16,7 @@ import time
 
 import torch
 
-
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Spearman correlation with average ranks for ties."""
-    def ranks(x):
-        x = x.double()
-        order = x.argsort()
-        r = torch.empty_like(x)
-        r[order] = torch.arange(len(x), dtype=torch.float64)
-        for v in x.unique():  # average ranks of ties
-            m = x == v
-            if int(m.sum()) > 1:
-                r[m] = r[m].mean()
-        return r - r.mean()
-    ra, rb = ranks(a), ranks(b)
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+from oar.app.stats import spearman
 
 
 def main(argv=None) -> int:
@@ -75,7 +61,8 @@ def main(argv=None) -> int:
                 x, y = (ref, got) if pick is None else (ref[pick], got[pick])
                 top = x >= x.quantile(0.9)
                 rel = float(((x - y).abs()[top] / x[top].clamp_min(1e-30)).median())
-                print(f"  {name:24s} head {'float32' if f32 else 'model  '}: spearman {spearman(x, y):.4f}, "
+                rho = spearman(x.tolist(), y.tolist())
+                print(f"  {name:24s} head {'float32' if f32 else 'model  '}: spearman {rho:.4f}, "
                       f"top-10% median rel. error {rel:.3g}, seconds fp32 {t32:.1f} bf16 {t16:.1f}", flush=True)
     return 0
 

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_long  # noqa: E402  (cache files, the exact reference and its positions)
+from oar.app.stats import spearman_rows  # noqa: E402
 
 COLUMNS = ["oar_g", "window4_probe", "window4_linear", "window4", "window8_probe", "window8_linear", "window8",
            "window32", "screen0.1", "span_line"]
@@ -37,43 +38,22 @@ PAIRS = [("window8_linear", "window8"), ("window4_linear", "window4"), ("window8
          ("window8_linear", "window8_probe")]
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Average ranks along the last axis (ties share the mean rank)."""
-    order = np.argsort(x, axis=-1, kind="stable")
-    r = np.empty_like(order, dtype=np.float64)
-    np.put_along_axis(r, order, np.arange(x.shape[-1], dtype=np.float64)[None].repeat(x.shape[0], 0), axis=-1)
-    out = np.empty_like(r)
-    for i in range(x.shape[0]):  # ties: mean rank
-        _, inv, cnt = np.unique(x[i], return_inverse=True, return_counts=True)
-        sums = np.bincount(inv, weights=r[i])
-        out[i] = (sums / cnt)[inv]
-    return out
-
-
-def _spearman_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Spearman of each row pair of a, b (n, m): Pearson correlation of average ranks."""
-    ra, rb = _ranks(a), _ranks(b)
-    ra -= ra.mean(-1, keepdims=True)
-    rb -= rb.mean(-1, keepdims=True)
-    return (ra * rb).sum(-1) / np.sqrt((ra * ra).sum(-1) * (rb * rb).sum(-1))
-
-
 def paired_diff(x: list[float], y: list[float], exact: list[float], draws: int = 2000,
                 seed: int = 0) -> tuple[float, float, float]:
     """Spearman(x, exact) - Spearman(y, exact) and its 95% bootstrap interval over positions (percentiles of
     ``draws`` resamples with replacement, both settings on the same resample)."""
     x, y, e = (np.asarray(v, dtype=np.float64) for v in (x, y, exact))
-    d = float(_spearman_rows(x[None], e[None])[0] - _spearman_rows(y[None], e[None])[0])
+    d = float(spearman_rows(x[None], e[None])[0] - spearman_rows(y[None], e[None])[0])
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(e), size=(draws, len(e)))
-    ds = _spearman_rows(x[idx], e[idx]) - _spearman_rows(y[idx], e[idx])
+    ds = spearman_rows(x[idx], e[idx]) - spearman_rows(y[idx], e[idx])
     lo, hi = np.nanpercentile(ds, [2.5, 97.5])
     return d, float(lo), float(hi)
 
 
 def load_set(label: str, out_dir: str, traces_path: str) -> list[dict]:
     """One record per trace of the set that has a cache file with a finished exact reference."""
-    from oar.app.eval_attribution import spearman
+    from oar.app.stats import spearman
 
     recs = []
     for t in bench_long.load_traces(traces_path):

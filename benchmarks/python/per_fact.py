@@ -3,7 +3,7 @@ more ``oar compare`` sweeps (issue 25: which facts a run's gain or loss comes fr
 
 A fact's problems are mostly answered alike, so a run's held-out accuracy moves in steps of whole facts; this table
 shows which ones. Reads each sweep's ``grid.json`` (the task, to rebuild the facts:
-``oar.app.compare.problem_clusters``) and its finished runs' ``results/*.json`` (what ``oar compare`` keeps of a run
+``oar.app.compare_report.problem_clusters``) and its finished runs' ``results/*.json`` (what ``oar compare`` keeps of a run
 once it finished, and what a copied sweep without its ``runs/`` folder still has); runs nothing.
 
 Usage: python benchmarks/python/per_fact.py SWEEP [SWEEP ...] [--out FILE.md]
@@ -18,7 +18,7 @@ from collections import defaultdict
 
 
 def _runs(sweep: str) -> list[tuple[str, dict]]:
-    from oar.app.compare import load_results, run_name
+    from oar.app.compare_report import load_results, run_name
 
     out = []
     for r in load_results(sweep):
@@ -36,7 +36,7 @@ def per_fact_table(sweeps: list[str]) -> str:
         SystemExit: a sweep with no finished run, runs of different held-out problems, or a task whose clusters
             cannot be rebuilt.
     """
-    from oar.app.compare import problem_clusters
+    from oar.app.compare_report import problem_clusters
 
     columns, ids, labels = [], None, None
     for sweep in sweeps:

@@ -18,7 +18,8 @@ import zlib
 
 import numpy as np
 
-from oar.app.eval_attribution import recall_at, spearman, top_overlap
+from oar.app.eval_attribution import recall_at, top_overlap
+from oar.app.stats import spearman
 
 d = json.load(open(sys.argv[1]))
 traces = d["traces"]

@@ -28,7 +28,7 @@ import torch
 
 import oar
 from oar import ops
-from oar.app.eval_attribution import spearman
+from oar.app.stats import spearman
 from oar.metrics import ess_ratio, top_mass
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline

@@ -19,13 +19,13 @@ from typing import Sequence
 
 import torch
 
-from oar import _args, ops
+from oar import _args
 from oar.attribution import DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
 from oar.attribution.spans import span_starts, span_sums, spans_of, token_texts
 from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_sequence_advantages,
                        check_token_ids, validate)
 from oar.distributed import ForwardGate, distributed_world
-from oar.methods import Step, method_spec
+from oar.methods import UNIFORM, Step, method_spec
 from oar.metrics import pipeline_metrics
 from oar.schema import CREDIT_ROWS, config_arg
 
@@ -156,22 +156,9 @@ class Pipeline:
         """
         t0 = self._call_started()
         step = self._step(batch, model, preset)
-        b, adv, credit = step.b, step.adv, self.method.credit
-        if credit == "uniform":
-            tok = adv[:, None] * b.eligible
-            weights = b.eligible.float()
-            sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
-        elif credit == "reshape":
-            sc, reasoning = self._scores(step)
-            r = self.config.reshape
-            tok, weights = ops.reshape_advantages(adv, sc, reasoning, b.eligible, q=r.q, beta=r.beta, floor=r.floor,
-                                                  tiers=r.tiers)
-        else:
-            tok, sc, reasoning = self.scorer.bonus(step)
-            safe = torch.where(adv != 0, adv, torch.ones_like(adv)).double()
-            ratio = torch.where((adv != 0)[:, None], tok.double() / safe[:, None], torch.ones_like(tok, dtype=torch.float64))
-            weights = torch.where(b.eligible, ratio, torch.zeros((), dtype=torch.float64)).float()
-        if credit != "uniform" and self.config.credit_rows != "all":
+        b, adv = step.b, step.adv
+        tok, weights, sc, reasoning = self.method.credit.token_advantages(self, step)
+        if self.method.credit is not UNIFORM and self.config.credit_rows != "all":
             # rows outside credit_rows: GRPO's uniform credit (a scores_all_rows method scored them for its tables)
             off = ~credited_rows(adv, self.config.credit_rows)
             if bool(off.any()):
@@ -202,12 +189,7 @@ class Pipeline:
         self._call_started()
         step = self._step(batch, model, preset)
         b = step.b
-        if self.method.credit == "reshape":
-            sc, reasoning = self._scores(step)
-        elif self.method.credit == "add":
-            _, sc, reasoning = self.scorer.bonus(step)
-        else:
-            sc, reasoning = torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
+        sc, reasoning = self.method.credit.scores(self, step)
         if self.config.credit_rows != "all":  # rows outside credit_rows: no token-level scores (uniform credit)
             keep = credited_rows(step.adv, self.config.credit_rows)[:, None]
             sc = torch.where(keep, sc, torch.zeros((), dtype=sc.dtype))
@@ -282,8 +264,7 @@ class Pipeline:
         if b.scores is not None:
             reasoning = b.reasoning & b.eligible
             return torch.where(reasoning, b.scores, torch.zeros(())), reasoning
-        pre = getattr(self.scorer, "precomputed", None)
-        pre = pre(step) if pre is not None else None
+        pre = self.scorer.precomputed(step)
         if pre is not None:  # e.g. the trainer's own entropies: no forward
             reasoning = self._reasoning_mask(b, step.active)
             return torch.where(reasoning, pre, torch.zeros(())), reasoning
@@ -304,7 +285,7 @@ class Pipeline:
             step.spans = self._spans(b, step.active, cols, pbatch, positions)
             att = self.scorer.score(step, pm, pbatch, positions)
         step.stats.update({k: v for k, v in att.stats.items() if k != "padding_forwards"})
-        if step.spans is not None and not getattr(self.scorer, "masks_spans", False):
+        if step.spans is not None and not self.scorer.masks_spans:
             for i, units in step.spans.items():  # the unit rule for token-level scorers (method.md section 11)
                 att.scores[i] = span_sums(att.scores[i], units)
         for i in step.active:

@@ -8,8 +8,11 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
   raise ValueError naming the key); ``to_json()`` round-trips. JSON keys are flat (``ktae_alpha``), Python
   attributes nested (``cfg.ktae.alpha``): the table is in docs/config.md.
 - ``ReshapeOptions``, ``GroupAdvantageOptions``: the nested option structs (``cfg.reshape``, ``cfg.advantages``).
-- :data:`METHODS`, :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS`, :data:`SCREEN_TAILS` and
-  :data:`MASK_UNITS`, :data:`CREDIT_ROWS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail``, ``mask_unit`` and ``credit_rows`` (tests/python/test_config.py checks that the C++ parser accepts exactly these).
+- :data:`CONFIG_CHOICES` (every string key's values, read from the C++ schema) and its entries :data:`METHODS`,
+  :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS`, :data:`SCREEN_TAILS`, :data:`MASK_UNITS`, :data:`TIERS`,
+  :data:`CREDIT_ROWS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail``,
+  ``mask_unit``, ``tiers`` and ``credit_rows`` (tests/python/test_config.py checks that the C++ parser accepts
+  exactly these).
 - :func:`with_method`: a config with another method (the one rule between keys: ``dr_grpo``'s estimator).
 - :func:`config_arg`: the one check of a ``config`` argument; :func:`config_from_mapping` and :func:`yaml_load`:
   the one way a YAML / JSON ``oar`` section becomes an ``OARConfig`` (run configs and ``$OAR_CONFIG`` alike).
@@ -33,30 +36,34 @@ OARConfig = _C.OARConfig
 ReshapeOptions = _C.ReshapeOptions
 GroupAdvantageOptions = _C.GroupAdvantageOptions
 
-#: ``method``: every credit-assignment method (``oar::core::method_names()``, the schema's order).
-METHODS: tuple[str, ...] = tuple(_C.METHOD_NAMES)
+#: Every string key's accepted values, in the schema's order (``oar::core::config_choices()``: what the C++ parser
+#: accepts and nothing else; the tuples below are its entries, so a value is named in one place, the C++ schema).
+CONFIG_CHOICES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in _C.CONFIG_CHOICES.items()}
+
+#: ``method``: every credit-assignment method (the schema's order).
+METHODS: tuple[str, ...] = CONFIG_CHOICES["method"]
 #: ``probe``: the outcome probes (method.md section 3).
-PROBES: tuple[str, ...] = ("last", "answer_mean", "answer_joint")
+PROBES: tuple[str, ...] = CONFIG_CHOICES["probe"]
 #: ``estimator``: the group statistics of the sequence advantages (method.md section 1, :func:`oar.ops.group_advantages`).
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "batch", "rloo")
+ESTIMATORS: tuple[str, ...] = CONFIG_CHOICES["estimator"]
 #: ``screen``: the screen of screened OAR-P (``window``: windowed OAR-P; ``oar_g``: OAR-G).
-SCREENS: tuple[str, ...] = ("window", "oar_g")
+SCREENS: tuple[str, ...] = CONFIG_CHOICES["screen"]
 
 #: ``screen_tail``: the probe-side tokens the window screen re-runs (:func:`oar.attribution.oar_p_window_scores`,
 #: ``rerun_tail``: ``conclude``, ``probe``), or ``linear``: none, the tail's response linearized
 #: (:func:`oar.attribution.oar_p_linear_tail_scores`).
-SCREEN_TAILS: tuple[str, ...] = ("conclude", "probe", "linear")
+SCREEN_TAILS: tuple[str, ...] = CONFIG_CHOICES["screen_tail"]
 
 #: ``mask_unit``: what OAR-P masks per variant and the token-level scorers sum over (docs/method.md section 11).
-MASK_UNITS: tuple[str, ...] = ("token", "word", "line", "sentence")
+MASK_UNITS: tuple[str, ...] = CONFIG_CHOICES["mask_unit"]
 
 #: ``tiers``: which tiers of the bi-level reshaping are applied (method.md section 6).
-TIERS: tuple[str, ...] = ("both", "boost", "suppress")
+TIERS: tuple[str, ...] = CONFIG_CHOICES["tiers"]
 
 #: ``credit_rows``: which rollouts get token-level credit (docs/method.md section 12, our extension).
-CREDIT_ROWS: tuple[str, ...] = ("all", "positive", "negative")
+CREDIT_ROWS: tuple[str, ...] = CONFIG_CHOICES["credit_rows"]
 
-__all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
+__all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "CONFIG_CHOICES", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
            "SCREEN_TAILS", "MASK_UNITS", "TIERS", "CREDIT_ROWS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
 
 

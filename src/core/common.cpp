@@ -23,6 +23,13 @@ E parse_enum(std::string_view name, std::string_view arg, const std::array<std::
 }
 
 template <typename E, size_t N>
+std::vector<std::string> enum_names(const std::array<std::pair<const char*, E>, N>& table) {
+  std::vector<std::string> out;
+  for (const auto& [key, value] : table) out.emplace_back(key);
+  return out;
+}
+
+template <typename E, size_t N>
 const char* enum_name(E v, const std::array<std::pair<const char*, E>, N>& table) {
   for (const auto& [key, value] : table)
     if (value == v) return key;
@@ -46,6 +53,12 @@ StdKind parse_std_kind(std::string_view name, std::string_view arg) { return par
 SingletonPolicy parse_singleton_policy(std::string_view name, std::string_view arg) { return parse_enum(name, arg, kSingleton); }
 Tiers parse_tiers(std::string_view name, std::string_view arg) { return parse_enum(name, arg, kTiers); }
 Probe parse_probe(std::string_view name, std::string_view arg) { return parse_enum(name, arg, kProbes); }
+
+std::vector<std::string> estimator_names() { return enum_names(kEstimators); }
+std::vector<std::string> std_kind_names() { return enum_names(kStdKinds); }
+std::vector<std::string> singleton_policy_names() { return enum_names(kSingleton); }
+std::vector<std::string> tiers_names() { return enum_names(kTiers); }
+std::vector<std::string> probe_names() { return enum_names(kProbes); }
 
 const char* to_string(Estimator v) { return enum_name(v, kEstimators); }
 const char* to_string(StdKind v) { return enum_name(v, kStdKinds); }

@@ -18,8 +18,30 @@ constexpr std::array<std::pair<const char*, Method>, 8> kMethods{{
     {"entropy", Method::kEntropy}, {"entropy_shaping", Method::kEntropyShaping}, {"ktae", Method::kKtae},
     {"oar_p", Method::kOarP}, {"oar_g", Method::kOarG}}};
 
+// The values of the string keys that are no enum (stored as strings in OARConfig), in the schema's order.
+constexpr std::array<const char*, 2> kScreens{"window", "oar_g"};
+constexpr std::array<const char*, 3> kScreenTails{"conclude", "probe", "linear"};
+constexpr std::array<const char*, 4> kMaskUnits{"token", "word", "line", "sentence"};
+constexpr std::array<const char*, 3> kCreditRows{"all", "positive", "negative"};
+
 [[noreturn]] void fail(const std::string& key, const std::string& what) {
   throw InvalidArgument("oar." + key + " " + what);
+}
+
+template <size_t N>
+std::vector<std::string> names_of(const std::array<const char*, N>& table) {
+  return std::vector<std::string>(table.begin(), table.end());
+}
+
+// Fails with `oar.<key> must be "a", "b" or "c", got "x"` unless `value` is in `table`.
+template <size_t N>
+void check_choice(const std::string& key, const std::string& value, const std::array<const char*, N>& table) {
+  for (const char* v : table)
+    if (value == v) return;
+  std::string list;
+  for (size_t i = 0; i < N; ++i)
+    list += std::string(i == 0 ? "" : (i + 1 == N ? " or " : ", ")) + '"' + table[i] + '"';
+  fail(key, "must be " + list + ", got " + json(value).dump());
 }
 
 // A value for messages: its type and JSON text ("string \"x\"", "number 1.5"), or just "null".
@@ -101,6 +123,17 @@ std::vector<std::string> method_names() {
   return out;
 }
 
+const std::vector<std::pair<std::string, std::vector<std::string>>>& config_choices() {
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> choices{
+      {"method", method_names()},          {"probe", probe_names()},
+      {"tiers", tiers_names()},            {"estimator", estimator_names()},
+      {"preset", preset_names()},          {"std", std_kind_names()},
+      {"singleton", singleton_policy_names()}, {"screen", names_of(kScreens)},
+      {"screen_tail", names_of(kScreenTails)}, {"mask_unit", names_of(kMaskUnits)},
+      {"credit_rows", names_of(kCreditRows)}};
+  return choices;
+}
+
 const char* to_string(Method v) {
   for (const auto& [key, value] : kMethods)
     if (value == v) return key;
@@ -180,19 +213,15 @@ OARConfig parse_oar_config(const std::string& json_text) {
   if (!(cfg.screen_sample >= 0 && cfg.screen_sample <= 1))
     fail("screen_sample", "must be in [0, 1], got " + json(cfg.screen_sample).dump());
   cfg.screen = get_string(obj, "screen", cfg.screen);
-  if (cfg.screen != "window" && cfg.screen != "oar_g")
-    fail("screen", "must be \"window\" or \"oar_g\", got " + json(cfg.screen).dump());
+  check_choice("screen", cfg.screen, kScreens);
   cfg.screen_window = get_int(obj, "screen_window", cfg.screen_window);
   if (cfg.screen_window < 0) fail("screen_window", "must be >= 0, got " + std::to_string(cfg.screen_window));
   cfg.screen_tail = get_string(obj, "screen_tail", cfg.screen_tail);
-  if (cfg.screen_tail != "conclude" && cfg.screen_tail != "probe" && cfg.screen_tail != "linear")
-    fail("screen_tail", "must be \"conclude\", \"probe\" or \"linear\", got " + json(cfg.screen_tail).dump());
+  check_choice("screen_tail", cfg.screen_tail, kScreenTails);
   cfg.mask_unit = get_string(obj, "mask_unit", cfg.mask_unit);
-  if (cfg.mask_unit != "token" && cfg.mask_unit != "word" && cfg.mask_unit != "line" && cfg.mask_unit != "sentence")
-    fail("mask_unit", "must be \"token\", \"word\", \"line\" or \"sentence\", got " + json(cfg.mask_unit).dump());
+  check_choice("mask_unit", cfg.mask_unit, kMaskUnits);
   cfg.credit_rows = get_string(obj, "credit_rows", cfg.credit_rows);
-  if (cfg.credit_rows != "all" && cfg.credit_rows != "positive" && cfg.credit_rows != "negative")
-    fail("credit_rows", "must be \"all\", \"positive\" or \"negative\", got " + json(cfg.credit_rows).dump());
+  check_choice("credit_rows", cfg.credit_rows, kCreditRows);
   cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
   if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
     fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +

@@ -160,6 +160,8 @@ GroupAdvantageStats run(const T* r, int64_t n, const int64_t* off, int64_t num_g
 
 }  // namespace
 
+std::vector<std::string> preset_names() { return {"default", "trl", "verl", "openrlhf"}; }
+
 GroupAdvantageOptions preset_options(std::string_view preset, Estimator estimator) {
   GroupAdvantageOptions o;
   o.estimator = estimator;
@@ -175,8 +177,9 @@ GroupAdvantageOptions preset_options(std::string_view preset, Estimator estimato
   } else if (preset == "openrlhf") {
     o.eps = 1e-9;
   } else {
-    fail("preset must be one of {\"default\", \"trl\", \"verl\", \"openrlhf\"}, got \"" + std::string(preset) +
-         "\"");
+    std::string names;
+    for (const auto& n : preset_names()) names += (names.empty() ? "\"" : ", \"") + n + "\"";
+    fail("preset must be one of {" + names + "}, got \"" + std::string(preset) + "\"");
   }
   return o;
 }

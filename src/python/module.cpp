@@ -109,12 +109,17 @@ PYBIND11_MODULE(_C, m) {
         }, py::arg("preset"), py::arg("estimator") = "grpo",
         "GroupAdvantageOptions of a trainer preset (default | trl | verl | openrlhf), as C++ callers get them "
         "(oar::core::preset_options). Raises ValueError for an unknown preset or estimator.");
-  m.attr("ADVANTAGE_PRESET_NAMES") = py::make_tuple("default", "trl", "verl", "openrlhf");
   {
-    py::tuple names(method_names().size());
-    size_t i = 0;
-    for (const auto& n : method_names()) names[i++] = n;
-    m.attr("METHOD_NAMES") = names;  // oar::core::method_names(), the schema's order
+    // oar::core::config_choices(): every string key's accepted values, in the schema's order (oar.schema reads them)
+    py::dict choices;
+    for (const auto& [key, values] : config_choices()) {
+      py::tuple t(values.size());
+      for (size_t i = 0; i < values.size(); ++i) t[i] = values[i];
+      choices[py::str(key)] = t;
+    }
+    m.attr("CONFIG_CHOICES") = choices;
+    m.attr("METHOD_NAMES") = choices["method"];
+    m.attr("ADVANTAGE_PRESET_NAMES") = choices["preset"];
   }
 
   py::class_<EntropyShapingOptions>(m, "EntropyShapingOptions",

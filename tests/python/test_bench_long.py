@@ -125,7 +125,7 @@ def test_exact_stride_scores_every_kth_position_and_fidelity_table(tmp_path, mon
     text = out.read_text()
     assert "| tiny | t24-0 |" in text and "| tiny | t24-1 |" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("| tiny | t24-0 |"))
-    from oar.app.eval_attribution import spearman
+    from oar.app.stats import spearman
 
     # the table's Spearman is the one on the scored positions (8 of 24 here)
     want = spearman(*bench_long.paired(lin["scores"], exact))

@@ -12,9 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from oar.app.compare import build_report, run_compare, run_name
+from oar.app.compare import run_compare
+from oar.app.compare_report import build_report, run_name
 from oar.app.stats import bootstrap_grid_mean, bootstrap_mean
-from oar.app.train import write_json_atomic
+from oar.app.runtime import write_json_atomic
 
 
 # ------------------------------------------------------------------------------------------------ stats

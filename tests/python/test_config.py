@@ -146,22 +146,42 @@ def test_adapter_config_checked_before_importing_the_trainer(fn, args, kwargs, e
         fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize("key, names", [("method", "METHODS"), ("probe", "PROBES"), ("estimator", "ESTIMATORS"),
-                                        ("screen", "SCREENS"), ("screen_tail", "SCREEN_TAILS"),
-                                        ("mask_unit", "MASK_UNITS"), ("credit_rows", "CREDIT_ROWS")])
-def test_schema_names_are_the_parsers(key, names):
-    """oar.schema's name tuples are exactly what the C++ parser accepts: each one parses, and the parser's error
-    for an unknown value lists the same set."""
+def _config_choice_keys():
     from oar import schema
 
-    want = getattr(schema, names)
+    return sorted(schema.CONFIG_CHOICES)
+
+
+@pytest.mark.parametrize("key", _config_choice_keys())
+def test_config_choices_are_the_parsers(key):
+    """Every string key's values in ``oar.schema.CONFIG_CHOICES`` (read from the C++ schema) are exactly what the
+    parser accepts: each one parses (and round-trips where the key is stored), and the parser's error for an unknown
+    value lists the same set."""
+    from oar import schema
+
+    want = schema.CONFIG_CHOICES[key]
+    assert len(want) == len(set(want)) >= 2
     for name in want:
         obj = {key: name, "method": "dr_grpo"} if key == "estimator" and name == "dr_grpo" else {key: name}
-        assert json.loads(oar.OARConfig(**obj).to_json())[key] == name
+        stored = json.loads(oar.OARConfig(**obj).to_json())
+        if key in stored:
+            assert stored[key] == name
     with pytest.raises(ValueError) as err:
         oar.OARConfig(**{key: "not_a_name"})
     listed = set(re.findall(r'"(\w+)"', str(err.value))) - {"not_a_name"}
     assert listed == set(want), (listed, want)
+
+
+def test_schema_name_tuples_are_config_choices():
+    """The named tuples the library checks against are the schema's entries, nothing written twice."""
+    from oar import schema
+
+    names = {"method": "METHODS", "probe": "PROBES", "estimator": "ESTIMATORS", "screen": "SCREENS",
+             "screen_tail": "SCREEN_TAILS", "mask_unit": "MASK_UNITS", "tiers": "TIERS", "credit_rows": "CREDIT_ROWS"}
+    for key, attr in names.items():
+        assert getattr(schema, attr) == schema.CONFIG_CHOICES[key], attr
+    assert set(schema.CONFIG_CHOICES) == set(names) | {"preset", "std", "singleton"}
+    assert oar._C.ADVANTAGE_PRESET_NAMES == schema.CONFIG_CHOICES["preset"]
 
 
 def test_oar_config_env_reads_yaml_as_run_configs_do(tmp_path, monkeypatch):

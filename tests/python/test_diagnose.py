@@ -343,7 +343,7 @@ def test_planted_credit_is_ranked_right(tiny):
 
 
 def test_stored_runs_of_version_1_cannot_be_recomputed():
-    from oar.app.diagnose import summarize_stored
+    from oar.app.diagnose_report import summarize_stored
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "diagnose", "full24")
     with pytest.raises(ValueError, match="has no 'gram': written before version 2"):
@@ -365,7 +365,7 @@ def test_count_sketch_inner_products_and_snr():
     with pytest.raises(ValueError, match="gradient 1 has 36 elements, expected 37"):
         sk([u[0], u[1][:36], u[2]])
     # synthetic updates u_b = mu + noise: SNR = |mu|^2 / E|noise|^2 = 2000 / (5037 * 4) ~ 0.0993
-    from oar.app.diagnose import snr_from_sketches
+    from oar.app.diagnose_report import snr_from_sketches
 
     D = 5037
     mu = torch.zeros(D)
@@ -377,7 +377,7 @@ def test_count_sketch_inner_products_and_snr():
     snr, _ = snr_from_sketches(S, sq)
     assert snr == pytest.approx(2000 / (D * 4), rel=0.25)
     # the Gram form is the same estimate: the off-diagonal sum is |sum S_b|^2 - sum |S_b|^2
-    from oar.app.diagnose import snr_from_gram
+    from oar.app.diagnose_report import snr_from_gram
     S64 = S.astype(np.float64)
     tot = S64.sum(0)
     cross = (tot @ tot - (S64 * S64).sum()) / (64 * 63)
@@ -448,7 +448,7 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     assert r["break_even_dcos"] == pytest.approx(break_even_dcos(g["cos"], g["snr"], r["cost_ratio"]))
     # the reference's folds: leave-one-fold-out weights and norms equal the explicit g_(-c); the intervals (which
     # carry its noise: test_t_with_reference_covers_when_the_reference_is_noisy) are centred on the same mean
-    from oar.app.diagnose import leave_one_fold_out
+    from oar.app.diagnose_report import leave_one_fold_out
     ref = torch.load(os.path.join(out, "reference.pt"), weights_only=False)
     assert len(ref["folds"]) == s.ref_folds and sum(ref["fold_rollouts"]) == ref["rollouts"]
     w, norms = leave_one_fold_out(ref)
@@ -461,7 +461,7 @@ def test_run_resumes_and_reports(tiny, tmp_path):
         ci, narrow = r["cos_ci"], r["cos_ci_batches_only"]
         assert ci["mean"] == narrow["mean"] == r["cos"] and ci["lo"] < ci["mean"] < ci["hi"]
     # every number of the report from the files small enough to publish (no reference.pt, no sketches/)
-    from oar.app.diagnose import summarize_stored
+    from oar.app.diagnose_report import summarize_stored
     import shutil
     shutil.copytree(out, str(tmp_path / "published"), ignore=shutil.ignore_patterns("reference.pt*", "sketches"))
     stored = json.load(open(os.path.join(out, "diagnose.json")))
@@ -477,7 +477,7 @@ def test_run_resumes_and_reports(tiny, tmp_path):
     assert report() == before
     # --batches may grow (a pilot extended): batches 0-2 are kept as they were, batch 3 is added; and shrink back
     def records():
-        from oar.app.diagnose import _load_batches
+        from oar.app.diagnose_report import _load_batches
         return {b: json.dumps(r, sort_keys=True) for b, r in _load_batches(out).items()}
 
     kept = records()

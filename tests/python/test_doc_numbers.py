@@ -94,7 +94,7 @@ def test_doc_table_is_the_stored_summary(run, header, rows):
 
 @pytest.mark.parametrize("run", sorted({t[0] for t in TABLES}))
 def test_version_2_runs_recompute_from_their_published_files(run):
-    from oar.app.diagnose import summarize_stored
+    from oar.app.diagnose_report import summarize_stored
 
     folder = ROOT / "docs" / "diagnose" / run
     stored = json.loads((folder / "diagnose.json").read_text())

@@ -5,12 +5,14 @@ import json
 import re
 import types
 
+import numpy as np
 import pytest
 import torch
 
 from oar.app.eval_attribution import (Trace, bootstrap_ci, expected_random_recall, oracle_causal, recall_at,
-                                  reshaped_weights_l1, spearman, summarize, summarize_fidelity, top_overlap,
+                                  reshaped_weights_l1, summarize, summarize_fidelity, top_overlap,
                                   trace_seed, write_outputs)
+from oar.app.stats import average_ranks, spearman, spearman_rows
 
 
 def test_recall_at_hand_values():
@@ -118,6 +120,26 @@ def test_spearman_against_the_definition():
         spearman([1.0], [1.0, 2.0])
 
 
+def test_average_ranks_and_rows_against_the_count_definition():
+    """The rank of x_i is #{j: x_j < x_i} + (#{j: x_j == x_i} - 1) / 2 (0-based average ranks); checked element by
+    element on rows with many ties, and spearman_rows equal to spearman row by row (NaN where a row is constant)."""
+    gen = np.random.default_rng(0)
+    x = gen.integers(0, 6, size=(50, 17)).astype(np.float64)  # ties in every row
+    x[3] = 2.0  # a constant row
+    want = np.array([[(r < v).sum() + ((r == v).sum() - 1) / 2 for v in r] for r in x])
+    assert np.array_equal(average_ranks(x), want)
+    assert np.array_equal(average_ranks(x[5]), want[5])
+    y = gen.normal(size=(50, 17))
+    rows = spearman_rows(x, y)
+    for i in range(50):
+        one = spearman(list(x[i]), list(y[i]))
+        if one is None:
+            assert np.isnan(rows[i])
+        else:
+            assert rows[i] == pytest.approx(one, abs=1e-12)
+    assert np.isnan(rows[3]) and not np.isnan(rows[np.arange(50) != 3]).any()
+
+
 def test_top_overlap_and_weights_l1_hand_values():
     import oar
 
@@ -210,8 +232,9 @@ def no_model(monkeypatch):
     (["--temperature", "nan"], r"--temperature must be finite and > 0, got nan"),
     (["--out", "/proc/oar-nonexistent/recall"], r"--out: cannot create the output directory '/proc/oar-nonexistent'"),
     (["--out", "DIR/"], r"--out must be a file prefix .* got '.*/'"),
-    (["--screen-fractions", "0.1", "1.5"], r"--screen-fractions must be in \[0, 1\], got 1\.5"),
-    (["--screen-sample", "nan"], r"--screen-sample must be in \[0, 1\], got nan"),
+    (["--screen-fractions", "0.1", "1.5"], r"--screen-fractions must be in \[0, 1\] \(1 = exact OAR-P\), got 1\.5"),
+    (["--screen-sample", "nan"], r"--screen-sample must be finite, got nan"),
+    (["--screen-sample", "1.5"], r"--screen-sample must be in \[0, 1\], got 1\.5"),
     (["--screen-fractions", "0", "--screen-sample", "0"], r"--screen-fractions 0 needs --screen-sample > 0"),
     (["--screen-window", "-1"], r"--screen-window must be >= 0, got -1"),
     (["--windows", "0", "-2"], r"--windows must be >= 0, got -2"),

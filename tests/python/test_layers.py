@@ -98,3 +98,15 @@ def test_layers_cover_the_package():
     assert {m for m in GRAPH if m.startswith("oar.app")}, "the application subpackage oar.app exists"
     for m in GRAPH:
         _layer(m)
+
+
+#: Largest module of python/oar in lines (issue 43: a module that outgrows it holds more than one job; split it by
+#: job, as attribution/model.py, app/compare.py, app/diagnose.py and integrations/verl/workers.py were).
+MAX_MODULE_LINES = 600
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_module_size(mod):
+    n = len(MODULES[mod].read_text().splitlines())
+    assert n <= MAX_MODULE_LINES, (f"{MODULES[mod].relative_to(SRC)} has {n} lines (> {MAX_MODULE_LINES}): split it "
+                                   "by job (docs/design.md, 'Python layout')")

@@ -44,7 +44,7 @@ def test_method_table_is_the_schema_and_the_spec():
     assert set(METHOD_TABLE) == set(oar.METHODS)
     credit = {"grpo": "uniform", "dr_grpo": "uniform", "random": "reshape", "entropy": "reshape",
               "oar_p": "reshape", "oar_g": "reshape", "entropy_shaping": "add", "ktae": "add"}
-    assert {m: s.credit for m, s in METHOD_TABLE.items()} == credit
+    assert {m: s.credit.name for m, s in METHOD_TABLE.items()} == credit
     assert [m for m, s in METHOD_TABLE.items() if s.needs_answers] == ["oar_p", "oar_g"]
     with pytest.raises(ValueError, match=r"method must be one of \['grpo', .*\], got 'oar_q'"):
         method_spec("oar_q")
@@ -146,14 +146,14 @@ def test_oar_p_masks_only_eligible_tokens(tiny, monkeypatch):
     prompts, ids, mask, eligible = _tool_batch(tok)
     pipe = Pipeline(_cfg(method="oar_p"), tok)
     seen = []
-    orig = oar_p._variants
+    orig = oar_p.unit_variants
 
     def spy(batch, rows, positions=None):
         out = orig(batch, rows, positions)
         seen.append((out[0].tolist(), out[2].tolist()))
         return out
 
-    monkeypatch.setattr(oar_p, "_variants", spy)
+    monkeypatch.setattr(oar_p, "unit_variants", spy)
     adv = torch.tensor([1.0, -0.5, 0.7, 0.0])
     res = pipe.compute(RolloutBatch(ids, mask, prompt_ids=prompts, eligible_mask=eligible, answers=["5"] * 4,
                                     sequence_advantages=adv), model)

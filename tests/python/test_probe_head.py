@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oar.attribution import HFProbeModel
-from oar.attribution import model as model_mod
+from oar.attribution import probe_head
 from oar.app.models import tiny_random_llama
 
 from _devices import OTHER_DEVICES, no_pending_device_errors  # noqa: F401 - autouse fixture
@@ -31,12 +31,12 @@ def _inputs(tok):
 def test_linear_float32_is_the_float32_product(weight_dtype, monkeypatch):
     """Chunked upcast (3 chunks here) = the float32 product of the same operands, within float32 dot-product
     rounding (gamma_H x |x| |w|); float32 output; differentiable in x."""
-    monkeypatch.setattr(model_mod, "_HEAD_CHUNK_ROWS", 7)
+    monkeypatch.setattr(probe_head, "_HEAD_CHUNK_ROWS", 7)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 16, generator=g).to(torch.bfloat16).requires_grad_()
     w = torch.randn(20, 16, generator=g).to(weight_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model_mod._linear_float32(x, w, None)
+        out = probe_head._linear_float32(x, w, None)
     assert out.dtype == torch.float32 and out.shape == (2, 3, 20)
     want = x.detach().double() @ w.double().t()
     bound = gamma(16) * (x.detach().double().abs() @ w.double().abs().t())
@@ -91,7 +91,7 @@ def test_float32_out_product_has_a_backward(dtype):
     g0 = torch.Generator().manual_seed(5)
     x = torch.randn(6, 16, generator=g0).to(dtype).requires_grad_()
     w = torch.randn(40, 16, generator=g0).to(dtype).requires_grad_()
-    out = model_mod._MmFloat32Out.apply(x, w)
+    out = probe_head._MmFloat32Out.apply(x, w)
     assert out.dtype == torch.float32
     want = x.detach().double() @ w.detach().double().t()
     xd, wd = x.detach().double(), w.detach().double()
@@ -120,7 +120,7 @@ def test_cuda_bf16_head_is_differentiable(device):
     g0 = torch.Generator().manual_seed(6)
     x = torch.randn(2, 3, 64, generator=g0).to(torch.bfloat16).to(device).requires_grad_()
     w = torch.randn(100, 64, generator=g0).to(torch.bfloat16).to(device)
-    out = model_mod._linear_float32(x, w, None)
+    out = probe_head._linear_float32(x, w, None)
     assert out.dtype == torch.float32
     grad = torch.randn(2, 3, 100, generator=g0)
     out.backward(grad.to(device))
@@ -157,7 +157,7 @@ def test_trainable_head_gets_no_weight_gradient():
     x = torch.randn(2, 3, 16, generator=g0).to(torch.bfloat16).requires_grad_()
     w = torch.randn(40, 16, generator=g0).to(torch.bfloat16).requires_grad_()
     b = torch.randn(40, generator=g0).to(torch.bfloat16).requires_grad_()
-    out = model_mod._linear_float32(x, w, b)
+    out = probe_head._linear_float32(x, w, b)
     assert out.dtype == torch.float32 and not _reaches(out.grad_fn, w) and not _reaches(out.grad_fn, b)
     want = x.detach().double() @ w.detach().double().t() + b.detach().double()
     bound = gamma(17) * (x.detach().double().abs() @ w.detach().double().abs().t() + b.detach().double().abs())

@@ -151,7 +151,8 @@ def _visible(ctx, n, s):
 
 
 def _layout(seed, n, s, p, groups, biases):
-    from oar.attribution.model import WindowMasks, _SharedPrefix
+    from oar.attribution.model import WindowMasks
+    from oar.attribution.shared_prefix import _SharedPrefix
 
     gen = torch.Generator().manual_seed(seed)
     cuts = sorted(torch.randperm(n - 1, generator=gen)[:groups - 1].add(1).tolist()) if groups > 1 else []
@@ -197,13 +198,13 @@ def test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, bias
     (as partial or full); a listed block holds a pair of a variant with its own row or suffix; every pair of a full
     block (where the kernel skips the mask function) is visible. Block size 4 here, so that these small layouts
     span many blocks."""
-    import oar.attribution.model as model_mod
+    from oar.attribution import shared_prefix
 
-    monkeypatch.setattr(model_mod, "_FLEX_FULL_BLOCKS", full_blocks)
+    monkeypatch.setattr(shared_prefix, "_FLEX_FULL_BLOCKS", full_blocks)
     ctx = _layout(n * 100 + s, n, s, p, groups, biases)
     want = _visible(ctx, n, s)
     B = 4
-    bm = model_mod._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
+    bm = shared_prefix._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=B)
     order = torch.arange(want.shape[0])
     if biases == "window":  # the kernel's queries: every window query (variant-major), then every tail query
         order = ctx.q_order
@@ -265,14 +266,14 @@ def test_window_block_mask_over_many_layouts(monkeypatch):
     """The window form's full-block rules over 40 random layouts (holes below, among and above the re-run
     columns): every check of the test above on each, and full blocks of both kinds (prefix and suffix) found, so
     that those checks are not vacuous."""
-    import oar.attribution.model as model_mod
+    from oar.attribution import shared_prefix
 
     found = [0, 0]
     for seed in range(40):
         n, s, p, groups = 2 + seed % 4, 5 + seed % 11, 12 + 3 * (seed % 9), 1 + seed % 2
         test_block_mask_lists_every_visible_block_and_no_other(n, s, p, groups, "window", True, monkeypatch)
         ctx = _layout(n * 100 + s, n, s, p, groups, "window")
-        bm = model_mod._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=4)
+        bm = shared_prefix._shared_prefix_block_mask(ctx, n, s, torch.device("cpu"), block=4)
         Q, KV = n * s, groups * p + n * s
         full = _block_lists(bm.full_kv_num_blocks, bm.full_kv_indices, -(-Q // 4), -(-KV // 4))
         found[0] += int(full[:, :groups * p // 4].sum())
@@ -286,7 +287,7 @@ def test_new_chunk_shapes_reuse_the_compiled_kernel(gqa, monkeypatch):
     included) compile nothing more, and the compiled path gives the unfused kernel's scores. On the H200 each new
     chunk shape recompiled until Dynamo's limit (8), then PyTorch fell back to the unfused kernel, which ran out of
     memory (docs/gpu.md)."""
-    import oar.attribution.model as model_mod
+    from oar.attribution import shared_prefix
     from torch.nn.attention.flex_attention import flex_attention
 
     compiles = []
@@ -308,7 +309,7 @@ def test_new_chunk_shapes_reuse_the_compiled_kernel(gqa, monkeypatch):
 
     later = [(2, None), (3, [1, 2]), (1, [2])]
     eager = [run_all(*a) for a in later]
-    monkeypatch.setattr(model_mod, "_flex_kernel", lambda device_type: compiled)
+    monkeypatch.setattr(shared_prefix, "_flex_kernel", lambda device_type: compiled)
     try:
         for a in [(1, None), (1024, [0]), (1, [0, 1]), (5, [2]), (1024, None)]:
             run_all(*a)

@@ -337,7 +337,7 @@ def test_worked_solutions_in_verls_ground_truth_are_refused_at_start():
     pass; a missing one is a KeyError; methods that read no answers check nothing."""
     from omegaconf import OmegaConf
 
-    check = oar_verl.workers.check_dataset_answers
+    check = oar_verl.checks.check_dataset_answers
     pairs = _solutions()
     cfg = OmegaConf.create({"algorithm": {"adv_estimator": "oar_g"}})
     good = _Dataset([{"reward_model": {"style": "rule", "ground_truth": a}} for _, a in pairs])
@@ -464,7 +464,7 @@ def test_answers_that_are_containers_are_refused():
     import pandas as pd
     from omegaconf import OmegaConf
 
-    check = oar_verl.workers.check_dataset_answers
+    check = oar_verl.checks.check_dataset_answers
     cfg = OmegaConf.create({"algorithm": {"adv_estimator": "oar_p"}})
     for value, kind in (({"target": ["Paris"]}, "dict"), (np.array(["1", "2"]), "ndarray"), (["1"], "list")):
         with pytest.raises(ValueError, match=rf"row 1: the reference answer must be a str or a number, got {kind}"):

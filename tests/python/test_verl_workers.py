@@ -22,6 +22,7 @@ from oar.integrations import verl as oar_verl  # noqa: E402
 oar_verl.register()
 from oar.integrations.verl import context, dispatch  # noqa: E402
 from oar.integrations.verl import workers as verl_workers  # noqa: E402
+from oar.integrations.verl import checks as verl_checks  # noqa: E402
 from oar.app.models import tiny_random_llama  # noqa: E402
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
@@ -532,11 +533,11 @@ def test_estimators_without_worker_scores_start_on_any_engine(overrides):
     """Uniform credit, KTAE and entropy shaping never call the workers' oar_scores: nothing to refuse. The fused
     forward is refused only for methods that run the policy (random does not)."""
     for est in ("oar_grpo", "oar_dr_grpo", "oar_ktae", "oar_entropy_shaping", "grpo"):
-        verl_workers.check_trainer_config(_trainer_config(est, **overrides))
+        verl_checks.check_trainer_config(_trainer_config(est, **overrides))
     if overrides == dict(fused=True):
-        verl_workers.check_trainer_config(_trainer_config("oar_random", **overrides))
+        verl_checks.check_trainer_config(_trainer_config("oar_random", **overrides))
         with pytest.raises(NotImplementedError, match="use_fused_kernels"):
-            verl_workers.check_trainer_config(_trainer_config("oar_entropy", **overrides))
+            verl_checks.check_trainer_config(_trainer_config("oar_entropy", **overrides))
 
 
 def _sessions_batch(seed=0):
@@ -639,6 +640,6 @@ def test_verls_fused_kernel_forward_gives_the_probes_no_logits():
     with pytest.raises(NotImplementedError, match="has to return_dict"):
         as_probe_model(model).tail_logits(input_ids=ids, attention_mask=torch.ones_like(ids),
                                           position_ids=torch.arange(7).expand(2, 7), keep=2)
-    verl_workers.check_trainer_config(_trainer_config("oar_g", fused=False))  # the refusal is the key, nothing else
+    verl_checks.check_trainer_config(_trainer_config("oar_g", fused=False))  # the refusal is the key, nothing else
     with pytest.raises(NotImplementedError, match="use_fused_kernels"):
-        verl_workers.check_trainer_config(_trainer_config("oar_g", fused=True))
+        verl_checks.check_trainer_config(_trainer_config("oar_g", fused=True))

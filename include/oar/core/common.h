@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace oar::core {
 
@@ -53,6 +54,12 @@ const char* to_string(StdKind v);
 const char* to_string(SingletonPolicy v);
 const char* to_string(Tiers v);
 const char* to_string(Probe v);
+/// The accepted names of each enum above, in its table's order (what parse_* accepts, nothing else).
+std::vector<std::string> estimator_names();
+std::vector<std::string> std_kind_names();
+std::vector<std::string> singleton_policy_names();
+std::vector<std::string> tiers_names();
+std::vector<std::string> probe_names();
 
 /// Element types the kernels accept, for launchers that take `const void*` (CUDA headers stay out of
 /// users' translation units).

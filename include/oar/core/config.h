@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "oar/core/common.h"
@@ -28,6 +29,10 @@ const char* to_string(Method v);
 /// Every method's JSON name, in a fixed documented order (grpo, dr_grpo, random, entropy, entropy_shaping, ktae,
 /// oar_p, oar_g).
 std::vector<std::string> method_names();
+/// The values each string-valued key of the config takes, in the schema's order: exactly what
+/// parse_oar_config accepts for "method", "probe", "tiers", "estimator", "preset", "std", "singleton", "screen",
+/// "screen_tail", "mask_unit" and "credit_rows". Python reads it as `oar._C.CONFIG_CHOICES` (oar.schema's name tuples).
+const std::vector<std::pair<std::string, std::vector<std::string>>>& config_choices();
 
 /// Entropy-advantage shaping (Cheng et al., arXiv 2506.14758; method.md section 8):
 /// A_{i,t} = A_i + min(alpha * H_t, |A_i| / kappa), H_t the full-vocabulary policy entropy (nats), detached.

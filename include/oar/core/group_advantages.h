@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "oar/core/common.h"
 
@@ -35,6 +37,8 @@ struct GroupAdvantageStats {
 ///   "default":  unbiased std, eps 1e-6, singleton -> 0
 /// The estimator is kept as given. Throws InvalidArgument naming `preset` for other names.
 GroupAdvantageOptions preset_options(std::string_view preset, Estimator estimator);
+/// The presets preset_options accepts: default, trl, verl, openrlhf.
+std::vector<std::string> preset_names();
 
 /// Throws InvalidArgument unless offsets (num_groups + 1) is a valid CSR array over n rows:
 /// offsets[0] == 0, non-decreasing, offsets[num_groups] == n. `arg` names the argument in messages.

@@ -67,14 +67,18 @@ def _eval_attribution(a) -> int:
             a.parser.error(f"{name} must be >= {lo}, got {v}")
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         a.parser.error(f"--temperature must be finite and > 0, got {a.temperature}")
-    for name, vs in (("--screen-sample", [a.screen_sample]), ("--screen-fractions", a.screen_fractions)):
-        bad = [v for v in vs if not 0 <= v <= 1]  # NaN too
-        if bad:
-            a.parser.error(f"{name} must be in [0, 1], got {bad[0]}")
-    for name, vs in (("--screen-window", [a.screen_window]), ("--windows", a.windows)):
-        bad = [v for v in vs if v < 0]
-        if bad:
-            a.parser.error(f"{name} must be >= 0, got {bad[0]}")
+    from oar.schema import OARConfig
+
+    # the config keys these flags set: their ranges are the schema's (include/oar/core/config.h), checked by it
+    for name, key, vs in (("--screen-sample", "screen_sample", [a.screen_sample]),
+                          ("--screen-fractions", "screen_fraction", a.screen_fractions),
+                          ("--screen-window", "screen_window", [a.screen_window]),
+                          ("--windows", "screen_window", a.windows)):
+        for v in vs:
+            try:
+                OARConfig(**{key: v})
+            except ValueError as e:
+                a.parser.error(str(e).replace(f"oar.{key}", name, 1))
     if a.screen_sample == 0 and 0 in a.screen_fractions:
         a.parser.error("--screen-fractions 0 needs --screen-sample > 0 (nothing would be masked exactly)")
     if not a.out or a.out.endswith(("/", os.sep)) or os.path.isdir(a.out):
@@ -99,7 +103,8 @@ def _eval_attribution(a) -> int:
 def _compare(a) -> int:
     import os
 
-    from oar.app.compare import build_report, run_compare
+    from oar.app.compare import run_compare
+    from oar.app.compare_report import build_report
 
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         a.parser.error(f"--out must be a folder, got the file {a.out!r}")
@@ -168,6 +173,9 @@ def _info(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from oar.schema import PROBES, OARConfig
+
+    defaults = OARConfig()  # the schema's defaults (include/oar/core/config.h), not numbers written again here
     p = argparse.ArgumentParser(prog="oar", description="Outcome-grounded Advantage Reshaping for GRPO")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="GRPO + OAR training through TRL (default: configs/default.yaml)")
@@ -190,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("-G", "--num-generations", type=int, default=4)
     at.add_argument("--max-new-tokens", type=int, default=160)
     at.add_argument("--temperature", type=float, default=0.8)
-    at.add_argument("--probe", default="answer_mean")
+    at.add_argument("--probe", default=defaults.probe, choices=PROBES)
     at.add_argument("--seed", type=int, default=0)
     at.add_argument("--out", default="runs/attribute/heatmap.html")
     at.add_argument("--top", type=int, default=10, help="print the top-N tokens per method")
@@ -210,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--screen-fractions", nargs="*", type=float, default=[0.05, 0.1, 0.2, 0.3],
                     help="screened OAR-P top fractions to score and compare with exact OAR-P (none: skip)")
-    ev.add_argument("--screen-sample", type=float, default=0.05, help="screened OAR-P random sample fraction")
-    ev.add_argument("--screen-window", type=int, default=8,
+    ev.add_argument("--screen-sample", type=float, default=defaults.screen_sample,
+                    help="screened OAR-P random sample fraction (the config's screen_sample)")
+    ev.add_argument("--screen-window", type=int, default=defaults.screen_window,
                     help="window of the windowed screen of screened OAR-P (the config's screen_window)")
     ev.add_argument("--windows", nargs="*", type=int, default=[0, 2, 8],
                     help="windowed OAR-P windows to score and compare with exact OAR-P (none: skip)")

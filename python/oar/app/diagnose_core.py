@@ -214,8 +214,10 @@ def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with
     lp = logp_all.gather(-1, tgt[..., None]).squeeze(-1) * mask
     if not with_entropy:
         return lp
+    from oar.attribution.entropy import entropy_from_logprobs
+
     with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1) * mask
+        ent = entropy_from_logprobs(logp_all) * mask
     return lp, ent.detach()
 
 

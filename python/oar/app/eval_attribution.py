@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oar.app._extras import require
-from oar.app.stats import bootstrap_mean
+from oar.app.stats import bootstrap_mean, spearman
 from oar.schema import PROBES
 
 require("train", "oar.app.eval_attribution")  # loads models (transformers, gguf), checks answers, plots
@@ -98,36 +98,6 @@ def trace_seed(seed: int, task: str, problem_id: str, index: int) -> int:
     import zlib
 
     return (int(seed) * 1_000_003 + zlib.crc32(f"{task}|{problem_id}|{index}".encode())) % (2**63 - 1)
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    """Spearman rank correlation of two score lists of one trace (Pearson correlation of their average ranks, ties
-    sharing the mean rank). None when either list is constant (no ranking) or has fewer than 2 entries. Raises
-    ValueError on mismatched lengths or NaN."""
-    import numpy as np
-
-    if len(a) != len(b):
-        raise ValueError(f"a ({len(a)}) and b ({len(b)}) must have one entry per token")
-    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if np.isnan(x).any() or np.isnan(y).any():
-        raise ValueError("scores must not contain NaN (no rank)")
-    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return None
-
-    def ranks(v):
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        sv = v[order]
-        i = 0
-        while i < len(v):  # average rank of each run of ties
-            j = i
-            while j + 1 < len(v) and sv[j + 1] == sv[i]:
-                j += 1
-            r[order[i:j + 1]] = (i + j) / 2.0
-            i = j + 1
-        return r
-
-    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
 
 
 def top_overlap(a: list[float], b: list[float], percent: float = 10) -> float:

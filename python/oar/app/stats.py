@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean", "t_quantile", "paired_t", "sign_flip_pvalue",
-           "jackknife_se", "t_with_reference", "break_even_dcos"]
+           "jackknife_se", "t_with_reference", "break_even_dcos", "average_ranks", "spearman_rows", "spearman"]
 
 
 @dataclass(frozen=True)
@@ -278,3 +278,49 @@ def sign_flip_pvalue(diffs, *, resamples: int = 20000, seed: int = 0) -> float:
     signs = rng.integers(0, 2, size=(resamples, n)) * 2 - 1
     hits = int((np.abs(signs @ d / n) >= obs - tol).sum())
     return (hits + 1) / (resamples + 1)
+
+
+def average_ranks(x) -> np.ndarray:
+    """Ranks along the last axis of ``x`` (..., m), 0-based, float64, ties sharing the mean of their ranks
+    (``scipy.stats.rankdata(method="average") - 1``, vectorized over the leading axes)."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.shape[-1]
+    order = np.argsort(x, axis=-1, kind="stable")
+    s = np.take_along_axis(x, order, axis=-1)
+    pos = np.broadcast_to(np.arange(m), s.shape)
+    first = np.ones(s.shape, dtype=bool)  # a tie run starts here
+    first[..., 1:] = s[..., 1:] != s[..., :-1]
+    last = np.ones(s.shape, dtype=bool)  # a tie run ends here
+    last[..., :-1] = first[..., 1:]
+    start = np.maximum.accumulate(np.where(first, pos, 0), axis=-1)
+    end = np.flip(np.minimum.accumulate(np.flip(np.where(last, pos, m - 1), -1), axis=-1), -1)
+    ranks = np.empty_like(s)
+    np.put_along_axis(ranks, order, (start + end) / 2.0, axis=-1)
+    return ranks
+
+
+def spearman_rows(a, b) -> np.ndarray:
+    """Spearman rank correlation of each pair of rows of ``a`` and ``b`` (..., m): the Pearson correlation of
+    their average ranks (:func:`average_ranks`), float64 (...,); NaN where a row is constant (no ranking)."""
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra -= ra.mean(-1, keepdims=True)
+    rb -= rb.mean(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (ra * rb).sum(-1) / np.sqrt((ra * ra).sum(-1) * (rb * rb).sum(-1))
+
+
+def spearman(a, b) -> float | None:
+    """Spearman rank correlation of two score lists of one trace (:func:`spearman_rows` of one row). None when
+    either list is constant (no ranking) or has fewer than 2 entries.
+
+    Raises:
+        ValueError: lists of different lengths, or a NaN score (no rank).
+    """
+    if len(a) != len(b):
+        raise ValueError(f"a ({len(a)}) and b ({len(b)}) must have one entry per token")
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if np.isnan(x).any() or np.isnan(y).any():
+        raise ValueError("scores must not contain NaN (no rank)")
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return None
+    return float(spearman_rows(x, y))

@@ -11,16 +11,15 @@ from oar.attribution.linear_tail import linear_tail_support, oar_p_linear_tail_s
 from oar.attribution.screened import oar_p_screened_scores
 from oar.attribution.model import (
     EmbeddingNoiseModel,
-    HFProbeModel,
     NoisedEmbeddings,
     PrefixCacheModel,
     ProbeCapabilities,
     ProbeModel,
     SharedPrefixModel,
     WindowMasks,
-    as_probe_model,
     probe_capabilities,
 )
+from oar.attribution.hf_model import HFProbeModel, as_probe_model
 
 __all__ = [
     "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "Attribution", "CleanPass",

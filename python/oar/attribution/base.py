@@ -11,6 +11,19 @@ for get all-False masks. Nothing here writes parameter ``.grad``. Each engine ch
 no ProbeModel) and takes its optional capabilities from that check. Which path ran is logged on the ``"oar"``
 logger (info: one summary per call; debug: the decision and its reason; ``oar.set_log_level``). Chunks are sized
 by :mod:`oar.attribution.planner`.
+
+The engine contract (docs/architecture.md, "Adding an engine"): an engine is a function
+``engine(model, batch, *, probe, rows, positions, memory_budget_mb, ...) -> Attribution`` built from these, in
+this order:
+
+1. :func:`engine_args` (model capabilities, probe, rows, budget, positions checked in one order) and
+   :func:`check_ids`; :func:`empty_attribution` is the result it fills (and returns as is when no row is asked);
+2. the clean pass: :func:`resolve_clean_logits` (probe logits only) or :func:`clean_pass_with_cache` (logits and the
+   key/value cache the masked passes re-use);
+3. the perturbations: :func:`masking_units` (units from ``positions`` / ``spans``), :func:`unit_variants` (one
+   variant per unit), :func:`span_mask` (which columns a variant masks);
+4. per chunk, :func:`chunk_divergence` (probe divergence against the clean logits) and :func:`store_scores`
+   (checked, written to the result; spans share their score).
 """
 
 from __future__ import annotations
@@ -27,6 +40,9 @@ from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits, probe_capabilities
 from oar.attribution.spans import check_spans
 
+__all__ = ["Attribution", "CleanPass", "clean_probe_logits", "check_probe", "int_value", "engine_args", "check_rows",
+           "check_positions", "check_ids", "empty_attribution", "resolve_clean_logits", "chunk_divergence",
+           "masking_units", "unit_variants", "span_mask", "store_scores", "clean_pass_with_cache"]
 
 
 
@@ -58,41 +74,44 @@ class CleanPass:
     kv: list
 
 
-def _check_probe(probe: str) -> str:
+def check_probe(probe: str) -> str:
+    """``probe`` when it is one of :data:`oar.schema.PROBES`; ValueError naming them otherwise."""
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
     return probe
 
 
-def _int_value(name: str, v) -> int:
+def int_value(name: str, v) -> int:
     """``v`` as an int, integer 0-d tensors included (:func:`oar._args.int_arg`)."""
     return _args.int_arg(name, v, tensors=True)
 
 
-def _engine_args(model: ProbeModel, batch: ProbeBatch, probe: str, rows, positions, memory_budget_mb):
+def engine_args(model: ProbeModel, batch: ProbeBatch, probe: str, rows, positions, memory_budget_mb):
     """The checks every probe engine starts with, in one order: the model's capabilities (TypeError naming missing
     members), the probe name, the rows, the memory budget, the positions. Returns (capabilities, probe, rows,
     budget bytes, positions)."""
     caps: ProbeCapabilities = probe_capabilities(model)
-    probe = _check_probe(probe)
-    rows = _rows(batch, rows)
+    probe = check_probe(probe)
+    rows = check_rows(batch, rows)
     budget = planner.budget_bytes(memory_budget_mb)
-    return caps, probe, rows, budget, _positions(batch, rows, positions)
+    return caps, probe, rows, budget, check_positions(batch, rows, positions)
 
 
-def _rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
+def check_rows(batch: ProbeBatch, rows: Sequence[int] | None) -> list[int]:
+    """The rows to score, sorted and unique: every row for None, else ``rows`` checked (ints or integer 0-d tensors,
+    0 <= row < B). Raises ValueError naming the bad entry."""
     if rows is None:
         return list(range(batch.batch_size))
     if isinstance(rows, (str, bytes)) or (isinstance(rows, torch.Tensor) and rows.dim() != 1):
         raise ValueError(f"rows must be a sequence of row indices, got {rows!r}")
-    out = sorted(set(_int_value("rows[i]", r) for r in rows))
+    out = sorted(set(int_value("rows[i]", r) for r in rows))
     for r in out:
         if not 0 <= r < batch.batch_size:
             raise ValueError(f"rows must index the batch (0 <= row < {batch.batch_size}), got {r}")
     return out
 
 
-def _positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[int]] | None:
+def check_positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[int]] | None:
     """``positions`` checked: a mapping {requested row: reasoning indices in [0, L_row)} of ints."""
     if positions is None:
         return None
@@ -100,7 +119,7 @@ def _positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[
         raise ValueError(f"positions must be a mapping {{row: reasoning indices}} or None, got {type(positions).__name__}")
     out: dict[int, list[int]] = {}
     for key, js in positions.items():
-        r = _int_value("positions key", key)
+        r = int_value("positions key", key)
         if r not in rows:
             raise ValueError(f"positions has row {r}, which is not among the rows scored ({rows[:8]}"
                              f"{'...' if len(rows) > 8 else ''})")
@@ -108,14 +127,14 @@ def _positions(batch: ProbeBatch, rows: list[int], positions) -> dict[int, list[
                 or (isinstance(js, torch.Tensor) and js.dim() != 1)):
             raise ValueError(f"positions[{r}] must be a sequence of reasoning indices, got {type(js).__name__} {js!r}")
         L = int(batch.reasoning_len[r])
-        idx = [_int_value(f"positions[{r}][i]", j) for j in js]
+        idx = [int_value(f"positions[{r}][i]", j) for j in js]
         if any(not 0 <= j < L for j in idx):
             raise ValueError(f"positions[{r}] must be reasoning indices in [0, {L}), got {idx[:8]}")
         out[r] = idx
     return out
 
 
-def _check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
+def check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
     """Token ids the model will embed must be valid rows of its embedding table (else an opaque IndexError,
     or a device-side assert on CUDA). ``model`` is checked: ``vocab_size`` is an int >= 1."""
     vocab = int(model.vocab_size)
@@ -132,7 +151,8 @@ def _check_ids(model: ProbeModel, batch: ProbeBatch) -> None:
                          f"row {r}, column {c} (prompt, reasoning or answer token)")
 
 
-def _empty(batch: ProbeBatch, rows: list[int]) -> Attribution:
+def empty_attribution(batch: ProbeBatch, rows: list[int]) -> Attribution:
+    """The result an engine fills: scores (B, L_max) float32 zeros, mask True on the first L_r columns of ``rows``."""
     L = int(batch.reasoning_len.max()) if batch.batch_size else 0
     mask = torch.zeros((batch.batch_size, L), dtype=torch.bool)
     for r in rows:
@@ -175,8 +195,8 @@ def _clean_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int], budget:
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), len(spans)
 
 
-def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logits: torch.Tensor | None,
-           budget: int | None = None):
+def resolve_clean_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int],
+                         clean_logits: torch.Tensor | None, budget: int | None = None):
     """Clean probe logits for ``rows`` (in chunks under ``budget`` bytes when given): (logits, row -> index into
     logits, forward passes spent)."""
     if clean_logits is None:
@@ -189,15 +209,18 @@ def _clean(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int], clean_logi
     return clean_logits, {r: r for r in rows}, 0
 
 
-def _divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_index: torch.Tensor,
-                probe: str) -> torch.Tensor:
+def chunk_divergence(clean: torch.Tensor, pert: torch.Tensor, batch: ProbeBatch, row_index: torch.Tensor,
+                     probe: str) -> torch.Tensor:
+    """Probe divergence (N,) of a chunk's perturbed probe logits ``pert`` (N, K_max, V) against ``clean`` (N, K_max,
+    V; cast to ``pert``'s dtype) of the variants' rows ``row_index`` (N,) (:func:`oar.ops.probe_divergence`: KL for
+    the distribution probes, phi_clean - phi_pert for ``answer_joint``, unclamped; :func:`store_scores` clamps)."""
     dev = pert.device
     lengths = batch.answer_len[row_index].to(dev)
     answer_ids = batch.answer_ids[row_index].to(dev) if probe == "answer_joint" else None
     return ops.probe_divergence(clean.to(pert.dtype), pert, probe=probe, answer_ids=answer_ids, lengths=lengths)
 
 
-def _units(batch: ProbeBatch, rows: Sequence[int], positions, spans) -> dict[int, list[tuple[int, int]]] | None:
+def masking_units(batch: ProbeBatch, rows: Sequence[int], positions, spans) -> dict[int, list[tuple[int, int]]] | None:
     """The masking units of the OAR-P engines: {row: [(j0, j1), ...]} from ``spans`` (checked here) or from the
     checked ``positions`` (one token each); None when neither is given (every reasoning token its own unit).
     Raises ValueError for both at once or spans that :func:`oar.attribution.spans.check_spans` refuses."""
@@ -208,9 +231,9 @@ def _units(batch: ProbeBatch, rows: Sequence[int], positions, spans) -> dict[int
     return check_spans(spans, {int(r): int(batch.reasoning_len[r]) for r in rows})
 
 
-def _variants(batch: ProbeBatch, rows: Sequence[int], units=None):
-    """Flattened variant list, rollout-major, one variant per unit (:func:`_units`; None = every reasoning token):
-    rows, first masked column, first reasoning index j, number of masked tokens (int64 tensors)."""
+def unit_variants(batch: ProbeBatch, rows: Sequence[int], units=None):
+    """Flattened variant list, rollout-major, one variant per unit (:func:`masking_units`; None = every reasoning
+    token): rows, first masked column, first reasoning index j, number of masked tokens (int64 tensors)."""
     var_row, var_col, var_j, var_len = [], [], [], []
     for r in rows:
         s = int(batch.reasoning_start[r])
@@ -224,15 +247,15 @@ def _variants(batch: ProbeBatch, rows: Sequence[int], units=None):
     return as_t(var_row), as_t(var_col), as_t(var_j), as_t(var_len)
 
 
-def _span_mask(cols: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def span_mask(cols: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """(N, S) bool: True where column ``cols`` (N, S) or (S,) lies in variant n's masked range [starts[n],
     starts[n] + lens[n])."""
     cols = cols if cols.dim() == 2 else cols.view(1, -1)
     return (cols >= starts.view(-1, 1)) & (cols < (starts + lens).view(-1, 1))
 
 
-def _store(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor,
-           lens: torch.Tensor | None = None) -> None:
+def store_scores(res: Attribution, d: torch.Tensor, probe: str, row_index: torch.Tensor, j_index: torch.Tensor,
+                 lens: torch.Tensor | None = None) -> None:
     """Checks a chunk's divergences and writes them into ``res.scores``: variant n's score on its masked tokens
     [j_index[n], j_index[n] + lens[n]) (every token of a span gets the span's score; method.md section 11)."""
     if not bool(torch.isfinite(d).all()):
@@ -327,7 +350,7 @@ def _prompt_once_clean(model, batch: ProbeBatch, rows: Sequence[int], layout, de
     return window, out, nd * p + n * (T - p)
 
 
-def _clean_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int, prompt_once: bool = False):
+def clean_pass_with_cache(model, batch: ProbeBatch, rows: Sequence[int], budget: int, prompt_once: bool = False):
     """Clean pass over ``rows`` (chunked under ``budget`` bytes, no grad): probe logits (n, K_max, V), the
     key/value cache (per layer (keys, values), each (n, kv_heads, T, head_dim)), forward passes, tokens run.
 

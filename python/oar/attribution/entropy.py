@@ -18,9 +18,10 @@ import torch
 
 from oar import _args
 from oar.attribution import planner
-from oar.attribution.base import Attribution, _check_ids, _empty, _rows
+from oar.attribution.base import Attribution, check_ids, check_rows, empty_attribution
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import ProbeModel, as_probe_model, probe_capabilities
+from oar.attribution.hf_model import as_probe_model
+from oar.attribution.model import ProbeModel, probe_capabilities
 
 _log = logging.getLogger("oar")
 
@@ -48,8 +49,21 @@ def entropy_from_logits(logits: torch.Tensor, name: str = "logits") -> torch.Ten
     if bool(empty.any()):
         idx = [int(i) for i in torch.nonzero(empty)[0]]
         raise ValueError(f"{name} at {idx} are all -inf: no next-token distribution")
-    logp = torch.log_softmax(x, dim=-1)
-    plogp = torch.where(torch.isneginf(logp), torch.zeros((), device=x.device), logp.exp() * logp)
+    return entropy_from_logprobs(torch.log_softmax(x, dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy H = -sum_v p_v log p_v (nats) of a distribution given by its log-probabilities over the last
+    dimension (a ``log_softmax`` output: finite or -inf, not checked), with 0 log 0 = 0. The one entropy formula of
+    the package (:func:`entropy_from_logits` checks logits, then calls it).
+
+    Args:
+        logp: (..., V) float tensor of log-probabilities.
+
+    Returns:
+        (...,) tensor of ``logp``'s dtype, >= 0.
+    """
+    plogp = torch.where(torch.isneginf(logp), torch.zeros((), dtype=logp.dtype, device=logp.device), logp.exp() * logp)
     return (-plogp.sum(-1)).clamp_min(0)
 
 
@@ -126,11 +140,11 @@ def entropy_scores(model: ProbeModel, batch: ProbeBatch, *, rows: Sequence[int] 
             scored row with an empty prompt, NaN / +inf logits.
     """
     probe_capabilities(model)
-    rows = _rows(batch, rows)
+    rows = check_rows(batch, rows)
     budget = planner.budget_bytes(memory_budget_mb)
-    _check_ids(model, batch)
+    check_ids(model, batch)
     t0 = time.perf_counter()
-    res = _empty(batch, rows)
+    res = empty_attribution(batch, rows)
     T = int(batch.input_ids.shape[1])
     scored, contexts, counts = [], [], []
     for r in rows:

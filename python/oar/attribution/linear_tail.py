@@ -39,7 +39,7 @@ with grad plus R backward passes, counted as 2 * n_tail each (``stats["backward_
 ``stats["backward_tokens"]``). The per-variant tail arithmetic (O(layers * H * n_tail * (1 + W) * d) and the
 contraction with J, O(R * layers * n_tail * H * d)) is not counted as token-columns.
 
-Only Hugging Face Llama / Qwen2 / Qwen3 decoders wrapped in :class:`~oar.attribution.model.HFProbeModel` are
+Only Hugging Face Llama / Qwen2 / Qwen3 decoders wrapped in :class:`~oar.attribution.hf_model.HFProbeModel` are
 supported (the forward is re-implemented here from their modules: RMSNorm, RoPE, grouped-query attention, gated
 MLP, with its own dense attention, so flash-attention models run too), with unsharded parameters: the modules are
 called one by one, which FSDP / DeepSpeed ZeRO-3 parameters do not allow (:func:`linear_tail_support` says why not).
@@ -59,17 +59,18 @@ import torch
 from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
-    _check_ids,
-    _divergence,
-    _empty,
-    _engine_args,
-    _int_value,
-    _store,
-    _units,
-    _variants,
+    check_ids,
+    chunk_divergence,
+    empty_attribution,
+    engine_args,
+    int_value,
+    masking_units,
+    store_scores,
+    unit_variants,
 )
 from oar.attribution.context import ProbeBatch
-from oar.attribution.model import HFProbeModel, gather_probe_logits
+from oar.attribution.hf_model import HFProbeModel
+from oar.attribution.model import gather_probe_logits
 
 _log = logging.getLogger("oar")
 
@@ -111,7 +112,7 @@ def _sharding(module) -> str | None:
 
 def linear_tail_support(model) -> str | None:
     """Why :func:`oar_p_linear_tail_scores` cannot run ``model`` (a sentence naming what is unsupported), or None
-    when it can: it needs an :class:`~oar.attribution.model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder
+    when it can: it needs an :class:`~oar.attribution.hf_model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder
     (:data:`SUPPORTED_MODEL_TYPES`) without sliding-window attention, with unsharded parameters."""
     if not isinstance(model, HFProbeModel):
         return f"model must be an HFProbeModel (Llama / Qwen2 / Qwen3), got {type(model).__name__}"
@@ -311,7 +312,7 @@ def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: st
     row through the clean tail, and the divergence is the KL over the top ``top_r`` vocabulary cells + a rest cell.
 
     Args:
-        model: :class:`~oar.attribution.model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder with unsharded
+        model: :class:`~oar.attribution.hf_model.HFProbeModel` of a Llama / Qwen2 / Qwen3 decoder with unsharded
             parameters (:func:`linear_tail_support`), on any device, in any float dtype.
         batch: :class:`ProbeBatch`; run on its :meth:`~ProbeBatch.probe_view`.
         window: int >= 0, later reasoning tokens re-run with each masked token.
@@ -337,21 +338,21 @@ def oar_p_linear_tail_scores(model, batch: ProbeBatch, *, window: int, probe: st
         ValueError: ``window`` not an int >= 0, ``top_r`` not an int >= 1, ``exact_reach`` not a bool, a model
             :func:`linear_tail_support` refuses (its sentence), and as :func:`~oar.attribution.oar_p.oar_p_scores`.
     """
-    window = _int_value("window", window)
+    window = int_value("window", window)
     if window < 0:
         raise ValueError(f"window must be an int >= 0, got {window}")
-    top_r = _int_value("top_r", top_r)
+    top_r = int_value("top_r", top_r)
     if top_r < 1:
         raise ValueError(f"top_r must be an int >= 1, got {top_r}")
     if not isinstance(exact_reach, bool):
         raise ValueError(f"exact_reach must be a bool, got {exact_reach!r}")
     net = _net(model)
-    _, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    _, probe, rows, budget, positions = engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     batch = batch.probe_view()
-    units = _units(batch, rows, positions, spans)
-    _check_ids(model, batch)
+    units = masking_units(batch, rows, positions, spans)
+    check_ids(model, batch)
     t0 = time.perf_counter()
-    res = _empty(batch, rows)
+    res = empty_attribution(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     stats = dict(forward_passes=0, variants=0, linearized=0, tokens=0, backward_passes=0, backward_tokens=0)
     T = int(batch.input_ids.shape[1])
@@ -386,7 +387,7 @@ def _row(net: _Net, batch: ProbeBatch, r: int, T: int, K: int, keep: int, window
     stats["tokens"] += n
     clean = gather_probe_logits(logits, ps, K)  # (1, K, V)
 
-    row_t, col_t, j_t, len_t = _variants(batch, [r], units)
+    row_t, col_t, j_t, len_t = unit_variants(batch, [r], units)
     cols = (col_t - a).tolist()
     lens = len_t.tolist()
     ends = [c + m + window for c, m in zip(cols, lens)]
@@ -429,8 +430,8 @@ def _row(net: _Net, batch: ProbeBatch, r: int, T: int, K: int, keep: int, window
             stats["forward_passes"] += 1
             if not linear:
                 pert = gather_probe_logits(d, ps.expand(len(idx)), K)
-                d = _divergence(clean.expand(len(idx), -1, -1), pert, batch, row_t[idx], probe)
-            _store(res, d, probe, row_t[idx], j_t[idx], len_t[idx])
+                d = chunk_divergence(clean.expand(len(idx), -1, -1), pert, batch, row_t[idx], probe)
+            store_scores(res, d, probe, row_t[idx], j_t[idx], len_t[idx])
 
 
 def _tail_response(net: _Net, i: int, cq, wmask, k, v, Ks, Vs, Qt, At, Lt, J):
@@ -497,7 +498,7 @@ def _chunk(net: _Net, ids, pos, pad_id: int, starts, lens, stops, linear: bool, 
         h = h + attn.o_proj(_merge(out))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     if linear:
-        if rho.numel() == 1:  # answer_joint: the drop of phi, clamped by _store
+        if rho.numel() == 1:  # answer_joint: the drop of phi, clamped by store_scores
             return -drho[:, 0]
         return _cell_kl(rho.float(), drho)
     return net.lm_head(net.norm(h[:, S - keep:]))

@@ -16,12 +16,12 @@ from oar import ops
 from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
-    _check_ids,
-    _clean,
-    _divergence,
-    _empty,
-    _engine_args,
-    _int_value,
+    check_ids,
+    chunk_divergence,
+    empty_attribution,
+    engine_args,
+    int_value,
+    resolve_clean_logits,
 )
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeModel, gather_probe_logits
@@ -131,17 +131,17 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     """
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (0 < sigma < float("inf")):
         raise ValueError(f"sigma must be > 0 and finite, got {sigma!r}")
-    noise_draws = _int_value("noise_draws", noise_draws)
+    noise_draws = int_value("noise_draws", noise_draws)
     if noise_draws < 1:
         raise ValueError(f"noise_draws must be >= 1, got {noise_draws}")
-    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
-    _check_ids(model, batch)
+    caps, probe, rows, budget, positions = engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    check_ids(model, batch)
     if torch.is_inference_mode_enabled():
         raise RuntimeError("oar_g_scores differentiates the probe divergence w.r.t. the input embeddings, which "
                            "torch.inference_mode() forbids: call it outside inference_mode (torch.no_grad() is fine: "
                            "OAR-G enables grad for its own pass and writes no parameter .grad)")
     t0 = time.perf_counter()
-    res = _empty(batch, rows)
+    res = empty_attribution(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (positions is None or positions.get(r))]
     if not rows:
         res.stats.update(forward_passes=0, backward_passes=0, seconds=0.0)
@@ -154,7 +154,7 @@ def oar_g_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     if use_prefix:
         clean_all, clean_row, passes = None, {}, 0
     else:
-        clean_all, clean_row, passes = _clean(model, batch, rows, clean_logits, budget)
+        clean_all, clean_row, passes = resolve_clean_logits(model, batch, rows, clean_logits, budget)
     T = batch.input_ids.shape[1]
     K = batch.answer_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
@@ -274,6 +274,6 @@ def _noisy_input_grad(model, clean, batch, idx, probe, noise, sigma, noise_mask,
             window = model.tail_logits(inputs_embeds=Ek, attention_mask=attn, position_ids=pos,
                                        keep=batch.keep)
     pert = gather_probe_logits(window, batch.probe_start[idx], K)
-    J = _divergence(clean, pert, batch, idx, probe).sum()
+    J = chunk_divergence(clean, pert, batch, idx, probe).sum()
     (g,) = torch.autograd.grad(J, Ek)
     return g, Ep

@@ -18,17 +18,17 @@ from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
     CleanPass,
-    _check_ids,
-    _clean,
-    _clean_with_cache,
-    _divergence,
-    _empty,
-    _engine_args,
-    _int_value,
-    _span_mask,
-    _store,
-    _units,
-    _variants,
+    check_ids,
+    chunk_divergence,
+    clean_pass_with_cache,
+    empty_attribution,
+    engine_args,
+    int_value,
+    masking_units,
+    resolve_clean_logits,
+    span_mask,
+    store_scores,
+    unit_variants,
 )
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeCapabilities, ProbeModel, gather_probe_logits
@@ -84,7 +84,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     its prefix.
 
     Args:
-        model: a ProbeModel (``oar.attribution.model.HFProbeModel`` for HF models).
+        model: a ProbeModel (``oar.attribution.hf_model.HFProbeModel`` for HF models).
         batch: probe contexts.
         probe: ``last`` | ``answer_mean`` | ``answer_joint``.
         rows: rows to score (default all).
@@ -118,7 +118,7 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
             masked variant whose divergence is infinite (zero probability where the clean distribution has
             mass); spans that are not sorted disjoint ranges of the row, or given with ``positions``.
     """
-    max_variants = _int_value("max_variants_per_chunk", max_variants_per_chunk)
+    max_variants = int_value("max_variants_per_chunk", max_variants_per_chunk)
     if max_variants < 0:
         raise ValueError(f"max_variants_per_chunk must be >= 0 (0 = no cap), got {max_variants}")
     if not isinstance(engine, str) or engine not in OAR_P_ENGINES:
@@ -126,9 +126,9 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     max_prefix_waste = _args.float_arg("max_prefix_waste", max_prefix_waste)
     if not 0.0 < max_prefix_waste <= 1.0:  # checked for every engine: "auto" may pick either
         raise ValueError(f"max_prefix_waste must be in (0, 1], got {max_prefix_waste}")
-    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    caps, probe, rows, budget, positions = engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     batch = batch.probe_view()  # the columns after the last probe position never change a score
-    units = _units(batch, rows, positions, spans)
+    units = masking_units(batch, rows, positions, spans)
     if engine == "prefix" and not caps.prefix_cache:
         raise ValueError("engine='prefix' needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          "PrefixCacheModel: supports_prefix_cache = True, kv_bytes_per_token, tail_logits_and_cache, "
@@ -136,9 +136,9 @@ def oar_p_scores(model: ProbeModel, batch: ProbeBatch, *, probe: str = "answer_m
     asked = engine
     if engine == "auto":
         engine = "prefix" if caps.prefix_cache and clean_logits is None else "batched"
-    _check_ids(model, batch)
+    check_ids(model, batch)
     t0 = time.perf_counter()
-    res = _empty(batch, rows)
+    res = empty_attribution(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     if _log.isEnabledFor(logging.DEBUG):
         why = ("requested" if asked != "auto" else "prefix cache" if engine == "prefix"
@@ -167,8 +167,8 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
     """Every variant a full left-padded context, chunks by :func:`~oar.attribution.planner.plan_masked`. Returns
     the stats."""
     model, batch, rows, probe, dev = run.model, run.batch, run.rows, run.probe, run.device
-    clean_all, clean_row, passes = _clean(model, batch, rows, run.clean_logits, run.budget)
-    var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)
+    clean_all, clean_row, passes = resolve_clean_logits(model, batch, rows, run.clean_logits, run.budget)
+    var_row_t, var_col_t, var_j_t, var_len_t = unit_variants(batch, rows, run.units)
     T = batch.input_ids.shape[1]
     widths = [int(batch.context_len[r]) for r in rows]
     counts = [int((var_row_t == r).sum()) for r in rows]
@@ -183,14 +183,14 @@ def _oar_p_batched(run: _OarPRun, res: Attribution) -> dict:
             row_index = var_row_t[sl]
             masked = ops.build_masked_batch(batch.input_ids[:, off:], row_index, var_col_t[sl] - off, batch.pad_id)
             if run.units is not None:  # spans: the unit's other tokens too
-                masked.masked_fill_(_span_mask(torch.arange(width), var_col_t[sl] - off, var_len_t[sl]), batch.pad_id)
+                masked.masked_fill_(span_mask(torch.arange(width), var_col_t[sl] - off, var_len_t[sl]), batch.pad_id)
             window = model.tail_logits(input_ids=masked.to(dev), attention_mask=batch.attention_mask[row_index, off:].to(dev),
                                        position_ids=batch.position_ids[row_index, off:].to(dev), keep=batch.keep)
             passes += 1
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], batch.answer_ids.shape[1])
             clean = clean_all[clean_index_t[sl].to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl], var_len_t[sl])
+            store_scores(res, chunk_divergence(clean, pert, batch, row_index, probe), probe, row_index, var_j_t[sl], var_len_t[sl])
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens}
 
 
@@ -208,10 +208,10 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             clean_all, kv_all, passes, tokens = run.clean_pass.logits, run.clean_pass.kv, 0, 0
             cached_rows = list(run.clean_pass.rows)
         else:
-            clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget, run.caps.prefix_extend)
+            clean_all, kv_all, passes, tokens = clean_pass_with_cache(model, batch, rows, budget, run.caps.prefix_extend)
             cached_rows = list(rows)
         # 2. Variants sorted by masked column; chunks share the prefix of their smallest column.
-        var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, run.units)
+        var_row_t, var_col_t, var_j_t, var_len_t = unit_variants(batch, rows, run.units)
         order = torch.argsort(var_col_t, stable=True)
         var_row_t, var_col_t, var_j_t, var_len_t = var_row_t[order], var_col_t[order], var_j_t[order], var_len_t[order]
         slot = {r: i for i, r in enumerate(cached_rows)}  # row -> index in clean_all / kv_all
@@ -236,7 +236,7 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
                 row_index, slots, cols, js, lens = row_index[order], slots[order], cols[order], js[order], lens[order]
             rows_dev = row_index.to(dev)
             masked = ids_dev[rows_dev, p:]  # a gather on the device: a new tensor, no host copy per chunk
-            masked.masked_fill_(_span_mask(torch.arange(T - p, device=dev), (cols - p).to(dev), lens.to(dev)),
+            masked.masked_fill_(span_mask(torch.arange(T - p, device=dev), (cols - p).to(dev), lens.to(dev)),
                                 batch.pad_id)
             if use_shared:
                 ids, counts = torch.unique_consecutive(slots, return_counts=True)
@@ -256,6 +256,6 @@ def _oar_p_prefix(run: _OarPRun, res: Attribution) -> dict:
             tokens += masked.numel()
             pert = gather_probe_logits(window, batch.probe_start[row_index], K)
             clean = clean_all[slots.to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
+            store_scores(res, chunk_divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
     return {"forward_passes": passes, "variants": int(var_row_t.numel()), "chunks": len(plan), "tokens": tokens,
             "shared_prefix_chunks": shared_chunks}

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from oar.attribution.base import Attribution, _empty, _rows
+from oar.attribution.base import Attribution, check_rows, empty_attribution
 from oar.attribution.context import ProbeBatch
 
 
@@ -24,8 +24,8 @@ def random_scores(batch: ProbeBatch, *, rows: Sequence[int] | None = None,
     Raises:
         ValueError: rows out of range or not integers.
     """
-    rows = _rows(batch, rows)
-    res = _empty(batch, rows)
+    rows = check_rows(batch, rows)
+    res = empty_attribution(batch, rows)
     rand = torch.rand(res.scores.shape, generator=generator)
     res.scores = torch.where(res.mask, rand, torch.zeros_like(rand))
     res.stats.update(forward_passes=0, seconds=0.0)

@@ -15,15 +15,15 @@ from oar.attribution import planner
 from oar.attribution.base import (
     Attribution,
     CleanPass,
-    _check_ids,
-    _clean_with_cache,
-    _divergence,
-    _empty,
-    _engine_args,
-    _int_value,
-    _store,
-    _units,
-    _variants,
+    check_ids,
+    chunk_divergence,
+    clean_pass_with_cache,
+    empty_attribution,
+    engine_args,
+    int_value,
+    masking_units,
+    store_scores,
+    unit_variants,
 )
 from oar.attribution.context import ProbeBatch
 from oar.attribution.model import ProbeModel, WindowMasks, gather_probe_logits, require_dense_mask
@@ -77,22 +77,22 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
         ValueError: window not an int >= 0, a model without the prefix-cache capability, and as
             :func:`~oar.attribution.oar_p.oar_p_scores`.
     """
-    window = _int_value("window", window)
+    window = int_value("window", window)
     if window < 0:
         raise ValueError(f"window must be an int >= 0, got {window}")
     if not isinstance(rerun_tail, str) or rerun_tail not in RERUN_TAILS:
         raise ValueError(f"rerun_tail must be one of {RERUN_TAILS}, got {rerun_tail!r}")
-    caps, probe, rows, budget, positions = _engine_args(model, batch, probe, rows, positions, memory_budget_mb)
+    caps, probe, rows, budget, positions = engine_args(model, batch, probe, rows, positions, memory_budget_mb)
     batch = batch.probe_view()  # the columns after the last probe position never change a score
-    units = _units(batch, rows, positions, spans)
+    units = masking_units(batch, rows, positions, spans)
     if not caps.prefix_cache:
         raise ValueError("oar_p_window_scores needs a ProbeModel with the prefix-cache capability (oar.attribution."
                          f"PrefixCacheModel: supports_prefix_cache = True); {type(model).__name__} does not declare "
                          "it: use oar_p_scores")
     require_dense_mask(caps, "oar_p_window_scores")  # a 4-D mask for the model: refused for flash attention
-    _check_ids(model, batch)
+    check_ids(model, batch)
     t0 = time.perf_counter()
-    res = _empty(batch, rows)
+    res = empty_attribution(batch, rows)
     rows = [r for r in rows if int(batch.reasoning_len[r]) > 0 and (units is None or units.get(r))]
     if not rows:
         res.stats.update(forward_passes=0, variants=0, chunks=0, tokens=0, engine="window", seconds=0.0)
@@ -102,9 +102,9 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
     K = batch.answer_ids.shape[1]
     keep = int(batch.keep)
     with torch.no_grad():
-        clean_all, kv_all, passes, tokens = _clean_with_cache(model, batch, rows, budget, caps.prefix_extend)
+        clean_all, kv_all, passes, tokens = clean_pass_with_cache(model, batch, rows, budget, caps.prefix_extend)
         dtype = kv_all[0][0].dtype
-        var_row_t, var_col_t, var_j_t, var_len_t = _variants(batch, rows, units)
+        var_row_t, var_col_t, var_j_t, var_len_t = unit_variants(batch, rows, units)
         slot = {r: i for i, r in enumerate(rows)}
         # Re-run columns of each variant (masked columns [t, t + n)): [t, t + n + window) and the tail
         # [min(end of reasoning, T - keep), T) ("conclude") or [T - keep, T) ("probe"), in closed form
@@ -154,7 +154,7 @@ def oar_p_window_scores(model: ProbeModel, batch: ProbeBatch, *, window: int, pr
             tokens += int(run_len_t[sl].sum())
             pert = gather_probe_logits(win, batch.probe_start[row_index], K)
             clean = clean_all[dslots.to(clean_all.device)]
-            _store(res, _divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
+            store_scores(res, chunk_divergence(clean, pert, batch, row_index, probe), probe, row_index, js, lens)
     res.stats.update(forward_passes=passes, variants=int(var_row_t.numel()), chunks=chunks, tokens=tokens,
                      engine="window", seconds=time.perf_counter() - t0)
     if keep_clean_pass:

@@ -219,12 +219,12 @@ def _compute(self, experiences):
     spec = method_spec(method)
     # oar_p / oar_g run on the policy actor group (the weights that generated the rollouts) unless a model was
     # installed in this process.
-    remote = (spec.needs_model and model is None and spec.credit == "reshape"
+    remote = (spec.needs_model and model is None and spec.credit.name == "reshape"
               and getattr(self, "actor_model_group", None) is not None)
     if spec.needs_model and model is None and not remote:
         raise ValueError(f"oar method {method!r} runs the policy: call oar.integrations.openrlhf.install(config, "
                          "model=...) in the process that makes the experience"
-                         + ("" if spec.credit != "reshape" else " (or make experiences with an actor_model_group)"))
+                         + ("" if spec.credit.name != "reshape" else " (or make experiences with an actor_model_group)"))
     experiences = _STATE["original"](self, experiences)
     if not experiences:
         return experiences

@@ -153,7 +153,7 @@ def _check_args(args, method: str | None = None) -> None:
     warning). docs/trainers/trl.md lists what is refused and served."""
     from oar.methods import method_spec
 
-    credit = method_spec(method if method is not None else OARConfig().method).credit
+    credit = method_spec(method if method is not None else OARConfig().method).credit.name
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("OAR needs per-token advantages, but use_liger_kernel=True: the Liger GRPO loss always "
                          "unsqueezes advantages to (B, 1). Set use_liger_kernel=False.")

@@ -7,10 +7,11 @@ its name in the C++ schema (``oar::core::method_names()``).
 from __future__ import annotations
 
 from oar.methods import entropy, entropy_shaping, grpo, ktae, oar_g, oar_p, random
-from oar.methods.base import METHOD_TABLE, MethodSpec, Step
+from oar.methods.base import ADD, METHOD_TABLE, RESHAPE, UNIFORM, BonusScorer, Credit, MethodSpec, Step, TokenScorer
 from oar.schema import METHODS
 
-__all__ = ["METHOD_TABLE", "MethodSpec", "Step", "method_spec"]
+__all__ = ["METHOD_TABLE", "MethodSpec", "Step", "Credit", "UNIFORM", "RESHAPE", "ADD", "TokenScorer", "BonusScorer",
+           "method_spec"]
 
 # the rows of METHOD_TABLE (name -> MethodSpec), in the schema's order
 METHOD_TABLE.update({s.name: s for s in (

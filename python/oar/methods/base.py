@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MethodSpec", "Step", "METHOD_TABLE"]
+from oar import ops
+
+__all__ = ["Credit", "UNIFORM", "RESHAPE", "ADD", "TokenScorer", "BonusScorer", "MethodSpec", "Step", "METHOD_TABLE"]
 
 #: what each input a method may need is, for the message of :meth:`MethodSpec.require`
 _INPUTS = {"model": "the policy", "prompt_ids": "the prompts the policy is run on", "tokenizer": "the policy's tokenizer",
@@ -57,33 +59,150 @@ class Step:
     spans: dict | None = None
 
 
+class TokenScorer:
+    """The scorer of a :data:`RESHAPE` method (built once per pipeline: ``Scorer(config)``): importance scores of
+    the reasoning tokens, which the pipeline normalizes and reshapes (method.md sections 5-6).
+
+    Attributes:
+        masks_spans: True when :meth:`score` masks the step's masking units itself (``step.spans``; OAR-P); else the
+            pipeline sums the token scores over each unit (the unit rule, docs/method.md section 11).
+    """
+
+    masks_spans: bool = False
+
+    def __init__(self, config):
+        self.config = config
+
+    def precomputed(self, step: "Step") -> torch.Tensor | None:
+        """(B, C) float32 scores on completion tokens that need no forward (e.g. the trainer's own entropies), or
+        None (the default): the pipeline then builds probe contexts and calls :meth:`score`."""
+        return None
+
+    def score(self, step: "Step", pm, pbatch, positions):
+        """Scores of the active rows: ``pm`` the policy as a ProbeModel (None for a method without
+        ``needs_model``), ``pbatch`` their :class:`oar.attribution.ProbeBatch`, ``positions`` {row: eligible
+        reasoning indices} or None (all). Returns an :class:`oar.attribution.Attribution`."""
+        raise NotImplementedError
+
+
+class BonusScorer:
+    """The scorer of an :data:`ADD` method (built once per pipeline: ``Scorer(config)``): a per-token bonus added to
+    the sequence advantage (method.md section 8)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def bonus(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token advantages (B, C) float32, scores (B, C) float32, scored mask (B, C) bool) of ``step``'s batch."""
+        raise NotImplementedError
+
+
+class Credit:
+    """How a method's credit enters the token advantages (a :class:`MethodSpec`'s ``credit``): one of the three
+    instances :data:`UNIFORM`, :data:`RESHAPE`, :data:`ADD`. The pipeline calls these two methods and switches on
+    nothing; adapters read :attr:`name` ("uniform", "reshape", "add").
+
+    ``pipe`` is the calling :class:`oar.pipeline.Pipeline` (its config, the method's scorer and its scoring pass),
+    ``step`` the call's :class:`Step`.
+    """
+
+    name: str = ""
+
+    def scores(self, pipe, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) float32 token scores and (B, C) bool scored-token mask (CPU) of ``step``'s batch."""
+        raise NotImplementedError
+
+    def token_advantages(self, pipe, step: "Step") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token advantages (B, C), weights (B, C) float32, scores (B, C) float32, scored mask (B, C) bool), CPU."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<credit {self.name}>"
+
+
+class _Uniform(Credit):
+    """GRPO's credit: every eligible token gets its sequence advantage A; no scores."""
+
+    name = "uniform"
+
+    def scores(self, pipe, step):
+        b = step.b
+        return torch.zeros((b.B, b.C)), torch.zeros((b.B, b.C), dtype=torch.bool)
+
+    def token_advantages(self, pipe, step):
+        b = step.b
+        sc, reasoning = self.scores(pipe, step)
+        return step.adv[:, None] * b.eligible, b.eligible.float(), sc, reasoning
+
+
+class _Reshape(Credit):
+    """A x sum-preserving weights from importance scores (method.md sections 5-6,
+    :func:`oar.ops.reshape_advantages`)."""
+
+    name = "reshape"
+
+    def scores(self, pipe, step):
+        return pipe._scores(step)
+
+    def token_advantages(self, pipe, step):
+        sc, reasoning = self.scores(pipe, step)
+        r = pipe.config.reshape
+        tok, weights = ops.reshape_advantages(step.adv, sc, reasoning, step.b.eligible, q=r.q, beta=r.beta,
+                                              floor=r.floor, tiers=r.tiers)
+        return tok, weights, sc, reasoning
+
+
+class _Add(Credit):
+    """A + a per-token bonus (method.md section 8; the scorer's ``bonus``); weights are the ratios to A (1 where
+    A = 0)."""
+
+    name = "add"
+
+    def scores(self, pipe, step):
+        _, sc, reasoning = pipe.scorer.bonus(step)
+        return sc, reasoning
+
+    def token_advantages(self, pipe, step):
+        adv, eligible = step.adv, step.b.eligible
+        tok, sc, reasoning = pipe.scorer.bonus(step)
+        safe = torch.where(adv != 0, adv, torch.ones_like(adv)).double()
+        ratio = torch.where((adv != 0)[:, None], tok.double() / safe[:, None],
+                            torch.ones_like(tok, dtype=torch.float64))
+        weights = torch.where(eligible, ratio, torch.zeros((), dtype=torch.float64)).float()
+        return tok, weights, sc, reasoning
+
+
+#: The three credit rules (a :class:`MethodSpec`'s ``credit``).
+UNIFORM, RESHAPE, ADD = _Uniform(), _Reshape(), _Add()
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """One credit-assignment method: a row of :data:`oar.methods.METHOD_TABLE`.
 
     Attributes:
         name: the method's name in ``OARConfig.method`` (:data:`oar.schema.METHODS`).
-        credit: ``"uniform"`` (every eligible token gets A), ``"reshape"`` (A x sum-preserving weights from
-            importance scores, method.md sections 5-6) or ``"add"`` (A + a per-token bonus, method.md section 8).
+        credit: :data:`UNIFORM` (every eligible token gets A), :data:`RESHAPE` (A x sum-preserving weights from
+            importance scores, method.md sections 5-6) or :data:`ADD` (A + a per-token bonus, method.md section 8):
+            a :class:`Credit`, whose ``token_advantages`` / ``scores`` the pipeline calls.
         needs_model: runs the policy (unless the batch carries its scores / entropies already).
         needs_tokenizer: reads the reasoning span (decodes completions) or builds probe contexts.
         needs_answers: builds the outcome probe from the reference answers.
         needs_groups: reads the groups (KTAE's per-prompt token tables).
         scores_all_rows: scores every row, also rows with A = 0 (KTAE's tables count every rollout).
-        scorer: ``scorer(config) -> object`` built once per pipeline. For ``"reshape"``: ``.score(step, pm, pbatch,
-            positions) -> oar.attribution.Attribution`` on probe contexts, and optionally ``.precomputed(step) ->
-            (B, C) float32 scores on completion tokens or None`` (the trainer's own entropies: no forward). For
-            ``"add"``: ``.bonus(step) -> (token advantages (B, C) float32, scores (B, C), scored mask (B, C) bool)``.
+        scorer: the scorer class, built once per pipeline (``scorer(config)``): a :class:`TokenScorer` for
+            :data:`RESHAPE` (``score`` on probe contexts, ``precomputed`` where no forward is needed), a
+            :class:`BonusScorer` for :data:`ADD` (``bonus``); None for :data:`UNIFORM`.
     """
 
     name: str
-    credit: str
+    credit: Credit
     needs_model: bool = False
     needs_tokenizer: bool = False
     needs_answers: bool = False
     needs_groups: bool = False
     scores_all_rows: bool = False
-    scorer: Callable | None = None
+    scorer: type | None = None
 
     def needs(self, name: str) -> bool:
         """Whether the method needs input ``name`` (``"model"``, ``"prompt_ids"`` (with the model),

@@ -6,14 +6,11 @@ from __future__ import annotations
 import torch
 
 from oar.attribution import entropy_scores
-from oar.methods.base import MethodSpec, Step
+from oar.methods.base import RESHAPE, MethodSpec, Step, TokenScorer
 
 
-class EntropyScorer:
+class EntropyScorer(TokenScorer):
     """Entropies of the policy at the reasoning tokens (:func:`oar.attribution.entropy_scores`)."""
-
-    def __init__(self, config):
-        self.config = config
 
     def precomputed(self, step: Step) -> torch.Tensor | None:
         """(B, C) float32 entropies the trainer passed with the batch, else None."""
@@ -23,4 +20,4 @@ class EntropyScorer:
         return entropy_scores(pm, pbatch, rows=step.active, memory_budget_mb=step.memory_budget_mb)
 
 
-SPEC = MethodSpec("entropy", "reshape", needs_model=True, needs_tokenizer=True, scorer=EntropyScorer)
+SPEC = MethodSpec("entropy", RESHAPE, needs_model=True, needs_tokenizer=True, scorer=EntropyScorer)

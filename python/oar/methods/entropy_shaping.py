@@ -9,14 +9,11 @@ import torch
 from oar import baselines
 from oar.attribution import policy_entropies
 from oar.batch import check_token_ids
-from oar.methods.base import MethodSpec, Step
+from oar.methods.base import ADD, BonusScorer, MethodSpec, Step
 
 
-class EntropyShapingBonus:
+class EntropyShapingBonus(BonusScorer):
     """The capped entropy bonus (:func:`oar.baselines.entropy_shaping_advantages`)."""
-
-    def __init__(self, config):
-        self.config = config
 
     def bonus(self, step: Step):
         b = step.b
@@ -38,4 +35,4 @@ class EntropyShapingBonus:
         return tok, sc, b.eligible.clone()
 
 
-SPEC = MethodSpec("entropy_shaping", "add", needs_model=True, scorer=EntropyShapingBonus)
+SPEC = MethodSpec("entropy_shaping", ADD, needs_model=True, scorer=EntropyShapingBonus)

@@ -2,7 +2,7 @@
 only in the sequence advantages' estimator (``dr_grpo``: no std scaling), which the config schema sets
 (:func:`oar.schema.with_method`); the pipeline's uniform credit does the rest."""
 
-from oar.methods.base import MethodSpec
+from oar.methods.base import UNIFORM, MethodSpec
 
-GRPO = MethodSpec("grpo", "uniform")
-DR_GRPO = MethodSpec("dr_grpo", "uniform")
+GRPO = MethodSpec("grpo", UNIFORM)
+DR_GRPO = MethodSpec("dr_grpo", UNIFORM)

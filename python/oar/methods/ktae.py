@@ -7,14 +7,11 @@ from __future__ import annotations
 import torch
 
 from oar import baselines
-from oar.methods.base import MethodSpec, Step
+from oar.methods.base import ADD, BonusScorer, MethodSpec, Step
 
 
-class KTAEBonus:
+class KTAEBonus(BonusScorer):
     """The KTAE bonus (:func:`oar.baselines.ktae_token_scores`) added to A (:func:`oar.baselines.add_token_bonus`)."""
-
-    def __init__(self, config):
-        self.config = config
 
     def bonus(self, step: Step):
         b = step.b
@@ -31,4 +28,4 @@ class KTAEBonus:
         return tok, sc, b.eligible.clone()
 
 
-SPEC = MethodSpec("ktae", "add", needs_groups=True, scores_all_rows=True, scorer=KTAEBonus)
+SPEC = MethodSpec("ktae", ADD, needs_groups=True, scores_all_rows=True, scorer=KTAEBonus)

@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 from oar.attribution import oar_g_scores
-from oar.methods.base import MethodSpec, Step
+from oar.methods.base import RESHAPE, MethodSpec, Step, TokenScorer
 
 
-class OARGScorer:
+class OARGScorer(TokenScorer):
     """OAR-G scores of the eligible reasoning tokens (:func:`oar.attribution.oar_g_scores`) with the config's probe,
     sigma and noise draws, the noise drawn from the pipeline's generator."""
-
-    def __init__(self, config):
-        self.config = config
 
     def score(self, step: Step, pm, pbatch, positions):
         cfg = self.config
@@ -21,4 +18,4 @@ class OARGScorer:
                             memory_budget_mb=step.memory_budget_mb, positions=positions)
 
 
-SPEC = MethodSpec("oar_g", "reshape", needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARGScorer)
+SPEC = MethodSpec("oar_g", RESHAPE, needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARGScorer)

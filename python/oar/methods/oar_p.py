@@ -12,12 +12,12 @@ from oar.attribution import (linear_tail_support, oar_g_scores, oar_p_linear_tai
                              oar_p_window_scores, probe_capabilities)
 from oar.attribution.screened import budget_fraction, oar_p_screened_scores
 from oar.attribution.spans import span_sums
-from oar.methods.base import MethodSpec, Step
+from oar.methods.base import RESHAPE, MethodSpec, Step, TokenScorer
 
 _log = logging.getLogger("oar")
 
 
-class OARPScorer:
+class OARPScorer(TokenScorer):
     """OAR-P scores of the eligible reasoning tokens, exact or screened (state: the exact pass's measured seconds per
     token, which the time budget reads on the next call). Masks the pipeline's spans itself (``Step.spans``: one variant
     per span, docs/method.md section 11)."""
@@ -129,4 +129,4 @@ def _span_positions(spans: dict) -> dict:
     return {r: [j for j0, j1 in units for j in range(j0, j1)] for r, units in spans.items()}
 
 
-SPEC = MethodSpec("oar_p", "reshape", needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARPScorer)
+SPEC = MethodSpec("oar_p", RESHAPE, needs_model=True, needs_tokenizer=True, needs_answers=True, scorer=OARPScorer)

@@ -43,24 +43,15 @@ from oar.integrations._config_env import config_from_env
 from oar.integrations.verl import context
 from oar.integrations.verl.rollouts import response_masks, rollout_rows
 from oar.batch import RolloutBatch
-from oar.schema import config_arg, with_method
+from oar.schema import METHODS, config_arg, with_method
 
 #: verl versions the tests ran (the tested range, which pyproject's ``oar[verl]`` extra installs, is
 #: :data:`oar.integrations._versions.TESTED`; another version gets a warning at :func:`register_estimators`).
 SUPPORTED_VERL = ("0.9.1",)
 
-#: verl advantage estimator name (``algorithm.adv_estimator``) -> OAR method ("oar": the configured method).
-ADV_ESTIMATORS: dict[str, str | None] = {
-    "oar": None,
-    "oar_p": "oar_p",
-    "oar_g": "oar_g",
-    "oar_grpo": "grpo",
-    "oar_dr_grpo": "dr_grpo",
-    "oar_random": "random",
-    "oar_entropy": "entropy",
-    "oar_entropy_shaping": "entropy_shaping",
-    "oar_ktae": "ktae",
-}
+#: verl advantage estimator name (``algorithm.adv_estimator``) -> OAR method: ``oar`` (None: the configured method)
+#: and one per method of :data:`oar.schema.METHODS`, named ``oar_<method>`` (``oar_p`` and ``oar_g`` as they are).
+ADV_ESTIMATORS: dict[str, str | None] = {"oar": None, **{m if m.startswith("oar_") else f"oar_{m}": m for m in METHODS}}
 
 
 @dataclass(eq=False)
@@ -319,10 +310,10 @@ def _estimator(name: str, method: str | None):
                              completion, eligible_mask=eligible, rewards=rewards, group_ids=list(index),
                              sequence_advantages=seq)
         batch.entropy = get("oar_entropy")  # verl's own entropies, read by the entropy methods only
-        if pipe.method.credit == "add" and pipe.method.needs_model and batch.entropy is None:
+        if pipe.method.credit.name == "add" and pipe.method.needs_model and batch.entropy is None:
             raise ValueError(f"verl estimator {name!r} (method {cfg.method!r}) needs batch['oar_entropy'] (kept by "
                              "the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
-        if pipe.method.credit == "reshape":
+        if pipe.method.credit.name == "reshape":
             scores, reasoning = get("oar_scores"), get("oar_reasoning_mask")
             if scores is None or reasoning is None:
                 scorer = _SETTINGS[0].scorer if _SETTINGS[0].scorer is not None else context.call_scorer()
