@@ -45,6 +45,10 @@ def test_method_table_is_the_schema_and_the_spec():
     credit = {"grpo": "uniform", "dr_grpo": "uniform", "random": "reshape", "entropy": "reshape",
               "oar_p": "reshape", "oar_g": "reshape", "entropy_shaping": "add", "ktae": "add"}
     assert {m: s.credit.name for m, s in METHOD_TABLE.items()} == credit
+    import pickle
+
+    for s in METHOD_TABLE.values():  # Ray and multiprocessing pickle specs: the rule comes back as the same object
+        assert pickle.loads(pickle.dumps(s.credit)) is s.credit
     assert [m for m, s in METHOD_TABLE.items() if s.needs_answers] == ["oar_p", "oar_g"]
     with pytest.raises(ValueError, match=r"method must be one of \['grpo', .*\], got 'oar_q'"):
         method_spec("oar_q")

@@ -119,6 +119,10 @@ class Credit:
     def __repr__(self) -> str:
         return f"<credit {self.name}>"
 
+    def __reduce__(self):
+        # unpickled (Ray, multiprocessing) as the module's own instance, so identity checks keep holding
+        return (_credit, (self.name,))
+
 
 class _Uniform(Credit):
     """GRPO's credit: every eligible token gets its sequence advantage A; no scores."""
@@ -174,6 +178,11 @@ class _Add(Credit):
 
 #: The three credit rules (a :class:`MethodSpec`'s ``credit``).
 UNIFORM, RESHAPE, ADD = _Uniform(), _Reshape(), _Add()
+
+
+def _credit(name: str) -> Credit:
+    """The credit rule named ``name`` (how :class:`Credit` instances unpickle)."""
+    return {c.name: c for c in (UNIFORM, RESHAPE, ADD)}[name]
 
 
 @dataclass(frozen=True)
