@@ -197,8 +197,13 @@ def _clean_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int], budget:
 
 def resolve_clean_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int],
                          clean_logits: torch.Tensor | None, budget: int | None = None):
-    """Clean probe logits for ``rows`` (in chunks under ``budget`` bytes when given): (logits, row -> index into
-    logits, forward passes spent)."""
+    """The clean probe logits an engine compares its perturbations with: the caller's ``clean_logits`` (B, K_max, V)
+    when given (checked; 0 forwards, indexed by row), else computed for ``rows`` without grad (in chunks under
+    ``budget`` bytes when given). Returns (logits, row -> index into logits, forward passes spent).
+
+    Raises:
+        ValueError: ``clean_logits`` not a (B, K_max, V) tensor of this batch.
+    """
     if clean_logits is None:
         logits, passes = _clean_logits(model, batch, list(rows), budget)
         return logits, {r: i for i, r in enumerate(rows)}, passes
