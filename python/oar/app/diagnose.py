@@ -36,7 +36,7 @@ require("train", "oar.app.diagnose")
 
 from oar.app import diagnose_core as core  # noqa: E402
 from oar.app.diagnose_report import _load_batches, summarize, write_report  # noqa: E402
-from oar.app.runtime import write_json_atomic  # noqa: E402
+from oar.app.runtime import release_memory, write_json_atomic  # noqa: E402
 
 DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2",
                    "oar_g:credit_rows=positive", "oar_g:q=0.5", "oar_g:beta=2"]
@@ -205,6 +205,8 @@ def compute_reference(model, tok, source: TaskSource, s: DiagnoseSettings, out_d
             fold_rewards += r.rewards.tolist()
             rg = r.rewards.view(-1, s.ref_group)
             fold_mixed += int(((rg.max(1).values - rg.min(1).values) > 0).sum())
+            del r, g
+            release_memory()  # generation and the backward free GBs each chunk; keep the heap from holding them
             if progress is not None:
                 progress(len(chunk))
         folds.append([a / max(1, n) for a in acc])
@@ -401,6 +403,8 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
                 f.flush()
                 os.fsync(f.fileno())
             done[b] = rec
+            del sk
+            release_memory()
             bar.update(1)
     summary = summarize(done, ref, [sp.label for sp in specs], out_dir, step_norm=step_norm, base_reward=base_reward,
                         n_params=n_params)
