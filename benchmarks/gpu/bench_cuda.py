@@ -35,7 +35,7 @@ ragged groups whose sizes are skewed (many groups of 8 and one large group; the 
 the average).
 
 ``--dry-run`` runs every case with tiny sizes on the CPU (wall-clock timer), so that the harness and the table
-are exercised without a GPU (tests/python/test_cuda.py runs it).
+are exercised without a GPU (tests/python/core/test_cuda.py runs it).
 
 Usage: python benchmarks/gpu/bench_cuda.py [--dry-run] [--repeats 30] [--warmup 5] [--out DIR] [--only SUBSTR]
 """

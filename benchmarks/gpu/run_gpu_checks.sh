@@ -9,9 +9,10 @@
 #   build      the three targets the tests load (oar_core with the kernels, oar_torch, _C), -j16; ptxas's register,
 #              spill and shared-memory report of the kernels goes to the log as a table;
 #   import     oar from python/ + build-gpu loads, has CUDA kernels, and runs one op on the GPU;
-#   pytest     every CUDA test (-m cuda) of the test files that take the device parameter (tests/python/_devices.py),
-#              in 8 pytest-xdist workers when xdist is installed (a test that crashes its worker is reported as
-#              failed and the worker replaced, instead of ending the phase: the first H200 run, docs/gpu.md);
+#   pytest     every CUDA test (-m cuda) of the test files that take the device parameter
+#              (tests/python/support/_devices.py), in 8 pytest-xdist workers when xdist is installed (a test that
+#              crashes its worker is reported as failed and the worker replaced, instead of ending the phase: the
+#              first H200 run, docs/gpu.md);
 #   bench      benchmarks/gpu/bench_cuda.py: each kernel against PyTorch on the GPU, and the copy bandwidth;
 #   step       (only with --step) benchmarks/python/bench_step.py --device cuda on the fixed-shape suite; installs the
 #              carried wheels (.gpu-wheels) first when the `train` extra is incomplete.
@@ -245,7 +246,7 @@ print("pytest_xdist=" + ("-n 8 --dist load --max-worker-restart 100" if u.find_s
   fi
   PYTEST_FILES=()
   local f
-  for f in tests/python/test_*.py; do grep -q "^from _devices import" "$f" && PYTEST_FILES+=("$f"); done
+  for f in tests/python/*/test_*.py; do grep -q "^from _devices import" "$f" && PYTEST_FILES+=("$f"); done
 }
 
 # Each CMake package the build needs: its config file under the unpacked packages or the system.

@@ -139,7 +139,7 @@ from openrlhf.trainer.ray.launcher import BaseModelActor  # noqa: E402
 from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config  # noqa: E402
 
 import oar  # noqa: E402
-from oar.app.models import tiny_random_llama  # noqa: E402
+from oar.testing import tiny_random_llama  # noqa: E402
 from oar.integrations import openrlhf as oar_orl  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")

@@ -12,8 +12,8 @@
 #             measured before it).
 #   time7b    cap 270 s: the same on Qwen2.5-7B's shape (bf16 weights 15 GB, built on the device in bf16; the GRPO
 #             proxy's forward + backward needs about 57 GiB on paper, inside an H100's 78 GiB; not yet run).
-#   tests     cap 120 s: the CUDA tests of tests/python/test_shared_prefix_flex.py (FlexAttention engines against
-#             the float64 CPU references).
+#   tests     cap 120 s: the CUDA tests of tests/python/attribution/test_shared_prefix_flex.py (FlexAttention engines
+#             against the float64 CPU references).
 #   ab        cap  90 s: time1.5b's flex settings (`window_probe window`) with --no-full-blocks (the A/B of the
 #             full-block lists; the baseline is time1.5b's rows on the same machine).
 #   profile   cap  90 s: bench_scale.py --profile on `oar_g window_probe`: the top kernels by device time.
@@ -84,7 +84,7 @@ pytest_capped() {
   run_capped "$name" "$cap" "$PY" -m pytest -p no:cacheprovider -v -rfEs --tb=short --durations=15 "$@"
 }
 
-# Sourced (tests/python/test_gpu_scripts.py): the functions above only.
+# Sourced (tests/python/project/test_gpu_scripts.py): the functions above only.
 [[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 
 set -uo pipefail
@@ -149,7 +149,7 @@ describe() {  # phase: the command, as printed by the plan
            else echo "(cold) OAR_GPU_BUDGET_S=255 OUT=$SCRATCH/build benchmarks/gpu/run_gpu_checks.sh --build-only"; fi ;;
     time1.5b) echo "\$PY $(bench_args qwen2.5-1.5b) --out \$OUT --settings $SETTINGS" ;;
     time7b) echo "\$PY $(bench_args qwen2.5-7b) --out \$OUT --settings $SETTINGS" ;;
-    tests) echo "\$PY -m pytest -p no:cacheprovider -v -rfEs --tb=short --durations=15 -m cuda tests/python/test_shared_prefix_flex.py" ;;
+    tests) echo "\$PY -m pytest -p no:cacheprovider -v -rfEs --tb=short --durations=15 -m cuda tests/python/attribution/test_shared_prefix_flex.py" ;;
     ab) echo "\$PY $(bench_args qwen2.5-1.5b) --out $SCRATCH/ab --settings $AB_SETTINGS --no-full-blocks (the .md copied to \$OUT)" ;;
     profile) echo "\$PY $(bench_args qwen2.5-1.5b) --out $SCRATCH/profile --settings $PROFILE_SETTINGS --profile (profile_*.txt -> \$OUT/profiles.txt)" ;;
   esac
@@ -221,7 +221,7 @@ run_phase() {
       fi ;;
     time1.5b) run_capped "$p" "$cap" "$PY" $(bench_args qwen2.5-1.5b) --out "$OUT_DIR" --settings $SETTINGS ;;
     time7b) run_capped "$p" "$cap" "$PY" $(bench_args qwen2.5-7b) --out "$OUT_DIR" --settings $SETTINGS ;;
-    tests) pytest_capped "$p" "$cap" -m cuda tests/python/test_shared_prefix_flex.py ;;
+    tests) pytest_capped "$p" "$cap" -m cuda tests/python/attribution/test_shared_prefix_flex.py ;;
     ab) run_capped "$p" "$cap" "$PY" $(bench_args qwen2.5-1.5b) --out "$SCRATCH/ab" --settings $AB_SETTINGS --no-full-blocks ;;
     profile) run_capped "$p" "$cap" "$PY" $(bench_args qwen2.5-1.5b) --out "$SCRATCH/profile" --settings $PROFILE_SETTINGS --profile ;;
   esac

@@ -8,7 +8,7 @@
 #   Run 1: method oar_g for $STEPS steps (default 3): attribution and generation seconds per step, peak GPU memory
 #   of the attribution and of the whole run, OAR forwards. Run 2: method grpo for one step: TRL's compute_loss on
 #   oar's (B, C) uniform advantages and on TRL's own (B,) advantages of the same batch (the parity check of
-#   tests/python/test_trl.py::test_uniform_credit_is_trl_grpo, here under FSDP2 + bf16 on the GPU).
+#   tests/python/integrations/test_trl.py::test_uniform_credit_is_trl_grpo, here under FSDP2 + bf16 on the GPU).
 # Prints "[trl-gpu] OK" (exit 0) when every step finished with finite losses and the parity holds (difference
 # <= 1e-6 of the loss with |advantages|: the loss itself nearly cancels), else "[trl-gpu] FAILED" (exit 1); exit 3
 # when the environment lacks something (printed).
@@ -76,7 +76,7 @@ import trl
 from datasets import Dataset
 
 import oar
-from oar.app.models import tiny_random_llama
+from oar.testing import tiny_random_llama
 from oar.integrations.trl import OARGRPOTrainer
 
 OUT, DEV, STEPS, MAXC = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

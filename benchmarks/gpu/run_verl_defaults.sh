@@ -2,9 +2,9 @@
 # Prepared GPU check of issue 24 (verl's defaults): OAR scores on verl 0.9.1's real actor worker with verl's own
 # default engine settings, on one GPU: FSDP1 (actor.strategy=fsdp), bf16 mixed precision (fsdp_config.mixed_precision
 # unset -> param_dtype bf16), attn_implementation=flash_attention_2, use_remove_padding=True,
-# enable_gradient_checkpointing=True (tests/python/verl_worker.py, variant "verl_defaults"), on a random-weight model of
-# SmolLM2-135M's shape (576 hidden, 30 layers, 9 / 3 heads, 1536 MLP, 49152 vocab; built from a config with
-# oar.app.models.tiny_random_llama, nothing downloaded) with oar's 100-token minimal tokenizer.
+# enable_gradient_checkpointing=True (tests/python/workers/verl_worker.py, variant "verl_defaults"), on a random-weight
+# model of SmolLM2-135M's shape (576 hidden, 30 layers, 9 / 3 heads, 1536 MLP, 49152 vocab; built from a config with
+# oar.testing.tiny_random_llama, nothing downloaded) with oar's 100-token minimal tokenizer.
 # For $STEPS steps (default 3): verl's compute_log_prob, then OAR-G and OAR-P scores through verl's dispatch (3 of 8
 # rows active). Prints the attribution time per step, the peak CUDA memory, the forward counts and compute dtype,
 # and the parity check: verl's compute_advantage with grpo and with oar_grpo (oar, uniform credit) gives the same
@@ -24,7 +24,8 @@
 # Usage: benchmarks/gpu/run_verl_defaults.sh [--dry-run | --cpu | --build]
 #   --dry-run  the plan and the exact commands, `bash -n` of this script, which imports $PY has; runs nothing
 #   --cpu      the same flow on CPU (2 Ray ranks, the tiny test model, FSDP2 bf16 and remove-padding: what runs on
-#              CPU; FSDP1 does not, tests/python/test_verl_defaults.py), to check the script and its report here
+#              CPU; FSDP1 does not, tests/python/integrations/test_verl_defaults.py), to check the script and its
+#              report here
 #   --build    benchmarks/gpu/run_gpu_checks.sh --build-only first
 # Knobs: PY, OUT (results in $OUT/verl_defaults, default ./gpu_results), STEPS (3), ATTN (flash_attention_2).
 set -uo pipefail
@@ -46,10 +47,10 @@ fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 [ "$MODE" = cpu ] || export OAR_BUILD_DIR=${OAR_BUILD_DIR:-$PWD/build-gpu}
 if [ "$MODE" = cpu ]; then
-  RUN=(tests/python/verl_worker.py "$OUT_DIR" --variants fsdp2_bf16,remove_padding --device cpu --model tiny
+  RUN=(tests/python/workers/verl_worker.py "$OUT_DIR" --variants fsdp2_bf16,remove_padding --device cpu --model tiny
        --ranks 2 --steps "$STEPS")
 else
-  RUN=(tests/python/verl_worker.py "$OUT_DIR" --variants verl_defaults --device cuda --model "$OUT_DIR/model"
+  RUN=(tests/python/workers/verl_worker.py "$OUT_DIR" --variants verl_defaults --device cuda --model "$OUT_DIR/model"
        --ranks 1 --steps "$STEPS" --attn "$ATTN")
 fi
 log() { echo "[verl-defaults] $*"; }
@@ -87,7 +88,7 @@ if [ "$MODE" != cpu ]; then
   timeout 30 "$PY" - "$OUT_DIR/model" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import sys
 
-from oar.app.models import tiny_random_llama
+from oar.testing import tiny_random_llama
 
 model, tok = tiny_random_llama(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                                intermediate_size=1536, tokenizer="minimal", seed=0, initializer_range=0.02)

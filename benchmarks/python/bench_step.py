@@ -265,7 +265,7 @@ def suite_default(args) -> list[dict]:
 
 
 def suite_fixed(args) -> list[dict]:
-    from oar.app.models import tiny_random_llama
+    from oar.testing import tiny_random_llama
 
     rows = []
     for L in args.lengths:

@@ -114,7 +114,7 @@ def ours_built_flops(s: Shape, T: int, columns: list[int], rows: int, keep: int,
 def fixed_suite(L: int, G: int = 4, prompt_len: int = 64):
     """The fixed-shape suite of bench_step.py at response length L: (shape, P, T, keep, masked columns)."""
     from oar.attribution import ProbeContextBuilder
-    from oar.app.models import tiny_random_llama
+    from oar.testing import tiny_random_llama
 
     model, tok = tiny_random_llama(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, seed=0,
                                    tokenizer="minimal", max_position_embeddings=L + 256)

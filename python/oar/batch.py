@@ -48,6 +48,11 @@ class RolloutBatch:
             caller's own span boundaries, docs/method.md section 11): used instead of the config's ``mask_unit``.
             A span runs from a start to the token before the next start (or the end of the reasoning) and never
             crosses a token outside ``eligible_mask``.
+        turn_weights: optional (B, C) real, >= 0 and finite on eligible tokens: the turn weights that came with
+            ``scores`` computed elsewhere (:attr:`TokenScores.turn_weights`), read only with ``scores`` or a
+            scorer's precomputed scores (docs/method.md section 13). A session's turns are the runs of
+            ``eligible_mask`` inside ``completion_mask``: the observations between them (tool results) are not
+            eligible.
     """
 
     completion_ids: torch.Tensor
@@ -62,6 +67,7 @@ class RolloutBatch:
     scores: torch.Tensor | None = None
     reasoning_mask: torch.Tensor | None = None
     span_starts: torch.Tensor | None = None
+    turn_weights: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -101,11 +107,15 @@ class TokenScores:
         scores: (B, C) float32, >= 0 and finite on ``reasoning_mask``, 0 elsewhere.
         reasoning_mask: (B, C) bool, the scored reasoning tokens (eligible tokens of rows with A != 0 only).
         stats: engine counters (``forward_passes``, ``padding_forwards``, ...).
+        turn_weights: (B, C) float32, each completion token's turn weight (1 on rows of one turn), or None when
+            no row was scored turn by turn (docs/method.md section 13); pass it on as
+            :attr:`RolloutBatch.turn_weights` with the scores.
     """
 
     scores: torch.Tensor
     reasoning_mask: torch.Tensor
     stats: dict = field(default_factory=dict)
+    turn_weights: torch.Tensor | None = None
 
 
 def check_token_ids(cids: torch.Tensor, cmask: torch.Tensor, prompt_ids: Sequence, rows: list[int],
@@ -147,8 +157,8 @@ def check_token_ids(cids: torch.Tensor, cmask: torch.Tensor, prompt_ids: Sequenc
 class Batch:
     """A validated :class:`RolloutBatch` on the CPU (:func:`validate`): ``cids`` (B, C) int64, ``cmask`` /
     ``eligible`` (B, C) bool, ``rewards`` (B,) or None, ``group_ids`` B ids or None, ``entropy`` / ``scores`` (B, C)
-    float32 or None, ``reasoning`` (B, C) bool or None, ``span_starts`` (B, C) bool or None; ``out_device``: where the
-    outputs go."""
+    float32 or None, ``reasoning`` (B, C) bool or None, ``span_starts`` (B, C) bool or None, ``turn_weights`` (B, C)
+    float32 or None; ``out_device``: where the outputs go."""
 
     B: int
     C: int
@@ -164,6 +174,7 @@ class Batch:
     reasoning: torch.Tensor | None
     out_device: torch.device
     span_starts: torch.Tensor | None = None
+    turn_weights: torch.Tensor | None = None
 
 
 def check_scores(scores, reasoning_mask, dims: str, shape: tuple, eligible: torch.Tensor | None = None):
@@ -213,11 +224,19 @@ def validate(batch: RolloutBatch) -> Batch:
         scores, reasoning = check_scores(batch.scores, batch.reasoning_mask, "(B, C)", (B, C), eligible)
     span_starts = (None if batch.span_starts is None
                    else _args.mask_arg("span_starts", batch.span_starts, "(B, C)", (B, C)).cpu())
+    turn_weights = None
+    if batch.turn_weights is not None:
+        turn_weights = _args.real_arg("turn_weights", batch.turn_weights, "(B, C)", (B, C)).detach().float().cpu()
+        bad = eligible & ~(torch.isfinite(turn_weights) & (turn_weights >= 0))
+        if bool(bad.any()):
+            r, c = torch.nonzero(bad)[0].tolist()
+            raise ValueError(f"turn_weights must be finite and >= 0 on eligible_mask, got turn_weights[{r}, {c}] = "
+                             f"{float(turn_weights[r, c])}")
     dev = (batch.sequence_advantages.device if isinstance(batch.sequence_advantages, torch.Tensor)
            else rewards.device if rewards is not None else cids.device)
     return Batch(B, C, cids.detach().cpu(), cmask, eligible, batch.prompt_ids, rewards, groups,
                   None if batch.answers is None else list(batch.answers), entropy, scores, reasoning, dev,
-                  span_starts)
+                  span_starts, turn_weights)
 
 
 def _nan_reward_error(rewards: torch.Tensor, groups: list, skip_hint: bool = True) -> ValueError:

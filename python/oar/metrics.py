@@ -79,7 +79,8 @@ def pipeline_metrics(tok: torch.Tensor, weights: torch.Tensor, eligible: torch.T
         out["oar/skipped_groups_frac"] = sum(bool((a[x:y] == 0).all()) for x, y in spans) / max(len(spans), 1)
     if "screen_fraction" in stats:  # screened OAR-P: the share taken from the screen, the share masked
         out["oar/screen_fraction"] = float(stats["screen_fraction"])
-        out["oar/masked_frac"] = stats["masked"] / max(stats["scored_tokens"], 1)
+        # windowed OAR-P (screen_fraction = screen_sample = 0) masks nothing exactly and reports no counts
+        out["oar/masked_frac"] = float(stats.get("masked", 0)) / max(int(stats.get("scored_tokens", 0)), 1)
     out["oar/forward_passes"] = float(stats.get("forward_passes", 0))
     out["oar/padding_forwards"] = float(stats.get("padding_forwards", 0))
     out["oar/attribution_seconds"] = time.perf_counter() - t0

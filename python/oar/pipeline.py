@@ -14,6 +14,7 @@ sequence advantage are skipped or groups are regrouped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Sequence
 
@@ -22,6 +23,7 @@ import torch
 from oar import _args
 from oar.attribution import DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
 from oar.attribution.spans import span_starts, span_sums, spans_of, token_texts
+from oar.attribution.turns import answer_log_likelihoods, turn_runs, turn_segments, turn_weights
 from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_sequence_advantages,
                        check_token_ids, validate)
 from oar.distributed import ForwardGate, distributed_world
@@ -196,7 +198,14 @@ class Pipeline:
             reasoning = reasoning & keep
         self._last_end = time.perf_counter()
         dev = b.out_device
-        return TokenScores(sc.to(dev), reasoning.to(dev), dict(step.stats))
+        turn_weights = None
+        if step.turns:
+            turn_weights = torch.ones((b.B, b.C), dtype=torch.float32)
+            for i, turns in step.turns.items():
+                for c, w in turns:
+                    turn_weights[i, c] = w
+            turn_weights = turn_weights.to(dev)
+        return TokenScores(sc.to(dev), reasoning.to(dev), dict(step.stats), turn_weights)
 
     def reasoning_lengths(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                           rows: Sequence[int] | None = None) -> list[int]:
@@ -259,14 +268,17 @@ class Pipeline:
 
     def _scores(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores (B, C) and reasoning mask (B, C) of a reshaping method: the batch's own, the trainer's precomputed
-        ones (entropies), or the method scorer's on the eligible reasoning tokens of the active rows."""
+        ones (entropies), or the method scorer's on the eligible reasoning tokens of the active rows. Rows of several
+        turns (``turn_probe: answer``) are scored turn by turn and get ``step.turns`` (docs/method.md section 13)."""
         b = step.b
         if b.scores is not None:
             reasoning = b.reasoning & b.eligible
+            step.turns = self._given_turns(b, step.active)
             return torch.where(reasoning, b.scores, torch.zeros(())), reasoning
         pre = self.scorer.precomputed(step)
         if pre is not None:  # e.g. the trainer's own entropies: no forward
             reasoning = self._reasoning_mask(b, step.active)
+            step.turns = self._given_turns(b, step.active)
             return torch.where(reasoning, pre, torch.zeros(())), reasoning
         builder = self._need_builder("the reasoning span and probe contexts")
         self.method.require("answers", b.answers)
@@ -280,18 +292,29 @@ class Pipeline:
             vocab = int(pm.vocab_size) if pm is not None else 0
             prompts = (check_token_ids(b.cids, b.cmask, b.prompt_ids, step.active, vocab) if b.prompt_ids is not None
                        else [torch.zeros(0, dtype=torch.long)] * b.B)
-            pbatch, cols = self._probe_batch(b, step.active, prompts, builder)
-            positions = self._eligible_positions(b, step.active, cols, pbatch)
-            step.spans = self._spans(b, step.active, cols, pbatch, positions)
-            att = self.scorer.score(step, pm, pbatch, positions)
+            segments = self._segments(b, step.active)
+            if segments is None:  # no row of several turns: engine row r is the caller's row r
+                pbatch, cols = self._probe_batch(b, step.active, prompts, builder)
+                keys, src, run = step.active, {i: i for i in step.active}, step
+            else:  # one engine row per turn (docs/method.md section 13)
+                pbatch, cols, src = self._turn_batch(b, segments, prompts, builder)
+                keys = list(range(len(src)))
+                run = dataclasses.replace(step, active=keys, spans=None)
+            positions = self._eligible_positions(b, keys, src, cols, pbatch)
+            run.spans = self._spans(b, keys, src, cols, pbatch, positions)
+            att = self.scorer.score(run, pm, pbatch, positions)
+            if segments is not None:
+                step.turns = self._turns(step, pm, b, segments, prompts, pbatch, src, builder)
         step.stats.update({k: v for k, v in att.stats.items() if k != "padding_forwards"})
-        if step.spans is not None and not self.scorer.masks_spans:
-            for i, units in step.spans.items():  # the unit rule for token-level scorers (method.md section 11)
-                att.scores[i] = span_sums(att.scores[i], units)
-        for i in step.active:
-            L = int(pbatch.reasoning_len[i])
-            sc[i, cols[i][:L]] = att.scores[i, :L]
-            reasoning[i, cols[i][:L]] = True
+        if step.stats.get("turn_probe_forwards"):
+            step.stats["forward_passes"] = int(step.stats.get("forward_passes", 0)) + step.stats["turn_probe_forwards"]
+        if run.spans is not None and not self.scorer.masks_spans:
+            for k, units in run.spans.items():  # the unit rule for token-level scorers (method.md section 11)
+                att.scores[k] = span_sums(att.scores[k], units)
+        for k in keys:
+            L = int(pbatch.reasoning_len[k])
+            sc[src[k], cols[k][:L]] = att.scores[k, :L]
+            reasoning[src[k], cols[k][:L]] = True
         reasoning &= b.eligible
         return torch.where(reasoning, sc, torch.zeros(())), reasoning
 
@@ -311,41 +334,130 @@ class Pipeline:
                 ps.append([]), rs.append([]), ans.append("0"), ls.append(0)
         return builder.build(ps, rs, ans, ls), cols
 
+    def _segments(self, b: Batch, active: list[int]) -> dict | None:
+        """{row: [(s, e), ...]} the turn ranges (completion indices, :func:`oar.attribution.turns.turn_segments`)
+        of the active rows when ``turn_probe`` is ``answer`` and some row has two turns or more; else None."""
+        if self.config.turn_probe != "answer":
+            return None
+        out = {i: turn_segments(b.eligible[i][b.cmask[i]]) for i in active}
+        return out if any(len(v) > 1 for v in out.values()) else None
+
+    def _turn_batch(self, b: Batch, segments: dict, prompts: list[torch.Tensor], builder):
+        """Probe contexts of one engine row per turn of the active rows: the prompt and the completion before the
+        turn as prompt, the turn as response (its reasoning span found in the turn alone), the row's answer. Returns
+        (ProbeBatch, each engine row's completion columns, each engine row's caller row)."""
+        answers = b.answers if b.answers is not None else ["0"] * b.B
+        ps, rs, ans, ls, cols, src = [], [], [], [], [], []
+        for i, segs in segments.items():
+            c = torch.nonzero(b.cmask[i]).flatten()
+            ids = b.cids[i, c]
+            for s, e in segs:
+                resp = ids[s:e]
+                ps.append(torch.cat([prompts[i], ids[:s]])), rs.append(resp), ans.append(str(answers[i]))
+                ls.append(reasoning_length(resp.tolist(), self.tokenizer, builder.markers, builder.stop_ids))
+                cols.append(c[s:e]), src.append(i)
+        return builder.build(ps, rs, ans, ls), cols, src
+
+    def _turns(self, step: Step, pm, b: Batch, segments: dict, prompts, pbatch, src: list, builder) -> dict:
+        """{row: [(turn columns, weight), ...]} of the rows of several turns: weights 1 (``turn_credit: uniform``) or
+        from the answer probe's log-likelihood before turn 1, after each turn's observation and at the end of the
+        last turn's reasoning (``probe``: :func:`oar.attribution.turns.turn_weights`; K + 1 clean probes a row)."""
+        multi = {i: segs for i, segs in segments.items() if len(segs) > 1}
+        last = {src[k]: int(pbatch.reasoning_len[k]) for k in range(len(src))}  # the last turn's L wins
+        out, counts = {}, {}
+        for i, segs in multi.items():
+            c = torch.nonzero(b.cmask[i]).flatten()
+            out[i] = [c[s:e] for s, e in segs]
+            counts[i] = torch.tensor([int(b.eligible[i, c[s:e]].sum()) for s, e in segs])
+        if self.config.turn_credit != "probe":
+            return {i: [(cc, 1.0) for cc in out[i]] for i in out}
+        answers = self.method.require("answers", b.answers, "for turn_credit 'probe'")
+        pr, pre, ans, owner = [], [], [], []
+        for i, segs in multi.items():
+            ids = b.cids[i][b.cmask[i]]
+            runs = turn_runs(b.eligible[i][b.cmask[i]])
+            points = [runs[0][0]] + [a for a, _ in runs[1:]] + [segs[-1][0] + last[i]]
+            for p in points:
+                pr.append(prompts[i]), pre.append(ids[:p]), ans.append(str(answers[i])), owner.append(i)
+        if pm is None:  # a method that runs no model (random, entropy with given entropies): the probes do
+            if step.model is None:
+                raise ValueError(f"turn_credit 'probe' runs the policy's answer probe, but method {self.method.name!r} "
+                                 "was given no model: pass model=, or set turn_credit to 'uniform'")
+            with self._model_pass(step) as own:
+                ll, forwards = answer_log_likelihoods(own, builder, pr, pre, ans, step.memory_budget_mb)
+        else:
+            ll, forwards = answer_log_likelihoods(pm, builder, pr, pre, ans, step.memory_budget_mb)
+        step.stats["turn_probe_forwards"] = forwards  # added to forward_passes after the scorer's counters
+        res, at = {}, 0
+        for i in multi:
+            K = len(out[i])
+            w = turn_weights(ll[at + 1: at + K + 1] - ll[at: at + K], counts[i], float(self.config.reshape.floor))
+            res[i] = [(cc, float(wk)) for cc, wk in zip(out[i], w.tolist())]
+            at += K + 1
+        return res
+
+    def _given_turns(self, b: Batch, active: list[int]) -> dict | None:
+        """``step.turns`` of a batch that brings its scores (the trainer's workers, entropies): the turns from the
+        masks, their weights from the batch's ``turn_weights`` (1 without it); None when no row has two turns."""
+        segments = self._segments(b, active)
+        if segments is None:
+            return None
+        if b.turn_weights is None and self.config.turn_credit == "probe":
+            raise ValueError("turn_credit 'probe' with scores computed elsewhere needs the batch's turn_weights "
+                             "(TokenScores.turn_weights of the pipeline that scored the rows, which oar's verl and "
+                             "OpenRLHF workers send back; oar.integrations.verl.attach_scores takes them)")
+        out = {}
+        for i, segs in segments.items():
+            if len(segs) > 1:
+                c = torch.nonzero(b.cmask[i]).flatten()
+                out[i] = [(c[s:e], 1.0 if b.turn_weights is None else float(b.turn_weights[i, c[s]])) for s, e in segs]
+        return out
+
     @staticmethod
-    def _eligible_positions(b: Batch, active: list[int], cols, pbatch) -> dict | None:
-        """{row: eligible reasoning indices} when some reasoning token is not eligible (tool outputs), else None:
-        the engines then never mask, perturb or score the others."""
+    def _eligible_positions(b: Batch, keys: list[int], src, cols, pbatch) -> dict | None:
+        """{engine row: eligible reasoning indices} when some reasoning token is not eligible (tool outputs), else
+        None: the engines then never mask, perturb or score the others."""
         out, restricted = {}, False
-        for i in active:
-            L = int(pbatch.reasoning_len[i])
-            ok = b.eligible[i, cols[i][:L]]
+        for k in keys:
+            L = int(pbatch.reasoning_len[k])
+            ok = b.eligible[src[k], cols[k][:L]]
             restricted |= not bool(ok.all())
-            out[i] = torch.nonzero(ok).flatten().tolist()
+            out[k] = torch.nonzero(ok).flatten().tolist()
         return out if restricted else None
 
-    def _spans(self, b: Batch, active: list[int], cols, pbatch, positions) -> dict | None:
-        """{row: [(j0, j1), ...]} masking units of the scored rows (docs/method.md section 11): from the batch's
-        ``span_starts`` when given, else from the decoded reasoning tokens by the config's ``mask_unit``; cut at
-        tokens that are not eligible. None for token units without ``span_starts``."""
+    def _spans(self, b: Batch, keys: list[int], src, cols, pbatch, positions) -> dict | None:
+        """{engine row: [(j0, j1), ...]} masking units of the scored rows (docs/method.md section 11): from the
+        batch's ``span_starts`` when given, else from the decoded reasoning tokens by the config's ``mask_unit``; cut
+        at tokens that are not eligible. None for token units without ``span_starts``."""
         unit = self.config.mask_unit
         if unit == "token" and b.span_starts is None:
             return None
         out = {}
-        for i in active:
-            L = int(pbatch.reasoning_len[i])
+        for k in keys:
+            L = int(pbatch.reasoning_len[k])
             if L == 0:
                 continue
-            c = cols[i][:L]
+            i, c = src[k], cols[k][:L]
             starts = (b.span_starts[i, c] if b.span_starts is not None
                       else span_starts(token_texts(self.tokenizer, b.cids[i, c]), unit))
-            units = spans_of(starts, None if positions is None else positions[i])
+            units = spans_of(starts, None if positions is None else positions[k])
             if units:
-                out[i] = units
+                out[k] = units
         return out
 
     def _reasoning_mask(self, b: Batch, active: list[int]) -> torch.Tensor:
-        lens = self.reasoning_lengths(b.cids, b.cmask, active)
+        """(B, C) bool: the reasoning span of each active row (of each of its turns, docs/method.md section 13)."""
         reasoning = torch.zeros((b.B, b.C), dtype=torch.bool)
-        for i in active:
-            reasoning[i, torch.nonzero(b.cmask[i]).flatten()[: lens[i]]] = True
+        segments = self._segments(b, active)
+        if segments is None:
+            lens = self.reasoning_lengths(b.cids, b.cmask, active)
+            for i in active:
+                reasoning[i, torch.nonzero(b.cmask[i]).flatten()[: lens[i]]] = True
+            return reasoning & b.eligible
+        builder = self._need_builder("the reasoning span")
+        for i, segs in segments.items():
+            c = torch.nonzero(b.cmask[i]).flatten()
+            for s, e in segs:
+                L = reasoning_length(b.cids[i, c[s:e]].tolist(), self.tokenizer, builder.markers, builder.stop_ids)
+                reasoning[i, c[s:s + L]] = True
         return reasoning & b.eligible

@@ -11,7 +11,7 @@ pybind11 module ``oar._C``. Library modules import these from here, never from t
 - :data:`CONFIG_CHOICES` (every string key's values, read from the C++ schema) and its entries :data:`METHODS`,
   :data:`PROBES`, :data:`ESTIMATORS`, :data:`SCREENS`, :data:`SCREEN_TAILS`, :data:`MASK_UNITS`, :data:`TIERS`,
   :data:`CREDIT_ROWS`: the values of ``method``, ``probe``, ``estimator``, ``screen``, ``screen_tail``,
-  ``mask_unit``, ``tiers`` and ``credit_rows`` (tests/python/test_config.py checks that the C++ parser accepts
+  ``mask_unit``, ``tiers`` and ``credit_rows`` (tests/python/core/test_config.py checks that the C++ parser accepts
   exactly these).
 - :func:`with_method`: a config with another method (the one rule between keys: ``dr_grpo``'s estimator).
 - :func:`config_arg`: the one check of a ``config`` argument; :func:`config_from_mapping` and :func:`yaml_load`:
@@ -63,8 +63,13 @@ TIERS: tuple[str, ...] = CONFIG_CHOICES["tiers"]
 #: ``credit_rows``: which rollouts get token-level credit (docs/method.md section 12, our extension).
 CREDIT_ROWS: tuple[str, ...] = CONFIG_CHOICES["credit_rows"]
 
+#: ``turn_probe`` / ``turn_credit``: how multi-turn sessions are probed and how their advantage is split between
+#: turns (docs/method.md section 13, our extension).
+TURN_PROBES: tuple[str, ...] = CONFIG_CHOICES["turn_probe"]
+TURN_CREDITS: tuple[str, ...] = CONFIG_CHOICES["turn_credit"]
+
 __all__ = ["OARConfig", "ReshapeOptions", "GroupAdvantageOptions", "CONFIG_CHOICES", "METHODS", "PROBES", "ESTIMATORS", "SCREENS",
-           "SCREEN_TAILS", "MASK_UNITS", "TIERS", "CREDIT_ROWS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
+           "SCREEN_TAILS", "MASK_UNITS", "TIERS", "CREDIT_ROWS", "TURN_PROBES", "TURN_CREDITS", "with_method", "config_arg", "config_from_mapping", "yaml_load"]
 
 
 def with_method(config, method: str):

@@ -23,6 +23,8 @@ constexpr std::array<const char*, 2> kScreens{"window", "oar_g"};
 constexpr std::array<const char*, 3> kScreenTails{"conclude", "probe", "linear"};
 constexpr std::array<const char*, 4> kMaskUnits{"token", "word", "line", "sentence"};
 constexpr std::array<const char*, 3> kCreditRows{"all", "positive", "negative"};
+constexpr std::array<const char*, 2> kTurnProbes{"answer", "session"};
+constexpr std::array<const char*, 2> kTurnCredits{"uniform", "probe"};
 
 [[noreturn]] void fail(const std::string& key, const std::string& what) {
   throw InvalidArgument("oar." + key + " " + what);
@@ -99,7 +101,7 @@ const std::set<std::string>& known_keys() {
       "method", "probe", "q", "beta", "floor", "tiers", "estimator", "std", "eps", "singleton", "skip_nan",
       "sigma", "noise_draws", "conclude", "answer_suffix", "memory_budget_mb", "max_variants_per_chunk", "seed",
       "screen_fraction", "screen_sample", "screen_budget", "screen", "screen_window",
-      "screen_tail", "mask_unit", "credit_rows",
+      "screen_tail", "mask_unit", "credit_rows", "turn_probe", "turn_credit",
       "preset", "entropy_alpha", "entropy_kappa", "ktae_alpha", "ktae_beta", "ktae_tf", "ktae_scale",
       "ktae_threshold"};
   return keys;
@@ -130,7 +132,8 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& config_choi
       {"preset", preset_names()},          {"std", std_kind_names()},
       {"singleton", singleton_policy_names()}, {"screen", names_of(kScreens)},
       {"screen_tail", names_of(kScreenTails)}, {"mask_unit", names_of(kMaskUnits)},
-      {"credit_rows", names_of(kCreditRows)}};
+      {"credit_rows", names_of(kCreditRows)}, {"turn_probe", names_of(kTurnProbes)},
+      {"turn_credit", names_of(kTurnCredits)}};
   return choices;
 }
 
@@ -222,6 +225,10 @@ OARConfig parse_oar_config(const std::string& json_text) {
   check_choice("mask_unit", cfg.mask_unit, kMaskUnits);
   cfg.credit_rows = get_string(obj, "credit_rows", cfg.credit_rows);
   check_choice("credit_rows", cfg.credit_rows, kCreditRows);
+  cfg.turn_probe = get_string(obj, "turn_probe", cfg.turn_probe);
+  check_choice("turn_probe", cfg.turn_probe, kTurnProbes);
+  cfg.turn_credit = get_string(obj, "turn_credit", cfg.turn_credit);
+  check_choice("turn_credit", cfg.turn_credit, kTurnCredits);
   cfg.screen_budget = get_number(obj, "screen_budget", cfg.screen_budget);
   if (!(cfg.screen_budget == 0 || cfg.screen_budget > 1))
     fail("screen_budget", "must be 0 (off) or > 1 (a step at most screen_budget x a GRPO step), got " +
@@ -276,6 +283,8 @@ std::string to_json(const OARConfig& cfg) {
   j["screen_tail"] = cfg.screen_tail;
   j["mask_unit"] = cfg.mask_unit;
   j["credit_rows"] = cfg.credit_rows;
+  j["turn_probe"] = cfg.turn_probe;
+  j["turn_credit"] = cfg.turn_credit;
   j["entropy_alpha"] = cfg.entropy_shaping.alpha;
   j["entropy_kappa"] = cfg.entropy_shaping.kappa;
   j["ktae_alpha"] = cfg.ktae.alpha;

@@ -172,6 +172,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("screen_tail", &OARConfig::screen_tail)
       .def_readwrite("mask_unit", &OARConfig::mask_unit)
       .def_readwrite("credit_rows", &OARConfig::credit_rows)
+      .def_readwrite("turn_probe", &OARConfig::turn_probe)
+      .def_readwrite("turn_credit", &OARConfig::turn_credit)
       .def_readwrite("entropy_shaping", &OARConfig::entropy_shaping)
       .def_readwrite("ktae", &OARConfig::ktae)
       .def("__repr__", [](const OARConfig& c) { return "OARConfig(" + to_json(c) + ")"; });

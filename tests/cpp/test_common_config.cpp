@@ -49,6 +49,8 @@ TEST(Config, DefaultsFollowMethodMd) {
   EXPECT_EQ(c.mask_unit, "token");  // the paper's unit
   EXPECT_EQ(c.credit_rows, "all");  // the paper's: every rollout gets token-level credit
   EXPECT_EQ(c.screen_tail, "conclude");
+  EXPECT_EQ(c.turn_probe, "answer");    // multi-turn sessions probed turn by turn (docs/method.md section 13)
+  EXPECT_EQ(c.turn_credit, "uniform");  // every turn keeps the session's mass per token
 }
 
 TEST(Config, ParsesEveryFieldAndRoundTrips) {
@@ -106,6 +108,12 @@ TEST(Config, ErrorsNameTheKey) {
   expect_invalid([] { parse_oar_config(R"({"credit_rows": "pos"})"); },
                  "oar.credit_rows must be \"all\", \"positive\" or \"negative\", got \"pos\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"credit_rows": "positive"})"))).credit_rows, "positive");
+  expect_invalid([] { parse_oar_config(R"({"turn_probe": "turn"})"); },
+                 "oar.turn_probe must be \"answer\" or \"session\", got \"turn\"");
+  expect_invalid([] { parse_oar_config(R"({"turn_credit": "rewards"})"); },
+                 "oar.turn_credit must be \"uniform\" or \"probe\", got \"rewards\"");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_probe": "session"})"))).turn_probe, "session");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_credit": "probe"})"))).turn_credit, "probe");
   expect_invalid([] { parse_oar_config(R"({"screen_tail": "all"})"); },
                  "oar.screen_tail must be \"conclude\", \"probe\" or \"linear\", got \"all\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "probe"})"))).screen_tail, "probe");

@@ -31,7 +31,7 @@ const char* to_string(Method v);
 std::vector<std::string> method_names();
 /// The values each string-valued key of the config takes, in the schema's order: exactly what
 /// parse_oar_config accepts for "method", "probe", "tiers", "estimator", "preset", "std", "singleton", "screen",
-/// "screen_tail", "mask_unit" and "credit_rows". Python reads it as `oar._C.CONFIG_CHOICES` (oar.schema's name tuples).
+/// "screen_tail", "mask_unit", "credit_rows", "turn_probe" and "turn_credit". Python reads it as `oar._C.CONFIG_CHOICES` (oar.schema's name tuples).
 const std::vector<std::pair<std::string, std::vector<std::string>>>& config_choices();
 
 /// Entropy-advantage shaping (Cheng et al., arXiv 2506.14758; method.md section 8):
@@ -95,6 +95,16 @@ struct OARConfig {
   /// (rows with sequence advantage A > 0; rows with A < 0 keep GRPO's uniform credit and are not scored) or
   /// "negative" (the converse). Applied by the Python pipeline (oar.Pipeline); uniform methods ignore it.
   std::string credit_rows = "all";
+  /// Multi-turn sessions (docs/method.md section 13, our extension): a row whose eligible tokens form several runs
+  /// (the model's turns, separated by observations such as tool results) is scored turn by turn. "answer": each
+  /// turn is a probe row of its own (prefix before it as prompt, the turn as response, the answer probe at its
+  /// end); "session": one probe at the end of the whole row (observations stay unscored context). A row with one
+  /// turn is scored the same under both.
+  std::string turn_probe = "answer";
+  /// How the session's advantage is split between its turns (mass and sign kept): "uniform" (every eligible token
+  /// of every turn carries the session's mass, as GRPO) or "probe" (turn k's weight grows with |change of the
+  /// answer's log-likelihood from before turn k to after its observation|; docs/method.md section 13).
+  std::string turn_credit = "uniform";
   EntropyShapingOptions entropy_shaping;     ///< method "entropy_shaping"
   KtaeOptions ktae;                          ///< method "ktae"
 };

@@ -5,7 +5,7 @@ functional API and the trainer integrations, which use the trainer the user alre
 tasks, the model loaders and the plots need ``pip install "oar[train]"``. A module that needs an extra calls
 :func:`require` where it starts, so a missing package is reported as "oar.app.train needs oar[train] ..." rather
 than as a bare ModuleNotFoundError deep inside transformers or trl. pyproject.toml lists the same packages
-(tests/python/test_packaging.py keeps the two in step).
+(tests/python/project/test_packaging.py keeps the two in step).
 """
 
 from __future__ import annotations

@@ -135,12 +135,14 @@ class TaskSource:
         return out
 
     def rollouts(self, model, problems, *, group: int, temperature: float, max_new_tokens: int, seed: int):
-        """:func:`oar.app.diagnose_core.sample_rollouts` on ``problems`` with the task's verifier as reward."""
+        """:func:`oar.app.diagnose_core.sample_rollouts` on ``problems`` with the task's verifier as reward (a tool
+        task's calculator sessions, ``task.tool``)."""
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         return core.sample_rollouts(
             model, self.prompt_ids(problems), lambda i, ids, text: float(self.task.reward(text, problems[i])),
             group_size=group, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, pad_id=int(pad),
-            eos_id=int(self.tok.eos_token_id), tokenizer=self.tok, answers=[p.answer for p in problems])
+            eos_id=int(self.tok.eos_token_id), tokenizer=self.tok, answers=[p.answer for p in problems],
+            max_calls=self.task.max_calls if getattr(self.task, "tool", False) else None)
 
 
 def _params(model) -> list:

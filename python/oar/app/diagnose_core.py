@@ -37,6 +37,8 @@ class Rollouts:
         temperature: the sampling temperature T (> 0). The policy the rollouts were drawn from is
             softmax(logits / T), so :func:`token_logprobs` (hence every update direction and the reference gradient)
             divides the logits by T, as TRL's ``_get_per_token_logps_and_entropies`` does.
+        eligible_mask: (B, C) bool, the policy's own tokens (a tool task's sessions: False on the tool's replies, as
+            TRL's ``tool_mask``), or None (every completion token). Only these carry a log-prob and an advantage.
     """
 
     prompt_ids: list
@@ -46,6 +48,12 @@ class Rollouts:
     group_size: int
     answers: list | None = None
     temperature: float = 1.0
+    eligible_mask: torch.Tensor | None = None
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """(B, C) bool: the tokens the policy chose (``eligible_mask``, else ``completion_mask``)."""
+        return self.completion_mask if self.eligible_mask is None else self.eligible_mask & self.completion_mask
 
     def __post_init__(self):
         if not float(self.temperature) > 0:
@@ -119,8 +127,11 @@ def parse_credit(spec: str) -> CreditSpec:
 
 def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Callable[[int, list, str], float], *,
                     group_size: int, temperature: float, max_new_tokens: int, seed: int, pad_id: int, eos_id: int,
-                    tokenizer=None, answers: Sequence[str] | None = None, batch_size: int = 64) -> Rollouts:
-    """Samples ``group_size`` completions per prompt with ``model.generate`` (top-k off, as GRPO trainers sample).
+                    tokenizer=None, answers: Sequence[str] | None = None, batch_size: int = 64,
+                    max_calls: int | None = None) -> Rollouts:
+    """Samples ``group_size`` completions per prompt with ``model.generate`` (top-k off, as GRPO trainers sample),
+    or, with ``max_calls``, ``group_size`` calculator sessions (``oar.app.tasks.tools.run_sessions``: the replies
+    are not the policy's, :attr:`Rollouts.eligible_mask` is False on them).
 
     Args:
         model: a Hugging Face causal LM.
@@ -132,6 +143,7 @@ def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Calla
         tokenizer: decodes the completions for ``reward_fn`` (None: the text is "").
         answers: P reference answers, repeated per rollout into :attr:`Rollouts.answers`.
         batch_size: sequences per ``generate`` call.
+        max_calls: a tool task's calls per session (None: plain completions).
 
     Returns:
         :class:`Rollouts` with B = P * group_size rows (prompt-major).
@@ -147,9 +159,17 @@ def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Calla
     device = next(model.parameters()).device
     flat = [(i, list(map(int, p))) for i, p in enumerate(prompt_ids) for _ in range(group_size)]
     comps: list[list[int]] = []
+    env: list[list[int]] | None = None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(seed)
-        for s in range(0, len(flat), batch_size):
+        if max_calls is not None:
+            from oar.app.tasks.tools import run_sessions
+
+            sessions = run_sessions(model, tokenizer, [p for _, p in flat], max_calls=max_calls,
+                                    max_new_tokens=max_new_tokens, temperature=float(temperature),
+                                    batch_size=batch_size)
+            comps, env = [s.completion_ids for s in sessions], [s.env_mask for s in sessions]
+        for s in range(0, len(flat) if max_calls is None else 0, batch_size):
             chunk = [p for _, p in flat[s:s + batch_size]]
             P = max(len(p) for p in chunk)
             ids = torch.full((len(chunk), P), pad_id, dtype=torch.long)
@@ -165,15 +185,18 @@ def sample_rollouts(model, prompt_ids: Sequence[Sequence[int]], reward_fn: Calla
     C = max(1, max(len(c) for c in comps))
     cids = torch.full((len(comps), C), 0, dtype=torch.long)
     cmask = torch.zeros((len(comps), C), dtype=torch.bool)
+    elig = None if env is None else torch.zeros((len(comps), C), dtype=torch.bool)
     rewards = torch.empty(len(comps), dtype=torch.float32)
     for r, ((pi, _), c) in enumerate(zip(flat, comps)):
         cids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
         cmask[r, :len(c)] = True
+        if elig is not None:
+            elig[r, :len(c)] = torch.tensor(env[r], dtype=torch.bool)
         text = tokenizer.decode(c, skip_special_tokens=True) if tokenizer is not None else ""
         rewards[r] = float(reward_fn(pi, c, text))
     ans = [answers[pi] for pi, _ in flat] if answers is not None else None
     return Rollouts([torch.tensor(p, dtype=torch.long) for _, p in flat], cids, cmask, rewards, group_size, ans,
-                    float(temperature))
+                    float(temperature), elig)
 
 
 def _layout(r: Rollouts, rows: Sequence[int], pad_id: int):
@@ -200,7 +223,7 @@ def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with
     ``_get_per_token_logps_and_entropies`` computes it (logits divided by ``args.temperature``).
 
     Returns:
-        (n, C) float32 log-probs (0 off the mask), and with ``with_entropy`` also (n, C) float32 full-vocabulary
+        (n, C) float32 log-probs (0 off :attr:`Rollouts.action_mask`), and with ``with_entropy`` also (n, C) float32 full-vocabulary
         entropies of pi_T (detached; 0 off the mask).
     """
     dev = next(model.parameters()).device
@@ -210,7 +233,7 @@ def token_logprobs(model, r: Rollouts, rows: Sequence[int], pad_id: int, *, with
     logits = logits[:, P - 1:P - 1 + C].float() / float(r.temperature)
     logp_all = torch.log_softmax(logits, dim=-1)
     tgt = r.completion_ids[list(rows)].to(dev)
-    mask = r.completion_mask[list(rows)].to(dev)
+    mask = r.action_mask[list(rows)].to(dev)  # a tool's replies are context, not the policy's choices
     lp = logp_all.gather(-1, tgt[..., None]).squeeze(-1) * mask
     if not with_entropy:
         return lp
@@ -273,7 +296,8 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
 
     cfg = config_for(base_config, spec, seed)
     batch = RolloutBatch(r.completion_ids, r.completion_mask, prompt_ids=r.prompt_ids, rewards=r.rewards,
-                         group_ids=[i // r.group_size for i in range(r.batch_size)], answers=r.answers)
+                         group_ids=[i // r.group_size for i in range(r.batch_size)], answers=r.answers,
+                         eligible_mask=r.eligible_mask)
     if spec.credit is not None or spec.method == "entropy_top" or spec.method == "grpo":
         res = Pipeline(config_for(base_config, CreditSpec("grpo", "grpo"), seed), tokenizer).compute(batch, None,
                                                                                                       preset="trl")
@@ -286,7 +310,7 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
     elif spec.method == "entropy_top":
         if entropies is None:
             raise ValueError("entropy_top needs the policy entropies")
-        mask = r.completion_mask
+        mask = r.action_mask
         vals = entropies[mask].float()
         keep = torch.zeros_like(mask)
         if vals.numel():
@@ -294,7 +318,7 @@ def method_advantages(spec: CreditSpec, r: Rollouts, *, model, tokenizer, base_c
             keep = (entropies >= thr) & mask
         adv = seq[:, None] * keep.float()
     if not _pipeline_credits_rows(spec) and spec.credit_rows != "all":
-        uniform = seq[:, None] * r.completion_mask.float()
+        uniform = seq[:, None] * r.action_mask.float()
         adv = torch.where(credited_rows(seq, spec.credit_rows)[:, None], adv, uniform)
     return adv, seq, dict(res.metrics)
 
@@ -312,10 +336,10 @@ def update_directions(model, r: Rollouts, advantages: dict, params: list, pad_id
         micro_batch: rows per forward (None: the whole batch in one forward, shared by every setting).
 
     Returns:
-        ``{label: [per-parameter float32 gradients]}``, with N_tok = the batch's completion tokens.
+        ``{label: [per-parameter float32 gradients]}``, with N_tok = the batch's policy tokens (action mask).
     """
     B = r.batch_size
-    n_tok = max(1.0, float(r.completion_mask.sum()))
+    n_tok = max(1.0, float(r.action_mask.sum()))
     labels = list(advantages)
     mb = B if micro_batch is None or micro_batch >= B else int(micro_batch)
     out: dict = {}

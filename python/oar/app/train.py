@@ -59,6 +59,31 @@ def make_reward_func(task, problems_by_id: dict):
     return correctness
 
 
+def make_rollout_func(task):
+    """TRL ``rollout_func`` of a tool task (``task.tool``; TRL 1.13's experimental hook): one calculator session per
+    prompt of the process's slice (``oar.app.tasks.tools.run_sessions``), sampled with the trainer's temperature,
+    top-p, top-k and ``max_completion_length`` (the model's tokens and the results' together). Returns the ids TRL
+    stores and ``env_mask`` (0 on the results), which TRL passes on as ``tool_mask`` and oar's adapter as the
+    observations between turns (docs/method.md section 13); ``logprobs`` None (TRL recomputes them)."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    from oar.app.tasks.tools import run_sessions
+
+    def rollout(prompts, trainer) -> dict:
+        tok = trainer.processing_class
+        prompt_ids = [tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)["input_ids"] for p in prompts]
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            sessions = run_sessions(model, tok, prompt_ids, max_calls=task.max_calls,
+                                    max_new_tokens=int(trainer.max_completion_length),
+                                    temperature=float(trainer.temperature), top_p=float(trainer.top_p),
+                                    top_k=int(trainer.top_k or 0))
+        return {"prompt_ids": prompt_ids, "completion_ids": [s.completion_ids for s in sessions],
+                "logprobs": None, "env_mask": [s.env_mask for s in sessions]}
+
+    return rollout
+
+
 class MetricsWriter:
     """Appends one JSON line per logged optimizer step (TRL's names plus ``time/update``) and one per held-out
     evaluation to ``path``; ``rows`` keeps them in memory for the plot and the summary.
@@ -280,9 +305,10 @@ def build_trainer(cfg: RunConfig, output_dir: str, callbacks=(), task=None, prob
     grpo.setdefault("seed", seed)
     grpo.setdefault("disable_tqdm", False)
     args = GRPOConfig(output_dir=output_dir, **grpo)
+    tools = dict(rollout_func=make_rollout_func(task)) if getattr(task, "tool", False) else {}
     trainer = _main_job_trainer_class()(model=model, reward_funcs=[make_reward_func(task, {p.id: p for p in problems})],
                              args=args, train_dataset=ds, processing_class=tokenizer, oar_config=cfg.oar,
-                             callbacks=list(callbacks))
+                             callbacks=list(callbacks), **tools)
     return trainer, task
 
 

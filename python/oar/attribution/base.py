@@ -161,17 +161,19 @@ def empty_attribution(batch: ProbeBatch, rows: list[int]) -> Attribution:
 
 
 def clean_probe_logits(model: ProbeModel, batch: ProbeBatch, rows: Sequence[int] | None = None,
-                       memory_budget_mb: int | None = None) -> torch.Tensor:
+                       memory_budget_mb: int | None = None, *, return_forwards: bool = False):
     """Probe logits (n, K_max, V) (the model's dtype, on its device) of the unperturbed contexts of ``rows`` (all
     rows by default), without grad: one forward, or with ``memory_budget_mb`` (an int >= 1) forwards over chunks of
-    rows planned by :func:`oar.attribution.planner.plan_clean` (no cache kept).
+    rows planned by :func:`oar.attribution.planner.plan_clean` (no cache kept). With ``return_forwards``:
+    ``(logits, number of forwards run)``.
 
     Raises:
         ValueError: ``memory_budget_mb`` not None nor an int >= 1.
     """
     rows = list(rows) if rows is not None else list(range(batch.batch_size))
     budget = None if memory_budget_mb is None else planner.budget_bytes(memory_budget_mb)
-    return _clean_logits(model, batch, rows, budget)[0]
+    logits, forwards = _clean_logits(model, batch, rows, budget)
+    return (logits, forwards) if return_forwards else logits
 
 
 def _clean_logits(model: ProbeModel, batch: ProbeBatch, rows: list[int], budget: int | None):

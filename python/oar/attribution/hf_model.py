@@ -469,8 +469,8 @@ class HFProbeModel:
         input embeddings, every layer's tensors kept): ``shared + layers x saved + layer + grads``. The element
         size is :meth:`element_size` (autocast / parameters / ``bytes_per_element``); the attention term follows
         :attr:`attn_implementation` (eager and unknown names: heads x width terms; sdpa / flash / flex: none but
-        sdpa's bool mask). Measured on CPU with float32 Llama at width 2091 (tests/python/test_memory_budget.py):
-        at most 15 % above the measured peaks, never below."""
+        sdpa's bool mask). Measured on CPU with float32 Llama at width 2091
+        (tests/python/attribution/test_memory_budget.py): at most 15 % above the measured peaks, never below."""
         c = self._costs(int(width))
         if not backward:
             return int(c["shared"] + c["layer"])

@@ -27,9 +27,9 @@ precision the model computes in, attention as the model's implementation runs it
 logits. It does not cover what was resident before the engine ran (parameters, optimizer state, the batch) nor
 what the engine keeps across chunks, :func:`resident_bytes`: the clean probe logits of the rows scored and, for the
 prefix and windowed engines, their clean key/value cache (rows x T x ``kv_bytes_per_token``). So an engine call
-peaks at most at ``budget + resident_bytes`` above what was resident (tests/python/test_memory_budget.py measures
-it; docs/design.md, "Memory planner: what the budget covers"). Under FSDP / ZeRO-3 every model call all-gathers the
-parameters of the layer it runs (FSDP2: one layer at a time; ZeRO-3: its prefetch buckets): pass as budget the
+peaks at most at ``budget + resident_bytes`` above what was resident (tests/python/attribution/test_memory_budget.py
+measures it; docs/design.md, "Memory planner: what the budget covers"). Under FSDP / ZeRO-3 every model call all-gathers
+the parameters of the layer it runs (FSDP2: one layer at a time; ZeRO-3: its prefetch buckets): pass as budget the
 memory left after those gathered parameters, and prefer few large chunks (each chunk is a model call, hence a
 gather of every layer): the planners pack as many items per chunk as the budget allows, and no engine caps a
 chunk at one item unless asked (``max_variants_per_chunk``).

@@ -247,7 +247,8 @@ def _shared_prefix_blocks(group_of: torch.Tensor, pads: torch.Tensor, g: int, p:
 def _recompile_guard():
     """Dynamo settings around the compiled kernel's call: past its recompile limit Dynamo would run the unfused
     kernel, which materializes every score (out of memory at users' lengths, docs/gpu.md); raise instead, at a limit
-    above the engines' expected compilations (at most two per mask form, tests/python/test_shared_prefix_flex.py)."""
+    above the engines' expected compilations (at most two per mask form,
+    tests/python/attribution/test_shared_prefix_flex.py)."""
     import torch._dynamo.config as dynamo_config
 
     opts = {k: v for k, v in (("recompile_limit", 32), ("fail_on_recompile_limit_hit", True))

@@ -1,8 +1,8 @@
 """The trainer versions oar's integrations are tested with, and the message when another one is installed.
 
 :data:`TESTED` is the one table: pyproject.toml's extras ``oar[trl]``, ``oar[verl]``, ``oar[openrlhf]`` carry the
-same ranges (tests/python/test_packaging.py checks they agree), and each integration calls :func:`check_tested` when
-it is imported or registered. Outside the range the integration still runs where the hook points it needs exist
+same ranges (tests/python/project/test_packaging.py checks they agree), and each integration calls :func:`check_tested`
+when it is imported or registered. Outside the range the integration still runs where the hook points it needs exist
 (each checks those itself and refuses clearly when they do not); the warning says that this version was not tested.
 Nothing here imports a trainer.
 """

@@ -135,11 +135,14 @@ def trainer_budget_mb(probe_model, width: int, *, dynamic: bool, max_tokens: int
 @dataclass(frozen=True)
 class ChunkScores:
     """:func:`score_chunk`'s result: ``scores`` (n, R) float32 and ``reasoning_mask`` (n, R) bool on the CPU (rows
-    with sequence advantage 0 unscored: 0 / False), ``memory_budget_mb`` the chunk budget the pipeline ran with."""
+    with sequence advantage 0 unscored: 0 / False), ``memory_budget_mb`` the chunk budget the pipeline ran with,
+    ``turn_weights`` (n, R) float32 CPU or None: :attr:`oar.batch.TokenScores.turn_weights` (multi-turn rows,
+    docs/method.md section 13), which the driver passes on with the scores."""
 
     scores: torch.Tensor
     reasoning_mask: torch.Tensor
     memory_budget_mb: int
+    turn_weights: torch.Tensor | None = None
 
 
 def score_chunk(config: str | OARConfig, tokenizer, batch: RolloutBatch, model, *,
@@ -171,5 +174,6 @@ def score_chunk(config: str | OARConfig, tokenizer, batch: RolloutBatch, model, 
     pipe.memory_budget_cap_mb = budget_cap_mb
     with eval_mode() if eval_mode is not None else contextlib.nullcontext():  # OAR-G enables grad for itself
         res = pipe.scores(batch, model)
+    tw = None if res.turn_weights is None else res.turn_weights.detach().float().cpu()
     return ChunkScores(res.scores.detach().float().cpu(), res.reasoning_mask.detach().bool().cpu(),
-                       int(pipe.memory_budget_mb))
+                       int(pipe.memory_budget_mb), tw)

@@ -260,7 +260,9 @@ def _compute(self, experiences):
                          group_ids=group_ids_from(B, group_size=n), answers=answers,
                          sequence_advantages=torch.tensor([r["adv"] for r in rows]))
     if remote:
-        batch.scores, batch.reasoning_mask = _actor_group_scores(self, batch, cfg, tokenizer)
+        info: dict = {}
+        batch.scores, batch.reasoning_mask = _actor_group_scores(self, batch, cfg, tokenizer, info)
+        batch.turn_weights = info.get("turn_weights")
     tok = _pipeline(cfg, tokenizer).compute(batch, model).advantages
     back = torch.empty_like(order)
     back[order] = torch.arange(B)
@@ -305,7 +307,8 @@ def _take_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     return RolloutBatch(**{f.name: take(getattr(batch, f.name)) for f in dataclasses.fields(RolloutBatch)})
 
 
-def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer,
+                        info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of ``batch`` computed on OpenRLHF's policy actor group. Only the rows the pipeline scores are sent
     (:func:`oar.pipeline.scored_rows`: a row with advantage 0 gets token advantages 0 whatever its scores, a row
     outside ``credit_rows`` GRPO's uniform credit), in contiguous equal
@@ -316,7 +319,8 @@ def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[tor
     ``--train.colocate_actor_ref`` the actors then empty their CUDA cache (``BaseModelActor.empty_cache``), as
     OpenRLHF does after the actors' own forwards (openrlhf/trainer/ppo_utils/experience_maker.py:100-106, 154-158).
     No call at all when no row has a non-zero advantage. Returns ((B, C) float32 scores, (B, C) bool reasoning
-    mask) on the CPU, zeros on the rows not sent.
+    mask) on the CPU, zeros on the rows not sent; ``info`` (optional dict) receives ``turn_weights``: (B, C) float32
+    when some actor scored a row turn by turn (docs/method.md section 13), else None.
     """
     import ray
 
@@ -338,6 +342,11 @@ def _actor_group_scores(maker, batch: RolloutBatch, cfg, tokenizer) -> tuple[tor
     train = getattr(args, "train", None)
     if getattr(train, "colocate_all", False) or getattr(train, "colocate_actor_ref", False):
         ray.get(maker.actor_model_group.async_run_method(method_name="empty_cache"))
+    if info is not None:
+        tws = [r.get("turn_weights") for r in results]
+        info["turn_weights"] = None if all(t is None for t in tws) else split.place(
+            torch.cat([t if t is not None else torch.ones_like(r["scores"]) for t, r in zip(tws, results)]), B,
+            torch.float32)
     return (split.place(torch.cat([r["scores"] for r in results]), B, torch.float32),
             split.place(torch.cat([r["reasoning_mask"] for r in results]), B, torch.bool))
 
@@ -357,7 +366,8 @@ def actor_scores(self, request: dict) -> dict:
             the chunk's rows (prompt ids, completions, eligible mask, answers, sequence advantages).
 
     Returns:
-        ``{"scores": (b, C) float32, "reasoning_mask": (b, C) bool}`` on the CPU (rows with advantage 0 unscored).
+        ``{"scores": (b, C) float32, "reasoning_mask": (b, C) bool, "turn_weights": (b, C) float32 or None}`` on the
+        CPU (rows with advantage 0 unscored; turn weights of multi-turn rows, docs/method.md section 13).
     """
     actor = self.actor
     inner = getattr(actor, "model", actor)
@@ -376,7 +386,7 @@ def actor_scores(self, request: dict) -> dict:
     cap = _token_budget_cap(getattr(getattr(self, "strategy", None), "args", None), policy, request["batch"])
     res = score_chunk(request["config"], request["tokenizer"], request["batch"], policy, budget_cap_mb=cap,
                       eval_mode=eval_mode, scope=PIPELINE_SCOPE, by_name=True)
-    return {"scores": res.scores, "reasoning_mask": res.reasoning_mask}
+    return {"scores": res.scores, "reasoning_mask": res.reasoning_mask, "turn_weights": res.turn_weights}
 
 
 def _token_budget_cap(args, policy, batch: RolloutBatch) -> int | None:

@@ -55,7 +55,7 @@ from oar.schema import OARConfig, config_arg
 #: trl versions the tests ran (the tested series, which ``oar[trl]`` installs, is
 #: :data:`oar.integrations._versions.TESTED`; another installed version gets a warning at import).
 TESTED_TRL = ("1.13.0",)
-#: TRL's loss types whose loss and gradients are TRL's own under uniform credit (tests/python/test_trl.py,
+#: TRL's loss types whose loss and gradients are TRL's own under uniform credit (tests/python/integrations/test_trl.py,
 #: test_uniform_credit_is_trl_grpo): every loss_type of trl 1.13 but "luspo".
 SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "vespo")
 #: Loss types whose per-token term is the importance ratio times the advantage only: under

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from oar import ops
+from oar.attribution.turns import reshape_turns
 
 __all__ = ["Credit", "UNIFORM", "RESHAPE", "ADD", "TokenScorer", "BonusScorer", "MethodSpec", "Step", "METHOD_TABLE"]
 
@@ -42,6 +42,9 @@ class Step:
             docs/method.md section 11) as {row: [(j0, j1), ...]} reasoning-index ranges, None for token units. A
             scorer that masks spans itself (``masks_spans = True``, OAR-P) reads them; the pipeline applies the
             unit rule (:func:`oar.attribution.spans.span_sums`) to every other scorer's token scores.
+        turns: {row: [(turn columns, weight), ...]} of the rows scored turn by turn (several turns, ``turn_probe:
+            answer``; docs/method.md section 13), set by the scoring pass; None when no row has two turns. The
+            reshaping credit reshapes each such turn on its own with sequence advantage ``A x weight``.
     """
 
     b: object
@@ -57,6 +60,7 @@ class Step:
     stats: dict = field(default_factory=dict)
     gate: object = None
     spans: dict | None = None
+    turns: dict | None = None
 
 
 class TokenScorer:
@@ -141,7 +145,8 @@ class _Uniform(Credit):
 
 class _Reshape(Credit):
     """A x sum-preserving weights from importance scores (method.md sections 5-6,
-    :func:`oar.ops.reshape_advantages`)."""
+    :func:`oar.ops.reshape_advantages`); rows of several turns turn by turn (docs/method.md section 13,
+    :func:`oar.attribution.turns.reshape_turns`)."""
 
     name = "reshape"
 
@@ -151,8 +156,8 @@ class _Reshape(Credit):
     def token_advantages(self, pipe, step):
         sc, reasoning = self.scores(pipe, step)
         r = pipe.config.reshape
-        tok, weights = ops.reshape_advantages(step.adv, sc, reasoning, step.b.eligible, q=r.q, beta=r.beta,
-                                              floor=r.floor, tiers=r.tiers)
+        tok, weights = reshape_turns(step.adv, sc, reasoning, step.b.eligible, step.turns, q=r.q, beta=r.beta,
+                                     floor=r.floor, tiers=r.tiers)
         return tok, weights, sc, reasoning
 
 

@@ -103,7 +103,8 @@ class HeldoutResult:
 
 def heldout_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer: Any, *, max_new_tokens: int = 96,
                      batch_size: int = 32) -> HeldoutResult:
-    """Greedy accuracy of ``model`` on ``problems`` (held-out: never in the training set), one sample each.
+    """Greedy accuracy of ``model`` on ``problems`` (held-out: never in the training set), one sample each (a tool
+    task's, ``task.tool``, as calculator sessions: ``oar.app.tasks.tools.run_sessions``).
 
     The model is put in eval mode for the call and returned to its previous mode; the global RNG is
     untouched (greedy decoding draws nothing). Deterministic for a given model, problems and machine.
@@ -119,8 +120,17 @@ def heldout_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer:
     t0 = time.perf_counter()
     model.eval()
     try:
-        comps = generate_completions(model, tokenizer, [task.prompt(p) for p in problems], num_samples=1,
-                                     temperature=0.0, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        if getattr(task, "tool", False):  # tool sessions (the calculator), greedy
+            from oar.app.tasks.tools import run_sessions
+
+            ids = [tokenizer(tokenizer.apply_chat_template(task.prompt(p), add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)["input_ids"] for p in problems]
+            comps = [[s.text] for s in run_sessions(model, tokenizer, ids, max_calls=task.max_calls,
+                                                     max_new_tokens=max_new_tokens, temperature=0.0,
+                                                     batch_size=batch_size)]
+        else:
+            comps = generate_completions(model, tokenizer, [task.prompt(p) for p in problems], num_samples=1,
+                                         temperature=0.0, max_new_tokens=max_new_tokens, batch_size=batch_size)
     finally:
         if was_training:
             model.train()

@@ -96,7 +96,8 @@ def group_scores(worker_group, rows: dict, config, sequence_advantages: torch.Te
                  info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of ``rows`` computed by ``worker_group.oar_scores`` (see :class:`WorkerGroupScorer`). ``info``
     (optional dict) receives ``memory_budget_mb``: the budget the workers ran with (the config's, capped by the
-    trainer's own, :func:`oar.integrations.verl.workers.trainer_memory_budget_mb`), None when nothing was sent.
+    trainer's own, :func:`oar.integrations.verl.workers.trainer_memory_budget_mb`), None when nothing was sent, and
+    ``turn_weights``: (B, R) float32 CPU turn weights of the rows sent (docs/method.md section 13), else None.
 
     Returns:
         ``(scores (B, R) float32, reasoning_mask (B, R) bool)`` on the CPU; rows with advantage 0 are 0 / False.
@@ -122,6 +123,9 @@ def group_scores(worker_group, rows: dict, config, sequence_advantages: torch.Te
     got, mask = out["oar_scores"], out["oar_reasoning_mask"]
     if tuple(got.shape) != (td.batch_size[0], R) or tuple(mask.shape) != tuple(got.shape):
         raise RuntimeError(f"oar_scores replied {tuple(got.shape)} scores for a ({td.batch_size[0]}, {R}) request")
+    if info is not None:
+        tw = out["oar_turn_weights"] if "oar_turn_weights" in out.keys() else None
+        info["turn_weights"] = None if tw is None else split.place(tw, B, torch.float32)
     return split.place(got, B, torch.float32), split.place(mask, B, torch.bool)
 
 
@@ -140,7 +144,8 @@ class WorkerGroupScorer:
     of the data-parallel size), calls the workers' ``oar_scores`` through verl's dispatch, and returns
     ``(scores (B, R) float32, reasoning_mask (B, R) bool)`` on the CPU in ``data``'s row order (0 / False on the
     rows not sent). ``last_info["memory_budget_mb"]``: the activation budget the workers used (the config's,
-    capped by verl's own old-log-prob token budget).
+    capped by verl's own old-log-prob token budget); ``last_info["turn_weights"]``: (B, R) turn weights of the rows
+    sent (docs/method.md section 13), which the estimator passes on with the scores.
 
     Raises:
         AttributeError: the worker group has no ``oar_scores`` method (verl's plain worker class).
@@ -155,5 +160,5 @@ class WorkerGroupScorer:
     def __call__(self, data, config, seq_adv: torch.Tensor):
         rows = rollout_rows(data, config, self.answer_key)
         self.calls += 1
-        self.last_info = {"memory_budget_mb": None}
+        self.last_info = {"memory_budget_mb": None, "turn_weights": None}
         return group_scores(self.worker_group, rows, config, seq_adv, info=self.last_info)

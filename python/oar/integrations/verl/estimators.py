@@ -164,6 +164,8 @@ class HFScorer:
         self.tokenizer = tokenizer
         self.model = model
         self.answer_key = answer_key
+        #: ``{"turn_weights": (B, R) or None}`` of the last call (docs/method.md section 13), read by the estimator
+        self.last_info: dict = {}
 
     def __call__(self, data, config, seq_adv: torch.Tensor):
         rows = rollout_rows(data, config, self.answer_key)
@@ -173,6 +175,7 @@ class HFScorer:
                              eligible_mask=rows["eligible_mask"], answers=rows["answers"],
                              sequence_advantages=seq_adv.float().cpu(), entropy=entropy)
         res = pipeline_cache.pipeline_for(config, self.tokenizer, scope=self).scores(batch, self.model)
+        self.last_info = {"turn_weights": res.turn_weights}
         return res.scores, res.reasoning_mask
 
 
@@ -315,6 +318,7 @@ def _estimator(name: str, method: str | None):
                              "the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
         if pipe.method.credit.name == "reshape":
             scores, reasoning = get("oar_scores"), get("oar_reasoning_mask")
+            batch.turn_weights = get("oar_turn_weights")
             if scores is None or reasoning is None:
                 scorer = _SETTINGS[0].scorer if _SETTINGS[0].scorer is not None else context.call_scorer()
                 if scorer is None or src is None:
@@ -325,6 +329,7 @@ def _estimator(name: str, method: str | None):
                         "scores, reasoning_mask) before compute_advantage, or configure(scorer=HFScorer(tokenizer, "
                         "model)) in the driver process")
                 scores, reasoning = scorer(src, cfg, seq)
+                batch.turn_weights = getattr(scorer, "last_info", {}).get("turn_weights")
             batch.scores, batch.reasoning_mask = scores, reasoning
         tok = pipe.compute(batch).advantages.to(token_level_rewards.device)
         return tok, tok

@@ -21,13 +21,17 @@ def response_masks(b, R: int, response_mask: torch.Tensor) -> tuple[torch.Tensor
     return completion, eligible
 
 
-def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> None:
-    """Attaches per-token importance scores to a verl ``DataProto`` (``batch["oar_scores"]``, ``["oar_reasoning_mask"]``).
+def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor,
+                  turn_weights: torch.Tensor | None = None) -> None:
+    """Attaches per-token importance scores to a verl ``DataProto`` (``batch["oar_scores"]``, ``["oar_reasoning_mask"]``,
+    and ``["oar_turn_weights"]`` when given).
 
     Args:
         data: ``verl.DataProto`` with ``batch["responses"]`` (B, R).
         scores: (B, R) real, >= 0 on the reasoning mask (raw importance; normalized by the reshaping).
         reasoning_mask: (B, R) bool, the scored reasoning tokens.
+        turn_weights: optional (B, R) real, >= 0: the turn weights of multi-turn rows that came with the scores
+            (``oar.TokenScores.turn_weights``, docs/method.md section 13); checked by the estimator's pipeline.
 
     Raises:
         ValueError: shapes that are not the responses' (B, R), tensors on the meta device, complex or bool
@@ -42,6 +46,11 @@ def attach_scores(data, scores: torch.Tensor, reasoning_mask: torch.Tensor) -> N
     s, rm = check_scores(scores, reasoning_mask, "(B, R)", tuple(batch["responses"].shape))
     data.batch["oar_scores"] = s.to(scores.device)
     data.batch["oar_reasoning_mask"] = rm.to(scores.device)
+    if turn_weights is not None:
+        from oar import _args
+
+        tw = _args.real_arg("turn_weights", turn_weights, "(B, R)", tuple(batch["responses"].shape))
+        data.batch["oar_turn_weights"] = tw.detach().float().to(scores.device)
 
 
 #: What a verl user changes when a reference answer is not a final answer (named by the refusals).

@@ -102,7 +102,8 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
             (n, R)).
 
     Returns:
-        ``TensorDict`` of n rows: ``oar_scores`` (n, R) float32 and ``oar_reasoning_mask`` (n, R) bool, on the CPU.
+        ``TensorDict`` of n rows: ``oar_scores`` (n, R) float32, ``oar_reasoning_mask`` (n, R) bool and
+        ``oar_turn_weights`` (n, R) float32 (1 on rows of one turn; docs/method.md section 13), on the CPU.
 
     Raises:
         RuntimeError: a worker without an actor (role ``ref`` / ``rollout``).
@@ -131,7 +132,8 @@ def worker_scores(worker, data: TensorDict) -> TensorDict:
     res = score_chunk(tu.get(data, "oar_config"), actor.model_config.tokenizer, batch, engine.module,
                       budget_cap_mb=trainer_memory_budget_mb(engine, as_probe_model(engine.module), width),
                       eval_mode=engine.eval_mode)
-    out = TensorDict({"oar_scores": res.scores, "oar_reasoning_mask": res.reasoning_mask},
+    tw = res.turn_weights if res.turn_weights is not None else torch.ones_like(res.scores)
+    out = TensorDict({"oar_scores": res.scores, "oar_reasoning_mask": res.reasoning_mask, "oar_turn_weights": tw},
                      batch_size=[batch.batch_size])
     tu.assign_non_tensor(out, oar_memory_budget_mb=res.memory_budget_mb)
     return out

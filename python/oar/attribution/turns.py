@@ -1,0 +1,148 @@
+"""Multi-turn sessions (docs/method.md section 13, our extension): the turns of a row from its eligible mask, the
+answer probe's log-likelihood at the turn boundaries, and the turn weights that split a session's advantage.
+
+A session is one rollout row whose completion holds the model's turns and, between them, observations (tool
+results, environment messages) that the trainer's own mask leaves out of the loss: TRL's ``completion_mask &
+tool_mask``, verl's ``response_mask``, OpenRLHF's ``action_mask``, all of which the adapters pass as the batch's
+``eligible_mask``. A turn is a maximal run of eligible tokens; everything here reads the stored ids and masks only.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from oar import ops
+from oar.attribution.base import clean_probe_logits
+from oar.attribution.context import ProbeContextBuilder
+
+__all__ = ["turn_segments", "turn_runs", "answer_log_likelihoods", "turn_weights", "reshape_turns"]
+
+
+def turn_runs(eligible: torch.Tensor) -> list[tuple[int, int]]:
+    """The maximal runs ``[a, b)`` of True in ``eligible`` (1-D bool, one row's completion tokens in order): the
+    model's turns of a session, in order. Empty when no token is eligible."""
+    e = eligible.detach().bool().cpu().reshape(-1).tolist()
+    runs, start = [], None
+    for j, on in enumerate(e):
+        if on and start is None:
+            start = j
+        elif not on and start is not None:
+            runs.append((start, j))
+            start = None
+    if start is not None:
+        runs.append((start, len(e)))
+    return runs
+
+
+def turn_segments(eligible: torch.Tensor) -> list[tuple[int, int]]:
+    """The completion ranges ``[s, e)`` scored as one probe row each (docs/method.md section 13).
+
+    Args:
+        eligible: (n,) bool or 0/1, one row's completion tokens in order, True on the model's tokens.
+
+    Returns:
+        One range per turn, in order. The first starts at 0 (tokens before the first turn belong to it, unscored);
+        turn k < K ends where its observation starts; the last runs to n (a trailing observation or EOS stays in it).
+        A row with at most one turn is one range ``[(0, n)]``: the row itself, scored as without turns.
+    """
+    n = int(eligible.numel())
+    runs = turn_runs(eligible)
+    if len(runs) <= 1:
+        return [(0, n)]
+    starts = [0] + [a for a, _ in runs[1:]]
+    ends = [b for _, b in runs[:-1]] + [n]
+    return list(zip(starts, ends))
+
+
+def answer_log_likelihoods(model, builder: ProbeContextBuilder, prompts: Sequence, prefixes: Sequence,
+                           answers: Sequence[str], memory_budget_mb: int | None = None) -> tuple[torch.Tensor, int]:
+    """Mean log-probability (nats per answer token) of each reference answer after ``prompt + prefix + conclude``.
+
+    Args:
+        model: the policy as an ``oar.attribution.ProbeModel``.
+        builder: the pipeline's :class:`ProbeContextBuilder` (conclude string, answer suffix, PAD).
+        prompts, prefixes: n token id sequences each; the probe reads ``prompt + prefix`` (the whole prefix, no
+            marker cut: observations are context).
+        answers: n reference answers (str).
+        memory_budget_mb: activation budget of one forward chunk (None: one forward).
+
+    Returns:
+        ``(ll (n,) float64 CPU, forwards run)``: ll[i] = mean over the answer's tokens of log p(token | context),
+        from the model's probe logits in float32.
+    """
+    n = len(prompts)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64), 0
+    pb = builder.build(list(prompts), list(prefixes), list(answers), [len(p) for p in prefixes])
+    logits, forwards = clean_probe_logits(model, pb, memory_budget_mb=memory_budget_mb, return_forwards=True)
+    logits = logits.float().cpu()
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = torch.gather(logp, -1, pb.answer_ids[:, :, None]).squeeze(-1)
+    on = torch.arange(pb.answer_ids.shape[1])[None, :] < pb.answer_len[:, None]
+    ll = (tok.double() * on).sum(-1) / pb.answer_len.double()
+    if not bool(torch.isfinite(ll).all()):
+        i = int(torch.nonzero(~torch.isfinite(ll))[0])
+        raise ValueError(f"the answer probe's log-likelihood is not finite at probe context {i} (got {float(ll[i])}): "
+                         "the policy's probe logits hold -inf or NaN")
+    return ll, int(forwards)
+
+
+def turn_weights(gains: torch.Tensor, counts: torch.Tensor, floor: float) -> torch.Tensor:
+    """Turn weights w (K,) float64 that split a session's advantage without changing its mass: ``sum_k counts[k] *
+    w[k] == counts.sum()`` and ``w >= floor`` (docs/method.md section 13).
+
+    Args:
+        gains: (K,) real, turn k's change of the answer's log-likelihood (nats); only ``|gains|`` is read.
+        counts: (K,) >= 0, eligible tokens of each turn (the tokens that carry the advantage).
+        floor: in [0, 1): the share of the mass spread uniformly (the config's ``floor``).
+
+    Returns:
+        ``w = floor + (1 - floor) * |g| / s``, ``s = sum_k counts[k] |g[k]| / sum_k counts[k]``; all ones when
+        ``s == 0`` (no turn moved the probe) or no token is eligible.
+    """
+    g = gains.detach().double().abs().reshape(-1)
+    c = counts.detach().double().reshape(-1)
+    total = float(c.sum())
+    mean = float((c * g).sum()) / total if total > 0 else 0.0
+    if not mean > 0:
+        return torch.ones_like(g)
+    return floor + (1.0 - floor) * g / mean
+
+
+def reshape_turns(advantages: torch.Tensor, scores: torch.Tensor, reasoning: torch.Tensor, eligible: torch.Tensor,
+                  turns: dict, **reshape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token advantages of a batch whose multi-turn rows are reshaped turn by turn (docs/method.md section 13).
+
+    Args:
+        advantages: (B,) float32 sequence advantages. scores, reasoning, eligible: (B, C) as
+            :func:`oar.ops.reshape_advantages` takes them.
+        turns: {row: [(columns (1-D int64), weight), ...]}: each turn's completion columns and weight w_k >= 0 of
+            the rows reshaped by turn; every other row is reshaped as a whole.
+        reshape: ``q``, ``beta``, ``floor``, ``tiers`` of :func:`oar.ops.reshape_advantages`.
+
+    Returns:
+        ``(advantages (B, C) float32, weights (B, C) float32)``: turn k of row i is reshaped on its own with
+        sequence advantage ``A_i w_k`` (its mass ``A_i w_k n_k``, n_k its eligible tokens), so row i's mass is
+        ``A_i sum_k w_k n_k``; ``weights`` are relative to ``A_i`` (``advantages = A_i x weights``).
+    """
+    if not turns:
+        return ops.reshape_advantages(advantages, scores, reasoning, eligible, **reshape)
+    B, C = eligible.shape
+    src, adv, keep, w = [], [], [], []
+    for i in range(B):
+        for c, wk in turns.get(i, [(None, 1.0)]):
+            m = torch.ones(C, dtype=torch.bool)
+            if c is not None:
+                m = torch.zeros(C, dtype=torch.bool)
+                m[c] = True
+            src.append(i), adv.append(float(advantages[i]) * float(wk)), keep.append(m), w.append(float(wk))
+    idx = torch.tensor(src, dtype=torch.long)
+    keep_v = torch.stack(keep)
+    tok_v, weights_v = ops.reshape_advantages(torch.tensor(adv, dtype=torch.float32), scores[idx] * keep_v,
+                                              reasoning[idx] & keep_v, eligible[idx] & keep_v, **reshape)
+    tok = torch.zeros((B, C), dtype=tok_v.dtype).index_add_(0, idx, tok_v)
+    weights = torch.zeros((B, C), dtype=weights_v.dtype).index_add_(
+        0, idx, weights_v * torch.tensor(w, dtype=weights_v.dtype)[:, None])
+    return tok, weights
