@@ -100,15 +100,19 @@ def turn_weights(gains: torch.Tensor, counts: torch.Tensor, floor: float) -> tor
 
     Returns:
         ``w = floor + (1 - floor) * |g| / s``, ``s = sum_k counts[k] |g[k]| / sum_k counts[k]``; all ones when
-        ``s == 0`` (no turn moved the probe) or no token is eligible.
+        ``s <= 1e-12`` nats (no turn moved the probe beyond float rounding) or no token is eligible.
     """
     g = gains.detach().double().abs().reshape(-1)
     c = counts.detach().double().reshape(-1)
     total = float(c.sum())
     mean = float((c * g).sum()) / total if total > 0 else 0.0
-    if not mean > 0:
+    if not mean > _NEGLIGIBLE_GAIN:
         return torch.ones_like(g)
     return floor + (1.0 - floor) * g / mean
+
+
+#: a mean |gain| (nats) below this is float rounding, not a turn moving the probe (also keeps denormals out)
+_NEGLIGIBLE_GAIN = 1e-12
 
 
 def reshape_turns(advantages: torch.Tensor, scores: torch.Tensor, reasoning: torch.Tensor, eligible: torch.Tensor,

@@ -177,7 +177,8 @@ def test_schema_name_tuples_are_config_choices():
     from oar import schema
 
     names = {"method": "METHODS", "probe": "PROBES", "estimator": "ESTIMATORS", "screen": "SCREENS",
-             "screen_tail": "SCREEN_TAILS", "mask_unit": "MASK_UNITS", "tiers": "TIERS", "credit_rows": "CREDIT_ROWS"}
+             "screen_tail": "SCREEN_TAILS", "mask_unit": "MASK_UNITS", "tiers": "TIERS", "credit_rows": "CREDIT_ROWS",
+             "turn_probe": "TURN_PROBES", "turn_credit": "TURN_CREDITS"}
     for key, attr in names.items():
         assert getattr(schema, attr) == schema.CONFIG_CHOICES[key], attr
     assert set(schema.CONFIG_CHOICES) == set(names) | {"preset", "std", "singleton"}

@@ -17,7 +17,7 @@ NON_DEFAULT = {
     "max_variants_per_chunk": 16, "seed": 7, "entropy_alpha": 0.3, "entropy_kappa": 3.0, "ktae_alpha": 0.5,
     "ktae_beta": 2.0, "ktae_tf": False, "ktae_scale": 2.0, "ktae_threshold": 0.5, "screen_fraction": 0.2,
     "screen_sample": 0.1, "screen_budget": 1.5, "screen": "oar_g", "screen_window": 3, "screen_tail": "probe",
-    "mask_unit": "line", "credit_rows": "positive",
+    "mask_unit": "line", "credit_rows": "positive", "turn_probe": "session", "turn_credit": "probe",
 }
 
 

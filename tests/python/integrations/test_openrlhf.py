@@ -30,6 +30,16 @@ sys.path.insert(0, str(WORKERS))  # LOSS_VARIANTS is imported from the worker
 N = 4
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The workers run at OMP_NUM_THREADS=1; the references computed here do too, so that the bit-exact comparisons
+    compare the same arithmetic (a float32 matmul's reduction order depends on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     out = tmp_path_factory.mktemp("orl") / "res.pt"

@@ -268,14 +268,14 @@ def test_tool_outputs_stay_in_the_context_but_are_never_scored(tiny, monkeypatch
     from oar.pipeline import Pipeline
 
     contexts = []
-    orig = Pipeline._probe_batch
+    orig = Pipeline._turn_batch  # tool outputs between model tokens: each turn is a probe row (method.md section 13)
 
     def spy(self, *a, **k):
         out = orig(self, *a, **k)
-        contexts.append(out[0])
+        contexts.append(out)
         return out
 
-    monkeypatch.setattr(Pipeline, "_probe_batch", spy)
+    monkeypatch.setattr(Pipeline, "_turn_batch", spy)
     oar_verl.configure(None, oar_verl.HFScorer(tok, model))
     try:
         adv = _run(data, "oar_g")
@@ -286,11 +286,15 @@ def test_tool_outputs_stay_in_the_context_but_are_never_scored(tiny, monkeypatch
     assert (adv[~eligible] == 0).all()
     assert not reasoning[~eligible].any() and (scores[~eligible] == 0).all()
     assert torch.equal(reasoning, eligible)  # no marker: every eligible response token is reasoning
-    # the probe contexts hold the whole response, tool outputs included (the policy saw them)
-    pb = contexts[0]
+    # the probe context of each session's last turn holds the whole response before its probe, tool outputs
+    # included (the policy saw them); turn 1 is column 0 alone
+    pb, cols, src = contexts[0]
     for i in range(len(data)):
-        s0, L = int(pb.reasoning_start[i]), int(pb.reasoning_len[i])
-        assert pb.input_ids[i, s0: s0 + L].tolist() == b["responses"][i][b["attention_mask"][i, -10:].bool()].tolist()
+        resp = b["responses"][i][b["attention_mask"][i, -10:].bool()].tolist()
+        first, last = src.index(i), len(src) - 1 - src[::-1].index(i)
+        assert last - first == 1 and cols[first].tolist() == [0]
+        s0, L, k0 = int(pb.reasoning_start[last]), int(pb.reasoning_len[last]), int(cols[last][0])
+        assert k0 == 3 and pb.input_ids[last, s0 - k0: s0 + L].tolist() == resp
     seq = _run(data, "oar_grpo")[:, 0]
     assert_within(adv.sum(1), seq * eligible.sum(1), mass_bound(seq, eligible.sum(1)), "mass")
 

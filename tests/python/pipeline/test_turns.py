@@ -89,7 +89,7 @@ def test_turn_weights_keep_the_session_mass(turns, floor):
     c = torch.tensor([n for _, n in turns], dtype=torch.float64)
     w = turn_weights(g, c, floor)
     assert float((c * w).sum()) == pytest.approx(float(c.sum()), rel=1e-12, abs=1e-12)
-    if float((c * g.abs()).sum()) == 0:
+    if float((c * g.abs()).sum()) <= 1e-12 * max(float(c.sum()), 1.0):  # nothing moved beyond rounding
         assert torch.equal(w, torch.ones_like(w))
     else:
         assert bool((w >= floor - 1e-15).all())
