@@ -371,7 +371,11 @@ class Pipeline:
             counts[i] = torch.tensor([int(b.eligible[i, c[s:e]].sum()) for s, e in segs])
         if self.config.turn_credit != "probe":
             return {i: [(cc, 1.0) for cc in out[i]] for i in out}
-        answers = self.method.require("answers", b.answers, "for turn_credit 'probe'")
+        answers = b.answers
+        if answers is None:
+            raise ValueError(f"turn_credit 'probe' probes the reference answer across each turn, but the batch has no "
+                             f"answers (method {self.method.name!r}): pass RolloutBatch.answers, or set turn_credit to "
+                             "'uniform'")
         pr, pre, ans, owner = [], [], [], []
         for i, segs in multi.items():
             ids = b.cids[i][b.cmask[i]]

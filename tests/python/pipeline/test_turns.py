@@ -242,3 +242,16 @@ def test_probe_credit_with_scores_from_elsewhere_needs_turn_weights(tiny):
     with pytest.raises(ValueError, match=r"turn_weights must be finite and >= 0 on eligible_mask, got "
                                          r"turn_weights\[0, 0\] = -1.0"):
         Pipeline(cfg, tok).compute(batch)
+
+
+def test_probe_credit_without_answers_is_refused(tiny):
+    model, tok = tiny
+    p, c, e, _ = _session(tok, *THREE_TURNS)
+    batch = _batch([(p, c, e)], [1.0], ["41"])
+    batch.answers = None
+    with pytest.raises(ValueError, match="turn_credit 'probe' probes the reference answer across each turn, but the "
+                                         "batch has no answers \\(method 'random'\\)"):
+        Pipeline(oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="probe"), tok).compute(batch, model)
+    # uniform turn credit needs no answer for a method that reads none
+    out = Pipeline(oar.OARConfig(method="random", conclude=CONCLUDE), tok).compute(batch, model)
+    assert float(out.advantages.double().sum()) == pytest.approx(float(e.sum()), rel=1e-5)
