@@ -236,13 +236,14 @@ def write_report(summary: dict, out_dir: str) -> None:
              "", f"| setting | cos(u, g_ref) [95% CI] | est. cos(u, g) | Δcos vs {base} [95% CI] | sign-flip p | "
              "SNR [95% CI] | cross-batch cos | ESS ratio | cost / step | break-even Δcos | Δreward (1 step) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
+    for k, r in enumerate(summary["rows"]):
         ci = r.get("cos_ci")
         d = r.get("dcos")
+        no_d = "(baseline)" if k == 0 else "-"  # a later setting without a Δcos: no batch with signal
         lines.append(
             f"| {r['method']} | {_fmt(r['cos'])}" + (f" [{ci['lo']:+.4f}, {ci['hi']:+.4f}]" if ci else "") +
             f" | {_fmt(r.get('cos_true_est'))} | " +
-            (f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else "(baseline)") +
+            (f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else no_d) +
             f" | {_fmt(r.get('dcos_p_signflip'), '.3f')} | {_fmt(r.get('snr'), '.3f')}"
             + (f" [{r['snr_ci']['lo']:+.3f}, {r['snr_ci']['hi']:+.3f}]" if r.get("snr_ci") else "") +
             f" | {_fmt(r.get('cross_batch_cos'), '+.4f')} | "

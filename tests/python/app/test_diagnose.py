@@ -565,3 +565,20 @@ def test_settings_errors(field, value, msg):
 
     with pytest.raises(ValueError, match=msg):
         DiagnoseSettings(**{field: value}).check()
+
+
+def test_report_marks_a_missing_dcos_as_missing_not_as_the_baseline(tmp_path):
+    """A setting without a paired difference (no batch with signal) shows '-' in the Δcos column; only the first
+    setting is the baseline."""
+    import json
+
+    from _paths import DOCS
+    from oar.app.diagnose_report import write_report
+
+    summary = json.loads((DOCS / "diagnose" / "v2-seed0" / "diagnose.json").read_text())
+    summary["rows"][1].pop("dcos")
+    write_report(summary, str(tmp_path))
+    rows = [ln.split(" | ") for ln in (tmp_path / "diagnose.md").read_text().splitlines() if ln.startswith("| ")]
+    head = rows[0]
+    col = next(k for k, c in enumerate(head) if c.startswith("Δcos"))
+    assert rows[1][col] == "(baseline)" and rows[2][col] == "-" and rows[3][col].startswith("+0.0021 [")
