@@ -9,7 +9,7 @@ trainer adapters pass TRL's ``tool_mask``, verl's ``response_mask`` and OpenRLHF
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 import oar
 from oar.attribution import ProbeContextBuilder
@@ -84,6 +84,7 @@ def test_segments_cut_at_observations_and_cover_each_turn(mask):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(-5, 5), st.integers(0, 50)), min_size=1, max_size=6),
        st.sampled_from([0.0, 0.1, 0.5]))
+@example([(5e-324, 1)], 0.1)  # a denormal gain: once weights 0.1 (mass 0.1 of 1) where denormals flush to zero
 def test_turn_weights_keep_the_session_mass(turns, floor):
     g = torch.tensor([x for x, _ in turns], dtype=torch.float64)
     c = torch.tensor([n for _, n in turns], dtype=torch.float64)
