@@ -273,12 +273,13 @@ class Pipeline:
         b = step.b
         if b.scores is not None:
             reasoning = b.reasoning & b.eligible
-            step.turns = self._given_turns(b, step.active)
+            step.turns = self._given_turns(b, step.active, self._segments(b, step.active))
             return torch.where(reasoning, b.scores, torch.zeros(())), reasoning
         pre = self.scorer.precomputed(step)
         if pre is not None:  # e.g. the trainer's own entropies: no forward
-            reasoning = self._reasoning_mask(b, step.active)
-            step.turns = self._given_turns(b, step.active)
+            segments = self._segments(b, step.active)
+            reasoning = self._reasoning_mask(b, step.active, segments)
+            step.turns = self._given_turns(b, step.active, segments)
             return torch.where(reasoning, pre, torch.zeros(())), reasoning
         builder = self._need_builder("the reasoning span and probe contexts")
         self.method.require("answers", b.answers)
@@ -400,10 +401,10 @@ class Pipeline:
             at += K + 1
         return res
 
-    def _given_turns(self, b: Batch, active: list[int]) -> dict | None:
+    def _given_turns(self, b: Batch, active: list[int], segments: dict | None) -> dict | None:
         """``step.turns`` of a batch that brings its scores (the trainer's workers, entropies): the turns from the
-        masks, their weights from the batch's ``turn_weights`` (1 without it); None when no row has two turns."""
-        segments = self._segments(b, active)
+        masks (``segments``, :meth:`_segments`), their weights from the batch's ``turn_weights`` (1 without it); None
+        when no row has two turns."""
         if segments is None:
             return None
         if b.turn_weights is None and self.config.turn_credit == "probe":
@@ -449,10 +450,10 @@ class Pipeline:
                 out[k] = units
         return out
 
-    def _reasoning_mask(self, b: Batch, active: list[int]) -> torch.Tensor:
-        """(B, C) bool: the reasoning span of each active row (of each of its turns, docs/method.md section 13)."""
+    def _reasoning_mask(self, b: Batch, active: list[int], segments: dict | None) -> torch.Tensor:
+        """(B, C) bool: the reasoning span of each active row (of each of its turns, ``segments`` of
+        :meth:`_segments`; docs/method.md section 13)."""
         reasoning = torch.zeros((b.B, b.C), dtype=torch.bool)
-        segments = self._segments(b, active)
         if segments is None:
             lens = self.reasoning_lengths(b.cids, b.cmask, active)
             for i in active:

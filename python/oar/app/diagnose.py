@@ -37,6 +37,7 @@ require("train", "oar.app.diagnose")
 from oar.app import diagnose_core as core  # noqa: E402
 from oar.app.diagnose_report import _load_batches, summarize, write_report  # noqa: E402
 from oar.app.runtime import release_memory, write_json_atomic  # noqa: E402
+from oar.app.tasks.base import chat_prompt_ids  # noqa: E402
 
 DEFAULT_METHODS = ["grpo", "oar_g", "oar_p", "random", "entropy", "entropy_top:quantile=0.2",
                    "oar_g:credit_rows=positive", "oar_g:q=0.5", "oar_g:beta=2"]
@@ -128,11 +129,7 @@ class TaskSource:
         self.train, self.heldout = list(train_problems), list(heldout_problems)
 
     def prompt_ids(self, problems) -> list:
-        out = []
-        for p in problems:
-            text = self.tok.apply_chat_template(self.task.prompt(p), tokenize=False, add_generation_prompt=True)
-            out.append(self.tok(text, add_special_tokens=False)["input_ids"])
-        return out
+        return [chat_prompt_ids(self.tok, self.task.prompt(p)) for p in problems]
 
     def rollouts(self, model, problems, *, group: int, temperature: float, max_new_tokens: int, seed: int):
         """:func:`oar.app.diagnose_core.sample_rollouts` on ``problems`` with the task's verifier as reward (a tool

@@ -67,12 +67,12 @@ def make_rollout_func(task):
     observations between turns (docs/method.md section 13); ``logprobs`` None (TRL recomputes them)."""
     from trl.models.utils import unwrap_model_for_generation
 
+    from oar.app.tasks.base import chat_prompt_ids
     from oar.app.tasks.tools import run_sessions
 
     def rollout(prompts, trainer) -> dict:
         tok = trainer.processing_class
-        prompt_ids = [tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)["input_ids"] for p in prompts]
+        prompt_ids = [chat_prompt_ids(tok, p) for p in prompts]
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
             sessions = run_sessions(model, tok, prompt_ids, max_calls=task.max_calls,
                                     max_new_tokens=int(trainer.max_completion_length),

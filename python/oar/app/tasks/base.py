@@ -28,6 +28,7 @@ __all__ = [
     "take",
     "read_jsonl",
     "resolve_data_path",
+    "chat_prompt_ids",
 ]
 
 #: System message of every built-in task.
@@ -59,6 +60,13 @@ class Problem:
     solution: str | None = None
     source: str = ""
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat ``messages`` (:meth:`Task.prompt`) as the policy sees them: the tokenizer's chat template
+    with the generation prompt, tokenized without adding special tokens again."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def check_split(split: str, allowed: tuple[str, ...]) -> str:

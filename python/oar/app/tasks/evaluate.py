@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from oar.app.tasks.base import Problem, Task
+from oar.app.tasks.base import Problem, Task, chat_prompt_ids
 
 __all__ = ["generate_completions", "heldout_accuracy", "HeldoutResult"]
 
@@ -123,8 +123,7 @@ def heldout_accuracy(task: Task, problems: list[Problem], model: Any, tokenizer:
         if getattr(task, "tool", False):  # tool sessions (the calculator), greedy
             from oar.app.tasks.tools import run_sessions
 
-            ids = [tokenizer(tokenizer.apply_chat_template(task.prompt(p), add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)["input_ids"] for p in problems]
+            ids = [chat_prompt_ids(tokenizer, task.prompt(p)) for p in problems]
             comps = [[s.text] for s in run_sessions(model, tokenizer, ids, max_calls=task.max_calls,
                                                      max_new_tokens=max_new_tokens, temperature=0.0,
                                                      batch_size=batch_size)]

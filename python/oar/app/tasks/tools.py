@@ -95,13 +95,11 @@ class Session:
 
 
 def _closed_call(text: str, before: str) -> str | None:
-    """The expression of the call that the last token closed: ``text`` (the new tokens decoded) holds a complete
-    ``<calc>...</calc>`` whose close is not yet in ``before`` (the same without the last token), else None. The
-    model's last token may run past the close (a token such as ``"><"``); it is kept as sampled."""
-    calls = list(_CALL_RE.finditer(text))
-    if not calls or calls[-1].end() <= len(before.rstrip()) and CALL_CLOSE in before[calls[-1].start():]:
-        return None
-    return calls[-1].group(1)
+    """The expression of the call that the last token closed: ``text`` (the new tokens decoded) holds one more
+    complete ``<calc>...</calc>`` than ``before`` (the same without the last token), else None. The model's last
+    token may run past the close (a token such as ``"><"``); it is kept as sampled."""
+    calls = _CALL_RE.findall(text)
+    return calls[-1] if len(calls) > len(_CALL_RE.findall(before)) else None
 
 
 def run_sessions(model: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], *, max_calls: int = 4,
