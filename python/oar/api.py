@@ -22,7 +22,7 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
                      offsets=None, group_ids=None, group_size: int | None = None, model=None, tokenizer=None,
                      prompt_ids: Sequence | None = None, answers: Sequence[str] | None = None, config=None,
                      eligible_mask: torch.Tensor | None = None, preset: str | None = None,
-                     span_starts: torch.Tensor | None = None) -> TokenAdvantages:
+                     span_starts: torch.Tensor | None = None, turn_rewards: Sequence | None = None) -> TokenAdvantages:
     """Group advantages + the configured method in one call (method.md sections 1-6 and 8).
 
     Args:
@@ -43,6 +43,8 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
         preset: trainer convention of the group statistics ("trl", "verl", "openrlhf"); default: the config's.
         span_starts: optional (B, C) bool, True on the tokens that begin a masking unit (your own spans, e.g.
             reasoning steps; docs/method.md section 11), used instead of the config's ``mask_unit``.
+        turn_rewards: optional B sequences of per-turn rewards of multi-turn sessions (one per turn, or one per turn
+            before an observation), read by ``turn_credit: rewards`` (docs/method.md section 13).
 
     Returns:
         :class:`oar.batch.TokenAdvantages` with ``advantages`` (B, C) float32 (0 off ``eligible_mask``),
@@ -61,5 +63,6 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
     if groups is None:
         raise ValueError("pass exactly one of offsets, group_ids, group_size; got none")
     batch = RolloutBatch(completion_ids, completion_mask, prompt_ids=prompt_ids, eligible_mask=eligible_mask,
-                         rewards=rewards, group_ids=groups, answers=answers, span_starts=span_starts)
+                         rewards=rewards, group_ids=groups, answers=answers, span_starts=span_starts,
+                         turn_rewards=turn_rewards)
     return pipe.compute(batch, model, preset=preset)

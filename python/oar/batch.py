@@ -53,6 +53,9 @@ class RolloutBatch:
             scorer's precomputed scores (docs/method.md section 13). A session's turns are the runs of
             ``eligible_mask`` inside ``completion_mask``: the observations between them (tool results) are not
             eligible.
+        turn_rewards: optional B entries, each None or a sequence of finite per-turn rewards of that row's session
+            (one per turn, or one per turn that ends in an observation: verl's ``non_tensor_batch["tool_rewards"]``
+            when each turn makes one call); read by ``turn_credit: rewards`` only (docs/method.md section 13).
     """
 
     completion_ids: torch.Tensor
@@ -68,6 +71,7 @@ class RolloutBatch:
     reasoning_mask: torch.Tensor | None = None
     span_starts: torch.Tensor | None = None
     turn_weights: torch.Tensor | None = None
+    turn_rewards: Sequence | None = None
 
     @property
     def batch_size(self) -> int:
@@ -158,7 +162,7 @@ class Batch:
     """A validated :class:`RolloutBatch` on the CPU (:func:`validate`): ``cids`` (B, C) int64, ``cmask`` /
     ``eligible`` (B, C) bool, ``rewards`` (B,) or None, ``group_ids`` B ids or None, ``entropy`` / ``scores`` (B, C)
     float32 or None, ``reasoning`` (B, C) bool or None, ``span_starts`` (B, C) bool or None, ``turn_weights`` (B, C)
-    float32 or None; ``out_device``: where the outputs go."""
+    float32 or None, ``turn_rewards`` B lists of floats (empty for None) or None; ``out_device``: where the outputs go."""
 
     B: int
     C: int
@@ -175,6 +179,7 @@ class Batch:
     out_device: torch.device
     span_starts: torch.Tensor | None = None
     turn_weights: torch.Tensor | None = None
+    turn_rewards: list | None = None
 
 
 def check_scores(scores, reasoning_mask, dims: str, shape: tuple, eligible: torch.Tensor | None = None):
@@ -232,11 +237,37 @@ def validate(batch: RolloutBatch) -> Batch:
             r, c = torch.nonzero(bad)[0].tolist()
             raise ValueError(f"turn_weights must be finite and >= 0 on eligible_mask, got turn_weights[{r}, {c}] = "
                              f"{float(turn_weights[r, c])}")
+    turn_rewards = None if batch.turn_rewards is None else _turn_rewards(batch.turn_rewards, B)
     dev = (batch.sequence_advantages.device if isinstance(batch.sequence_advantages, torch.Tensor)
            else rewards.device if rewards is not None else cids.device)
     return Batch(B, C, cids.detach().cpu(), cmask, eligible, batch.prompt_ids, rewards, groups,
                   None if batch.answers is None else list(batch.answers), entropy, scores, reasoning, dev,
-                  span_starts, turn_weights)
+                  span_starts, turn_weights, turn_rewards)
+
+
+def _turn_rewards(turn_rewards, B: int) -> list[list[float]]:
+    """``RolloutBatch.turn_rewards`` as B lists of floats (None -> []); raises ValueError naming the row."""
+    if isinstance(turn_rewards, (str, bytes)) or not hasattr(turn_rewards, "__len__") or len(turn_rewards) != B:
+        got = len(turn_rewards) if hasattr(turn_rewards, "__len__") and not isinstance(turn_rewards, (str, bytes)) \
+            else type(turn_rewards).__name__
+        raise ValueError(f"turn_rewards must have B = {B} entries (one sequence of per-turn rewards per row), got {got}")
+    out = []
+    for i, row in enumerate(turn_rewards):
+        if row is None:
+            out.append([])
+            continue
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            raise ValueError(f"turn_rewards[{i}] must be a sequence of per-turn rewards, got {type(row).__name__}")
+        vals = []
+        for k, x in enumerate(row):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
+                raise ValueError(f"turn_rewards[{i}][{k}] must be a real number, got {x!r}")
+            v = float(x)
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ValueError(f"turn_rewards[{i}][{k}] must be finite, got {v}")
+            vals.append(v)
+        out.append(vals)
+    return out
 
 
 def _nan_reward_error(rewards: torch.Tensor, groups: list, skip_hint: bool = True) -> ValueError:

@@ -21,9 +21,10 @@ from typing import Sequence
 import torch
 
 from oar import _args
-from oar.attribution import DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
+from oar.attribution import DEFAULT_ACTION_MARKERS, DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
 from oar.attribution.spans import span_starts, span_sums, spans_of, token_texts
-from oar.attribution.turns import answer_log_likelihoods, turn_runs, turn_segments, turn_weights
+from oar.attribution.turns import (answer_log_likelihoods, reward_turn_weights, turn_runs, turn_segments,
+                                  turn_weights)
 from oar.batch import (Batch, RolloutBatch, TokenAdvantages, TokenScores, batch_sequence_advantages,
                        check_token_ids, validate)
 from oar.distributed import ForwardGate, distributed_world
@@ -90,13 +91,16 @@ class Pipeline:
         sync_forwards: keep the policy forwards in step across ranks (:class:`oar.distributed.ForwardGate`;
             required under ZeRO-3 / FSDP); None = whenever torch.distributed runs with more than one process.
         ignore_ids: token ids KTAE scores 0 (default: the tokenizer's EOS and PAD ids, none without tokenizer).
+        action_markers: tool-call openers that end a turn's reasoning under ``turn_probe: action`` (default
+            :data:`oar.attribution.DEFAULT_ACTION_MARKERS`).
 
     Raises:
         ValueError: ``config`` not an ``oar.OARConfig``; a tokenizer without pad and eos ids.
     """
 
     def __init__(self, config=None, tokenizer=None, *, markers: Sequence[str] | None = None, pad_id: int | None = None,
-                 sync_forwards: bool | None = None, ignore_ids: Sequence[int] | None = None):
+                 sync_forwards: bool | None = None, ignore_ids: Sequence[int] | None = None,
+                 action_markers: Sequence[str] | None = None):
         self.config = config_arg(config)
         self.method = method_spec(self.config.method)
         #: the method's scorer (built once: its state, e.g. screened OAR-P's time budget, lives with it)
@@ -108,6 +112,9 @@ class Pipeline:
             self.builder = ProbeContextBuilder(tokenizer, self.config.conclude, self.config.answer_suffix,
                                                pad_id=pad_id, markers=markers if markers is not None else DEFAULT_MARKERS)
         self._pad_id = self.builder.pad_id if self.builder is not None else int(pad_id or 0)
+        self.action_markers = tuple(DEFAULT_ACTION_MARKERS if action_markers is None else action_markers)
+        if any(not isinstance(m, str) or not m for m in self.action_markers):
+            raise ValueError(f"action_markers must be non-empty strings, got {list(self.action_markers)}")
         if ignore_ids is None:
             ignore_ids = self.builder.stop_ids if self.builder is not None else ()
         self.ignore_ids = _args.token_ids_arg("ignore_ids", ignore_ids)
@@ -190,6 +197,7 @@ class Pipeline:
         """
         self._call_started()
         step = self._step(batch, model, preset)
+        step.scores_only = True
         b = step.b
         sc, reasoning = self.method.credit.scores(self, step)
         if self.config.credit_rows != "all":  # rows outside credit_rows: no token-level scores (uniform credit)
@@ -273,16 +281,17 @@ class Pipeline:
         b = step.b
         if b.scores is not None:
             reasoning = b.reasoning & b.eligible
-            step.turns = self._given_turns(b, step.active, self._segments(b, step.active))
+            step.turns = self._given_turns(b, step.adv, self._segments(b, step.active))
             return torch.where(reasoning, b.scores, torch.zeros(())), reasoning
         pre = self.scorer.precomputed(step)
         if pre is not None:  # e.g. the trainer's own entropies: no forward
             segments = self._segments(b, step.active)
             reasoning = self._reasoning_mask(b, step.active, segments)
-            step.turns = self._given_turns(b, step.active, segments)
+            step.turns = self._given_turns(b, step.adv, segments)
             return torch.where(reasoning, pre, torch.zeros(())), reasoning
         builder = self._need_builder("the reasoning span and probe contexts")
-        self.method.require("answers", b.answers)
+        if self.config.turn_probe != "action":  # action probes read the model's own tokens, no reference
+            self.method.require("answers", b.answers)
         self.method.require("prompt_ids", b.prompt_ids)
         sc = torch.zeros((b.B, b.C), dtype=torch.float32)
         reasoning = torch.zeros((b.B, b.C), dtype=torch.bool)
@@ -337,17 +346,25 @@ class Pipeline:
 
     def _segments(self, b: Batch, active: list[int]) -> dict | None:
         """{row: [(s, e), ...]} the turn ranges (completion indices, :func:`oar.attribution.turns.turn_segments`)
-        of the active rows when ``turn_probe`` is ``answer`` and some row has two turns or more; else None."""
-        if self.config.turn_probe != "answer":
+        of the active rows when ``turn_probe`` is ``answer`` and some row has two turns or more, or ``action`` (every
+        row is then probed on its own action); else None."""
+        if self.config.turn_probe == "session":
             return None
         out = {i: turn_segments(b.eligible[i][b.cmask[i]]) for i in active}
-        return out if any(len(v) > 1 for v in out.values()) else None
+        return out if self.config.turn_probe == "action" or any(len(v) > 1 for v in out.values()) else None
+
+    def _turn_markers(self, builder) -> tuple:
+        """The markers that end a turn's reasoning span: the final-answer markers, and the tool-call openers under
+        ``turn_probe: action``."""
+        return builder.markers + (self.action_markers if self.config.turn_probe == "action" else ())
 
     def _turn_batch(self, b: Batch, segments: dict, prompts: list[torch.Tensor], builder):
         """Probe contexts of one engine row per turn of the active rows: the prompt and the completion before the
-        turn as prompt, the turn as response (its reasoning span found in the turn alone), the row's answer. Returns
-        (ProbeBatch, each engine row's completion columns, each engine row's caller row)."""
+        turn as prompt, the turn as response (its reasoning span found in the turn alone), the row's answer or, under
+        ``turn_probe: action``, the turn's own action. Returns (ProbeBatch, each engine row's completion columns, each
+        engine row's caller row)."""
         answers = b.answers if b.answers is not None else ["0"] * b.B
+        markers = self._turn_markers(builder)
         ps, rs, ans, ls, cols, src = [], [], [], [], [], []
         for i, segs in segments.items():
             c = torch.nonzero(b.cmask[i]).flatten()
@@ -355,8 +372,10 @@ class Pipeline:
             for s, e in segs:
                 resp = ids[s:e]
                 ps.append(torch.cat([prompts[i], ids[:s]])), rs.append(resp), ans.append(str(answers[i]))
-                ls.append(reasoning_length(resp.tolist(), self.tokenizer, builder.markers, builder.stop_ids))
+                ls.append(reasoning_length(resp.tolist(), self.tokenizer, markers, builder.stop_ids))
                 cols.append(c[s:e]), src.append(i)
+        if self.config.turn_probe == "action":
+            return builder.build_actions(ps, rs, ls), cols, src
         return builder.build(ps, rs, ans, ls), cols, src
 
     def _turns(self, step: Step, pm, b: Batch, segments: dict, prompts, pbatch, src: list, builder) -> dict:
@@ -370,6 +389,10 @@ class Pipeline:
             c = torch.nonzero(b.cmask[i]).flatten()
             out[i] = [c[s:e] for s, e in segs]
             counts[i] = torch.tensor([int(b.eligible[i, c[s:e]].sum()) for s, e in segs])
+        if self.config.turn_credit == "rewards":  # weights 1 where only scores leave (the driver has the rewards)
+            if step.scores_only and b.turn_rewards is None:
+                return {i: [(cc, 1.0) for cc in out[i]] for i in out}
+            return {i: self._reward_turns(b, step.adv, i, out[i]) for i in out}
         if self.config.turn_credit != "probe":
             return {i: [(cc, 1.0) for cc in out[i]] for i in out}
         answers = b.answers
@@ -401,12 +424,15 @@ class Pipeline:
             at += K + 1
         return res
 
-    def _given_turns(self, b: Batch, active: list[int], segments: dict | None) -> dict | None:
+    def _given_turns(self, b: Batch, adv: torch.Tensor, segments: dict | None) -> dict | None:
         """``step.turns`` of a batch that brings its scores (the trainer's workers, entropies): the turns from the
-        masks (``segments``, :meth:`_segments`), their weights from the batch's ``turn_weights`` (1 without it); None
-        when no row has two turns."""
+        masks (``segments``, :meth:`_segments`), their weights from the batch's ``turn_weights`` (1 without it) or,
+        under ``turn_credit: rewards``, from its ``turn_rewards``; None when no row has two turns."""
         if segments is None:
             return None
+        if self.config.turn_credit == "rewards":  # the rewards are the driver's: no weights from the workers
+            return {i: self._reward_turns(b, adv, i, [torch.nonzero(b.cmask[i]).flatten()[s:e] for s, e in segs])
+                    for i, segs in segments.items() if len(segs) > 1}
         if b.turn_weights is None and self.config.turn_credit == "probe":
             raise ValueError("turn_credit 'probe' with scores computed elsewhere needs the batch's turn_weights "
                              "(TokenScores.turn_weights of the pipeline that scored the rows, which oar's verl and "
@@ -417,6 +443,23 @@ class Pipeline:
                 c = torch.nonzero(b.cmask[i]).flatten()
                 out[i] = [(c[s:e], 1.0 if b.turn_weights is None else float(b.turn_weights[i, c[s]])) for s, e in segs]
         return out
+
+    def _reward_turns(self, b: Batch, adv: torch.Tensor, i: int, cols: list) -> list:
+        """[(turn columns, weight), ...] of row ``i`` under ``turn_credit: rewards``
+        (:func:`oar.attribution.turns.reward_turn_weights` of the row's ``turn_rewards`` and advantage sign)."""
+        if b.turn_rewards is None:
+            raise ValueError(f"turn_credit 'rewards' needs the batch's per-turn rewards (RolloutBatch.turn_rewards; "
+                             f"verl: non_tensor_batch['tool_rewards']), got none for a batch whose row {i} has "
+                             f"{len(cols)} turns: pass them, or set turn_credit to 'uniform' or 'probe'")
+        counts = torch.tensor([int(b.eligible[i, c].sum()) for c in cols])
+        try:
+            w = reward_turn_weights(b.turn_rewards[i], counts, float(torch.sign(adv[i])),
+                                    float(self.config.reshape.floor))
+        except ValueError as e:
+            raise ValueError(f"turn_rewards[{i}]: {e} (row {i} has {len(cols)} turns, the runs of eligible_mask; "
+                             "verl's tool_rewards holds one value per tool call that returned a reward: sum a turn's "
+                             "calls and pass RolloutBatch.turn_rewards)") from None
+        return [(c, float(wk)) for c, wk in zip(cols, w.tolist())]
 
     @staticmethod
     def _eligible_positions(b: Batch, keys: list[int], src, cols, pbatch) -> dict | None:
@@ -460,9 +503,10 @@ class Pipeline:
                 reasoning[i, torch.nonzero(b.cmask[i]).flatten()[: lens[i]]] = True
             return reasoning & b.eligible
         builder = self._need_builder("the reasoning span")
+        markers = self._turn_markers(builder)
         for i, segs in segments.items():
             c = torch.nonzero(b.cmask[i]).flatten()
             for s, e in segs:
-                L = reasoning_length(b.cids[i, c[s:e]].tolist(), self.tokenizer, builder.markers, builder.stop_ids)
+                L = reasoning_length(b.cids[i, c[s:e]].tolist(), self.tokenizer, markers, builder.stop_ids)
                 reasoning[i, c[s:s + L]] = True
         return reasoning & b.eligible

@@ -23,8 +23,8 @@ constexpr std::array<const char*, 2> kScreens{"window", "oar_g"};
 constexpr std::array<const char*, 3> kScreenTails{"conclude", "probe", "linear"};
 constexpr std::array<const char*, 4> kMaskUnits{"token", "word", "line", "sentence"};
 constexpr std::array<const char*, 3> kCreditRows{"all", "positive", "negative"};
-constexpr std::array<const char*, 2> kTurnProbes{"answer", "session"};
-constexpr std::array<const char*, 2> kTurnCredits{"uniform", "probe"};
+constexpr std::array<const char*, 3> kTurnProbes{"answer", "action", "session"};
+constexpr std::array<const char*, 3> kTurnCredits{"uniform", "probe", "rewards"};
 
 [[noreturn]] void fail(const std::string& key, const std::string& what) {
   throw InvalidArgument("oar." + key + " " + what);

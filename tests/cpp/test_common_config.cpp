@@ -109,11 +109,13 @@ TEST(Config, ErrorsNameTheKey) {
                  "oar.credit_rows must be \"all\", \"positive\" or \"negative\", got \"pos\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"credit_rows": "positive"})"))).credit_rows, "positive");
   expect_invalid([] { parse_oar_config(R"({"turn_probe": "turn"})"); },
-                 "oar.turn_probe must be \"answer\" or \"session\", got \"turn\"");
-  expect_invalid([] { parse_oar_config(R"({"turn_credit": "rewards"})"); },
-                 "oar.turn_credit must be \"uniform\" or \"probe\", got \"rewards\"");
+                 "oar.turn_probe must be \"answer\", \"action\" or \"session\", got \"turn\"");
+  expect_invalid([] { parse_oar_config(R"({"turn_credit": "reward"})"); },
+                 "oar.turn_credit must be \"uniform\", \"probe\" or \"rewards\", got \"reward\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_probe": "session"})"))).turn_probe, "session");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_credit": "probe"})"))).turn_credit, "probe");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_credit": "rewards"})"))).turn_credit, "rewards");
+  EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"turn_probe": "action"})"))).turn_probe, "action");
   expect_invalid([] { parse_oar_config(R"({"screen_tail": "all"})"); },
                  "oar.screen_tail must be \"conclude\", \"probe\" or \"linear\", got \"all\"");
   EXPECT_EQ(parse_oar_config(to_json(parse_oar_config(R"({"screen_tail": "probe"})"))).screen_tail, "probe");

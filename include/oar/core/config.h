@@ -98,12 +98,16 @@ struct OARConfig {
   /// Multi-turn sessions (docs/method.md section 13, our extension): a row whose eligible tokens form several runs
   /// (the model's turns, separated by observations such as tool results) is scored turn by turn. "answer": each
   /// turn is a probe row of its own (prefix before it as prompt, the turn as response, the answer probe at its
-  /// end); "session": one probe at the end of the whole row (observations stay unscored context). A row with one
-  /// turn is scored the same under both.
+  /// end); "action": the same turn rows, each probed on its own action (the tokens after its reasoning: a tool
+  /// call, or the last turn's own final answer; no reference answer needed, every row scored turn by turn);
+  /// "session": one probe at the end of the whole row (observations stay unscored context). A row with one turn is
+  /// scored the same under "answer" and "session".
   std::string turn_probe = "answer";
   /// How the session's advantage is split between its turns (mass and sign kept): "uniform" (every eligible token
   /// of every turn carries the session's mass, as GRPO) or "probe" (turn k's weight grows with |change of the
-  /// answer's log-likelihood from before turn k to after its observation|; docs/method.md section 13).
+  /// answer's log-likelihood from before turn k to after its observation|) or "rewards" (the batch's per-turn
+  /// rewards, e.g. verl's tool_rewards: mass moves toward the turns whose reward agrees with the session's
+  /// advantage sign; docs/method.md section 13).
   std::string turn_credit = "uniform";
   EntropyShapingOptions entropy_shaping;     ///< method "entropy_shaping"
   KtaeOptions ktae;                          ///< method "ktae"

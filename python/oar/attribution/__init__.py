@@ -1,6 +1,6 @@
 """Attribution of reasoning tokens against the final-answer distribution (method.md sections 2-4, 8)."""
 
-from oar.attribution.context import DEFAULT_MARKERS, ProbeBatch, ProbeContextBuilder, reasoning_length
+from oar.attribution.context import DEFAULT_ACTION_MARKERS, DEFAULT_MARKERS, ProbeBatch, ProbeContextBuilder, reasoning_length
 from oar.attribution.base import Attribution, CleanPass, clean_probe_logits
 from oar.attribution.entropy import entropy_scores, policy_entropies
 from oar.attribution.oar_g import oar_g_scores
@@ -22,7 +22,7 @@ from oar.attribution.model import (
 from oar.attribution.hf_model import HFProbeModel, as_probe_model
 
 __all__ = [
-    "DEFAULT_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "Attribution", "CleanPass",
+    "DEFAULT_MARKERS", "DEFAULT_ACTION_MARKERS", "ProbeBatch", "ProbeContextBuilder", "reasoning_length", "Attribution", "CleanPass",
     "clean_probe_logits", "entropy_scores", "policy_entropies", "oar_g_scores", "oar_p_scores", "oar_p_window_scores",
     "random_scores", "HFProbeModel", "ProbeModel", "PrefixCacheModel", "SharedPrefixModel", "ProbeCapabilities",
     "as_probe_model", "probe_capabilities", "EmbeddingNoiseModel", "NoisedEmbeddings", "oar_p_screened_scores",

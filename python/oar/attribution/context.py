@@ -24,6 +24,9 @@ import torch
 
 #: Default final-answer markers searched in a response, last occurrence wins (method.md section 2).
 DEFAULT_MARKERS = ("\\boxed{", "####")
+#: tool-call openers that end a turn's reasoning under ``turn_probe: action`` (docs/method.md section 13): the
+#: Hermes / Qwen chat templates' ``<tool_call>``, Llama 3.1's ``<|python_tag|>`` and the calculator task's ``<calc>``
+DEFAULT_ACTION_MARKERS = ("<tool_call>", "<|python_tag|>", "<calc>")
 
 
 def _as_list(ids, name: str = "ids") -> list[int]:
@@ -225,30 +228,55 @@ class ProbeContextBuilder:
                 raise ValueError(f"{name} must have one entry per prompt (B = {B}), got {len(seq)}")
         if reasoning_lens is not None and len(reasoning_lens) != B:
             raise ValueError(f"reasoning_lens must have B = {B} entries, got {len(reasoning_lens)}")
-        rows, starts, lens, ans, plen = [], [], [], [], []
+        ps, rs, ans = [], [], []
         for i in range(B):
             p = _as_list(prompt_ids[i], f"prompt_ids[{i}]")
             r = _as_list(response_ids[i], f"response_ids[{i}]")
             if reasoning_lens is None:
                 L = reasoning_length(r, self.tokenizer, self.markers, self.stop_ids)
             else:
-                L = reasoning_lens[i]
-                if isinstance(L, torch.Tensor) and L.dim() == 0 and not L.dtype.is_floating_point:
-                    L = int(L)
-                if isinstance(L, bool) or not hasattr(L, "__index__"):
-                    raise ValueError(f"reasoning_lens[{i}] must be an int, got {type(L).__name__} {L!r}")
-                L = int(L)
-            if not 0 <= L <= len(r):
-                raise ValueError(f"reasoning_lens[{i}] must be in [0, {len(r)}], got {L}")
-            a = self.answer_ids(answers[i])
-            rows.append(p + r[:L] + self.conclude_ids + a + self.suffix_ids)
-            starts.append(len(p))
-            lens.append(L)
-            ans.append(a)
-            plen.append(len(p))
+                L = _reasoning_len_arg(reasoning_lens[i], i, len(r))
+            ps.append(p), rs.append(r[:L]), ans.append(self.answer_ids(answers[i]))
+        return self._pack(ps, rs, ans, self.conclude_ids, self.suffix_ids)
+
+    def build_actions(self, prompt_ids: Sequence, response_ids: Sequence, reasoning_lens: Sequence[int]) -> ProbeBatch:
+        """Probe contexts whose answer is each response's own action (``turn_probe: action``, docs/method.md section
+        13): ``prompt + response[:L]`` followed by ``response[L:e]`` as the probed tokens, with no conclude string
+        and no suffix; ``e`` is the first stop id (EOS, PAD) or the end. The action is the model's stored tokens,
+        never re-encoded text. A response with no action (``L == e``: no marker, e.g. a turn cut by the length limit)
+        gets L = 0 and a one-token PAD answer: nothing of it is scored.
+
+        Args:
+            prompt_ids, response_ids: B unpadded id sequences. reasoning_lens: B ints in [0, len(response)].
+
+        Raises:
+            ValueError: mismatched lengths; a length out of range.
+        """
+        B = len(prompt_ids)
+        for name, seq in (("response_ids", response_ids), ("reasoning_lens", reasoning_lens)):
+            if len(seq) != B:
+                raise ValueError(f"{name} must have one entry per prompt (B = {B}), got {len(seq)}")
+        ps, rs, ans = [], [], []
+        for i in range(B):
+            p = _as_list(prompt_ids[i], f"prompt_ids[{i}]")
+            r = _as_list(response_ids[i], f"response_ids[{i}]")
+            L = _reasoning_len_arg(reasoning_lens[i], i, len(r))
+            e = next((j for j, t in enumerate(r) if t in self.stop_ids), len(r))
+            if L >= e:
+                ps.append(p), rs.append([]), ans.append([self.pad_id])
+            else:
+                ps.append(p), rs.append(r[:L]), ans.append(r[L:e])
+        return self._pack(ps, rs, ans, [], [])
+
+    def _pack(self, ps: list, rs: list, ans: list, conclude: list, suffix: list) -> ProbeBatch:
+        """Left-padded rows ``prompt + reasoning + conclude + answer + suffix`` as a :class:`ProbeBatch`."""
+        B = len(ps)
+        rows = [p + r + conclude + a + suffix for p, r, a in zip(ps, rs, ans)]
+        starts = [len(p) for p in ps]
+        lens = [len(r) for r in rs]
         T = max(len(x) for x in rows) if rows else 0
         K = max((len(a) for a in ans), default=1)
-        S = len(self.suffix_ids)
+        S = len(suffix)
         input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, T), dtype=torch.long)
         answer_ids = torch.zeros((B, K), dtype=torch.long)
@@ -271,3 +299,15 @@ class ProbeContextBuilder:
             answer_ids=answer_ids, answer_len=answer_len, keep=keep, probe_start=probe_start, pad_id=self.pad_id,
             context_len=torch.tensor([len(r) for r in rows], dtype=torch.long),
         )
+
+
+def _reasoning_len_arg(L, i: int, n: int) -> int:
+    """``reasoning_lens[i]`` as an int in [0, n]; raises ValueError naming it."""
+    if isinstance(L, torch.Tensor) and L.dim() == 0 and not L.dtype.is_floating_point:
+        L = int(L)
+    if isinstance(L, bool) or not hasattr(L, "__index__"):
+        raise ValueError(f"reasoning_lens[{i}] must be an int, got {type(L).__name__} {L!r}")
+    L = int(L)
+    if not 0 <= L <= n:
+        raise ValueError(f"reasoning_lens[{i}] must be in [0, {n}], got {L}")
+    return L

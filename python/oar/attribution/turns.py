@@ -17,7 +17,8 @@ from oar import ops
 from oar.attribution.base import clean_probe_logits
 from oar.attribution.context import ProbeContextBuilder
 
-__all__ = ["turn_segments", "turn_runs", "answer_log_likelihoods", "turn_weights", "reshape_turns"]
+__all__ = ["turn_segments", "turn_runs", "answer_log_likelihoods", "turn_weights", "reward_turn_weights",
+           "reshape_turns"]
 
 
 def turn_runs(eligible: torch.Tensor) -> list[tuple[int, int]]:
@@ -109,6 +110,50 @@ def turn_weights(gains: torch.Tensor, counts: torch.Tensor, floor: float) -> tor
     if not mean > _NEGLIGIBLE_GAIN:
         return torch.ones_like(g)
     return floor + (1.0 - floor) * g / mean
+
+
+def reward_turn_weights(rewards: Sequence[float], counts: torch.Tensor, sign: float, floor: float) -> torch.Tensor:
+    """Turn weights w (K,) float64 from per-turn rewards (``turn_credit: rewards``, docs/method.md section 13): the
+    session's mass moves toward the turns whose reward agrees with its outcome (a reward > 0 marks a good call, < 0 a
+    bad one, 0 neutral: verl's tool rewards add to the score), ``sum_k counts[k] * w[k] == counts.sum()`` and
+    ``w >= floor``.
+
+    Args:
+        rewards: K or K - 1 finite reals: one per turn, or one per turn that ends in an observation (verl's
+            ``tool_rewards`` of one call a turn; the last turn, which answers, is then neutral). Empty: all ones.
+        counts: (K,) >= 0, eligible tokens of each turn.
+        sign: the sign of the session's advantage A_i (only its sign is read; 0 gives all ones).
+        floor: in [0, 1): the share of the mass spread uniformly.
+
+    Returns:
+        ``w = floor + (1 - floor) u / u_bar`` with ``u_k = 1 + sign(A) r_k / max_j |r_j|`` in [0, 2] (a missing
+        reward counts as 0) and ``u_bar = sum_k counts[k] u_k / sum_k counts[k]``; all ones when every |reward| is
+        at most 1e-12, ``sign == 0`` or no token is eligible.
+
+    Raises:
+        ValueError: ``len(rewards)`` neither K nor K - 1; a reward that is not finite.
+    """
+    c = counts.detach().double().reshape(-1)
+    K = int(c.numel())
+    r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
+    if r.numel() not in (0, K - 1, K):
+        raise ValueError(f"rewards must hold one value per turn (K = {K}) or per turn before an observation "
+                         f"(K - 1 = {K - 1}), got {r.numel()}")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    if r.numel() == 0 or sign == 0 or float(c.sum()) <= 0:
+        return torch.ones(K, dtype=torch.float64)
+    d = r
+    if d.numel() < K:  # the answering turn: neutral
+        d = torch.cat([d, torch.zeros(K - d.numel(), dtype=torch.float64)])
+    spread = float(d.abs().max())
+    if not spread > _NEGLIGIBLE_GAIN:
+        return torch.ones(K, dtype=torch.float64)
+    u = 1.0 + (1.0 if sign > 0 else -1.0) * d / spread
+    mean = float((c * u).sum() / c.sum())
+    if not mean > _NEGLIGIBLE_GAIN:  # every turn with tokens at u = 0: nothing to move toward
+        return torch.ones(K, dtype=torch.float64)
+    return floor + (1.0 - floor) * u / mean
 
 
 #: a mean |gain| (nats) below this is float rounding, not a turn moving the probe (also keeps denormals out)

@@ -45,6 +45,8 @@ class Step:
         turns: {row: [(turn columns, weight), ...]} of the rows scored turn by turn (several turns, ``turn_probe:
             answer``; docs/method.md section 13), set by the scoring pass; None when no row has two turns. The
             reshaping credit reshapes each such turn on its own with sequence advantage ``A x weight``.
+        scores_only: the call returns scores only (:meth:`oar.pipeline.Pipeline.scores`, e.g. on a trainer's
+            workers): turn weights the caller computes itself (``turn_credit: rewards``) are not required.
     """
 
     b: object
@@ -61,6 +63,7 @@ class Step:
     gate: object = None
     spans: dict | None = None
     turns: dict | None = None
+    scores_only: bool = False
 
 
 class TokenScorer:

@@ -557,3 +557,46 @@ def test_uniform_credit_gives_verls_policy_loss_and_gradients(tiny, layout):
     # the two layouts are the same log-probs (verl's remove-padding slice lands on the response tokens)
     if layout == "remove_padding":
         torch.testing.assert_close(log_prob * mask, _response_log_probs(model, data, "padded") * mask)
+
+
+def test_rewards_turn_credit_reads_the_agent_loops_tool_rewards(tiny, monkeypatch):
+    """turn_credit 'rewards' through verl's compute_advantage: the per-call rewards verl's ToolAgentLoop leaves in
+    non_tensor_batch['tool_rewards'] (one per call, the answering turn without one) split each two-turn session's
+    mass as docs/method.md section 13 says; one-turn rows and rows with no reward keep GRPO's per-token mass."""
+    model, tok = tiny
+    data = _multi_turn(_batch(tok, shuffle=False))
+    B = len(data)
+    elig = data.batch["response_mask"].bool()
+    two = [i for i in range(B) if bool(elig[i, 0]) and not bool(elig[i, 1]) and bool(elig[i, 3:].any())]
+    assert two and len(two) < B
+    tool_rewards = np.empty(B, dtype=object)
+    tool_rewards[:] = [[0.5 if i % 2 else -0.2] if i in two[:-1] else [] for i in range(B)]
+    data.non_tensor_batch["tool_rewards"] = tool_rewards
+    monkeypatch.setenv("OAR_CONFIG", '{"method": "random", "turn_credit": "rewards"}')
+    oar_verl.configure(None, oar_verl.HFScorer(tok, model))
+    try:
+        adv = _run(data, "oar")
+    finally:
+        oar_verl.configure(None, None)
+    seq = _run(data, "oar_grpo")[:, 0]
+    floor = oar.OARConfig().reshape.floor
+    checked = 0
+    for i in range(B):
+        A, n = float(seq[i]), int(elig[i].sum())
+        assert float(adv[i].double().sum()) == pytest.approx(A * n, rel=1e-5, abs=1e-6)
+        if i in two[:-1] and A != 0:  # turn 1 is column 0 alone, turn 2 the rest
+            r = 0.5 if i % 2 else -0.2
+            u = [1 + (1 if A > 0 else -1) * r / abs(r), 1.0]
+            cnt = [1, n - 1]
+            u_bar = (u[0] * cnt[0] + u[1] * cnt[1]) / n
+            w0 = floor + (1 - floor) * u[0] / u_bar
+            assert float(adv[i, 0]) == pytest.approx(A * w0, rel=1e-5)  # a one-token turn keeps its weighted mass
+            checked += 1
+    assert checked
+    data.non_tensor_batch.pop("tool_rewards")
+    oar_verl.configure(None, oar_verl.HFScorer(tok, model))
+    try:
+        with pytest.raises(ValueError, match=r"turn_credit 'rewards' needs the batch's per-turn rewards"):
+            _run(data, "oar")
+    finally:
+        oar_verl.configure(None, None)

@@ -6,6 +6,8 @@ A session here is one row: the model's turns (eligible) with tool results betwee
 trainer adapters pass TRL's ``tool_mask``, verl's ``response_mask`` and OpenRLHF's ``action_mask``.
 """
 
+import dataclasses
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import example, given, settings
 
 import oar
 from oar.attribution import ProbeContextBuilder
-from oar.attribution.turns import turn_runs, turn_segments, turn_weights
+from oar.attribution.turns import reward_turn_weights, turn_runs, turn_segments, turn_weights
 from oar.batch import RolloutBatch
 from oar.pipeline import Pipeline
 from oar.testing import tiny_random_llama
@@ -256,3 +258,152 @@ def test_probe_credit_without_answers_is_refused(tiny):
     # uniform turn credit needs no answer for a method that reads none
     out = Pipeline(oar.OARConfig(method="random", conclude=CONCLUDE), tok).compute(batch, model)
     assert float(out.advantages.double().sum()) == pytest.approx(float(e.sum()), rel=1e-5)
+
+
+# ---- turn credit from per-turn rewards (verl's tool_rewards) ----------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(-3, 3), st.integers(0, 40)), min_size=1, max_size=6), st.booleans(),
+       st.sampled_from([1.0, -1.0]), st.sampled_from([0.0, 0.1, 0.5]))
+def test_reward_turn_weights_keep_the_mass_and_follow_the_outcome_sign(turns, last_neutral, sign, floor):
+    r = [x for x, _ in turns]
+    c = torch.tensor([n for _, n in turns], dtype=torch.float64)
+    given_r = r[:-1] if last_neutral else r
+    w = reward_turn_weights(given_r, c, sign, floor)
+    assert float((c * w).sum()) == pytest.approx(float(c.sum()), rel=1e-12, abs=1e-12)
+    full = torch.tensor(given_r + [0.0] * (len(r) - len(given_r)), dtype=torch.float64)  # the neutral last turn
+    if not given_r or float(full.abs().max()) <= 1e-12 or float(c.sum()) == 0:
+        assert torch.equal(w, torch.ones_like(w))
+        return
+    assert bool((w >= floor - 1e-12).all())
+    # a better reward never gets less of a positive session's mass, nor more of a negative one's
+    order = torch.argsort(full * sign)
+    assert bool((w[order].diff() >= -1e-12).all()) or torch.equal(w, torch.ones_like(w))
+
+
+def test_reward_turn_weights_refuse_a_reward_count_of_no_turn_layout():
+    with pytest.raises(ValueError, match=r"one value per turn \(K = 3\) or per turn before an observation "
+                                         r"\(K - 1 = 2\), got 1"):
+        reward_turn_weights([1.0], torch.tensor([3, 4, 5]), 1.0, 0.1)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        reward_turn_weights([1.0, float("nan")], torch.tensor([3, 4, 5]), 1.0, 0.1)
+
+
+@pytest.mark.parametrize("A", [1.0, -1.0])
+def test_reward_credit_moves_the_session_mass_toward_the_turn_its_reward_agrees_with(tiny, A):
+    """Three turns, verl's layout of tool rewards (one per call: the failed call -0.05, the call whose result holds
+    the answer 1.0; the answering turn neutral, 0): each turn's share of the mass, from the formula written out
+    here."""
+    model, tok = tiny
+    p, c, e, spans = _session(tok, *THREE_TURNS)
+    batch = _batch([(p, c, e)], [A], ["41"])
+    batch.turn_rewards = [[-0.05, 1.0]]
+    cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards", seed=2)
+    out = Pipeline(cfg, tok).compute(batch, model)
+    n = [b - a for a, b in spans]
+    u = [0.95, 2.0, 1.0] if A > 0 else [1.05, 0.0, 1.0]  # 1 + sign(A) r_k / max |r|, r = (-0.05, 1, 0)
+    u_bar = sum(x * k for x, k in zip(u, n)) / sum(n)
+    floor = cfg.reshape.floor
+    for (a, b), uk, nk in zip(spans, u, n):
+        wk = floor + (1 - floor) * uk / u_bar
+        assert float(out.advantages[0, a:b].double().sum()) == pytest.approx(A * wk * nk, rel=2e-5)  # turn mass
+    assert float(out.advantages.double().sum()) == pytest.approx(A * sum(n), rel=2e-5)
+    # scores computed elsewhere (a trainer's workers, which never see the rewards) give the same advantages
+    res = Pipeline(cfg, tok).scores(dataclasses.replace(batch, turn_rewards=None), model)
+    assert torch.equal(res.turn_weights, torch.ones_like(res.turn_weights))
+    given = dataclasses.replace(batch, scores=res.scores, reasoning_mask=res.reasoning_mask)
+    assert torch.allclose(Pipeline(cfg, tok).compute(given).advantages, out.advantages, rtol=1e-6, atol=1e-7)
+
+
+def test_reward_credit_without_or_with_misfit_rewards_is_refused(tiny):
+    model, tok = tiny
+    p, c, e, _ = _session(tok, *THREE_TURNS)
+    batch = _batch([(p, c, e)], [1.0], ["41"])
+    cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards")
+    with pytest.raises(ValueError, match=r"turn_credit 'rewards' needs the batch's per-turn rewards "
+                                         r"\(RolloutBatch.turn_rewards; verl: non_tensor_batch\['tool_rewards'\]\)"):
+        Pipeline(cfg, tok).compute(batch, model)
+    batch.turn_rewards = [[0.0, 1.0, 0.5, 2.0]]
+    with pytest.raises(ValueError, match=r"turn_rewards\[0\]: rewards must hold one value per turn \(K = 3\).*got 4 "
+                                         r"\(row 0 has 3 turns"):
+        Pipeline(cfg, tok).compute(batch, model)
+    for bad, msg in (([[1.0], [2.0]], r"turn_rewards must have B = 1 entries .*got 2"),
+                     ([[1.0, float("inf")]], r"turn_rewards\[0\]\[1\] must be finite, got inf"),
+                     ([["x"]], r"turn_rewards\[0\]\[0\] must be a real number, got 'x'"),
+                     ([3.0], r"turn_rewards\[0\] must be a sequence of per-turn rewards, got float")):
+        batch.turn_rewards = bad
+        with pytest.raises(ValueError, match=msg):
+            Pipeline(cfg, tok).compute(batch, model)
+    batch.turn_rewards = [None]  # a session whose tools returned no reward: every turn keeps its mass
+    out = Pipeline(cfg, tok).compute(batch, model)
+    assert float(out.advantages.double().sum()) == pytest.approx(float(e.sum()), rel=1e-5)
+
+
+# ---- turn_probe 'action': each turn probed on its own action ----------------------------------------------------
+
+
+def test_action_probe_rows_hold_the_turns_own_tokens(tiny):
+    _, tok = tiny
+    builder = ProbeContextBuilder(tok, CONCLUDE)
+    p, r = _enc(tok, "Q: 2+3?\n"), _enc(tok, "add them <calc>2+3</calc>")
+    L = len(_enc(tok, "add them"))
+    pb = builder.build_actions([p, p], [r, r[:L]], [L, L])
+    row = p + r
+    assert pb.input_ids[0, -len(row):].tolist() == row and int(pb.context_len[0]) == len(row)
+    assert pb.answer_ids[0, :int(pb.answer_len[0])].tolist() == r[L:]  # the stored action tokens, not re-encoded
+    assert int(pb.reasoning_len[0]) == L and int(pb.reasoning_start[0]) == pb.input_ids.shape[1] - len(row) + len(p)
+    assert int(pb.reasoning_len[1]) == 0  # no action (a turn cut before its call): nothing scored
+    with pytest.raises(ValueError, match=r"reasoning_lens\[1\] must be in \[0, 2\], got 5"):
+        builder.build_actions([p, p], [r, r[:2]], [L, 5])
+
+
+def test_action_probe_scores_each_turn_against_its_own_action_without_answers(tiny):
+    """turn_probe 'action' with no reference answer: each turn's scores are exact OAR-P of a probe row built here
+    from the definition (prompt + everything before the turn + its reasoning, then the turn's own action tokens:
+    the call, or the last turn's own answer), within the error model."""
+    model, tok = tiny
+    p, c, e, spans = _session(tok, *THREE_TURNS)
+    one = _session(tok, ["it is 12*3+5 so \\boxed{41}"], [])
+    batch = _batch([(p, c, e), one[:3]], [1.0, -1.0], ["41", "41"])
+    batch.answers = None
+    cfg = oar.OARConfig(method="oar_p", conclude=CONCLUDE, turn_probe="action")
+    res = Pipeline(cfg, tok).scores(batch, model)
+    cut = [len(_enc(tok, "I try ")), len(_enc(tok, "Then ")), len(_enc(tok, "so "))]
+    starts = [0] + [a for a, _ in spans[1:]]
+    ends = [b for _, b in spans[:-1]] + [len(c)]
+    pids = [p + c[:s] for s in starts] + [one[0]]
+    rids = [c[s:t] for s, t in zip(starts, ends)] + [one[1]]
+    lens = cut + [len(_enc(tok, "it is 12*3+5 so "))]
+    assert [tok.decode(r[:L]).strip() for r, L in zip(rids, lens)] == ["I try", "Then", "so", "it is 12*3+5 so"]
+    ref = ProbeContextBuilder(tok, CONCLUDE).build_actions(pids, rids, lens)
+    assert [tok.decode(ref.answer_ids[k, :int(ref.answer_len[k])].tolist()).strip() for k in range(4)] == [
+        "<calc>12/0</calc>", "<calc>12*3+5</calc>", "\\boxed{41}", "\\boxed{41}"]
+    exact = oar_p_error_bound(model, ref, "answer_mean")
+    got = torch.zeros_like(exact.value, dtype=torch.float32)
+    for k, s in enumerate(starts):
+        got[k, :lens[k]] = res.scores[0, s:s + lens[k]]
+    got[3, :lens[3]] = res.scores[1, :lens[3]]
+    assert_within_error_model(got, exact, what="action-probed OAR-P")
+    assert res.stats["variants"] == sum(lens)
+    assert not bool(res.reasoning_mask[0, :len(c)][~e].any())  # observations unscored
+    with pytest.raises(ValueError, match="action_markers must be non-empty strings"):
+        Pipeline(cfg, tok, action_markers=["<calc>", ""])
+
+
+def test_token_advantages_passes_turn_rewards_on(tiny):
+    model, tok = tiny
+    p, c, e, spans = _session(tok, *THREE_TURNS)
+    rows = [(p, c, e), _session(tok, ["so \\boxed{40}"], [])[:3]]
+    batch = _batch(rows, [0.0, 0.0], ["41", "41"])
+    cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards")
+    out = oar.token_advantages(torch.tensor([1.0, 0.0]), group_size=2, completion_ids=batch.completion_ids,
+                               completion_mask=batch.completion_mask, eligible_mask=batch.eligible_mask,
+                               model=model, tokenizer=tok, prompt_ids=batch.prompt_ids, answers=batch.answers,
+                               config=cfg, turn_rewards=[[-0.05, 1.0], None])
+    A = float(out.sequence_advantages[0])
+    ref = Pipeline(cfg, tok).compute(dataclasses.replace(batch, sequence_advantages=out.sequence_advantages,
+                                                         turn_rewards=[[-0.05, 1.0], None]), model)
+    assert A > 0 and torch.equal(out.advantages, ref.advantages)
+    a, b = spans[1]
+    assert float(out.advantages[0, a:b].sum()) > A * (b - a)  # the rewarded call got more than its uniform mass

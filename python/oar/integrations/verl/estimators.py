@@ -313,6 +313,9 @@ def _estimator(name: str, method: str | None):
                              completion, eligible_mask=eligible, rewards=rewards, group_ids=list(index),
                              sequence_advantages=seq)
         batch.entropy = get("oar_entropy")  # verl's own entropies, read by the entropy methods only
+        if cfg.turn_credit == "rewards":  # verl's agent loops record each tool call's reward (docs/method.md s. 13)
+            batch.turn_rewards = next((d.non_tensor_batch["tool_rewards"] for d in (data, extra) if d is not None
+                                       and "tool_rewards" in getattr(d, "non_tensor_batch", {})), None)
         if pipe.method.credit.name == "add" and pipe.method.needs_model and batch.entropy is None:
             raise ValueError(f"verl estimator {name!r} (method {cfg.method!r}) needs batch['oar_entropy'] (kept by "
                              "the plugin's RayPPOTrainer._compute_old_log_prob wrapper)")
