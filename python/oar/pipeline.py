@@ -449,7 +449,8 @@ class Pipeline:
         (:func:`oar.attribution.turns.reward_turn_weights` of the row's ``turn_rewards`` and advantage sign)."""
         if b.turn_rewards is None:
             raise ValueError(f"turn_credit 'rewards' needs the batch's per-turn rewards (RolloutBatch.turn_rewards; "
-                             f"verl: non_tensor_batch['tool_rewards']), got none for a batch whose row {i} has "
+                             f"verl: non_tensor_batch['tool_rewards']; TRL: a rollout_func field 'turn_rewards'), "
+                             f"got none for a batch whose row {i} has "
                              f"{len(cols)} turns: pass them, or set turn_credit to 'uniform' or 'probe'")
         counts = torch.tensor([int(b.eligible[i, c].sum()) for c in cols])
         try:

@@ -375,8 +375,13 @@ class OARTrainerMixin:
                 [x[col] for x in inputs], column=col, rows=[f"{i} of process {rank}'s batch" for i in range(B)],
                 extractor=getattr(self, "oar_answer_extractor", None), tokenizer=_text_tokenizer(self.oar_tokenizer),
                 fix=ANSWER_FIX)
+        turn_rewards = None
+        if self.oar_pipeline.config.turn_credit == "rewards":  # a rollout_func's per-row field (TRL merges it in)
+            turn_rewards = [x.get("turn_rewards") for x in inputs]
+            if all(r is None for r in turn_rewards):
+                turn_rewards = None  # refused by the pipeline, which names what is missing
         return RolloutBatch(cids, cmask, prompt_ids=prompt_ids, eligible_mask=eligible, group_ids=groups,
-                            answers=answers, sequence_advantages=out["advantages"])
+                            answers=answers, sequence_advantages=out["advantages"], turn_rewards=turn_rewards)
 
     def _oar_gathered(self, batch: RolloutBatch) -> RolloutBatch:
         """The whole batch of every process (KTAE's groups may span processes), padded to one width."""

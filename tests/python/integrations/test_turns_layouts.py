@@ -115,3 +115,36 @@ def test_trl_verl_and_openrlhf_layouts_give_the_same_advantages(setup):
     assert float(session[obs].abs().sum()) == 0 and float(session.double().sum()) == pytest.approx(
         ADV[0] * int((~obs).sum()), rel=1e-5)
     assert len({round(float(x), 6) for x in session[~obs]}) > 3  # credit varies within and between turns
+
+
+def test_trl_reads_a_rollout_funcs_turn_rewards(setup):
+    """turn_credit 'rewards' under TRL: a rollout_func that returns a ``turn_rewards`` list (TRL merges its extra
+    fields into each row's inputs) reaches the batch; without it the pipeline refuses, naming the field."""
+    from oar.integrations.trl import OARTrainerMixin
+
+    model, tok, rows, _ = setup
+    cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards")
+    B = len(rows)
+    C = max(len(r["ids"]) for r in rows)
+    P = max(len(r["prompt"]) for r in rows)
+    pids, pmask = torch.zeros((B, P), dtype=torch.long), torch.zeros((B, P), dtype=torch.long)
+    cids, cmask, tmask = (torch.zeros((B, C), dtype=torch.long) for _ in range(3))
+    for i, r in enumerate(rows):
+        pids[i, P - len(r["prompt"]):], pmask[i, P - len(r["prompt"]):] = torch.tensor(r["prompt"]), 1
+        cids[i, :len(r["ids"])], cmask[i, :len(r["ids"])] = torch.tensor(r["ids"]), 1
+        tmask[i, :len(r["ids"])] = torch.tensor(r["mask"])
+    trainer = SimpleNamespace(num_generations=B, accelerator=SimpleNamespace(process_index=0),
+                              oar_pipeline=Pipeline(cfg, tok), oar_answer_column="answer", oar_answer_extractor=None,
+                              oar_tokenizer=tok)
+    out = dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, tool_mask=tmask,
+               advantages=torch.tensor(ADV))
+    inputs = [{"answer": "41", "turn_rewards": [-0.05, 1.0]}, {"answer": "41", "turn_rewards": []}]
+    batch = OARTrainerMixin._oar_batch(trainer, inputs, out)
+    assert batch.turn_rewards == [[-0.05, 1.0], []]
+    adv = Pipeline(cfg, tok).compute(batch, model).advantages
+    ref = Pipeline(cfg, tok).compute(RolloutBatch(**{**batch.__dict__, "turn_rewards": [[-0.05, 1.0], None]}), model)
+    assert torch.equal(adv, ref.advantages)
+    batch = OARTrainerMixin._oar_batch(trainer, [{"answer": "41"}] * B, out)
+    assert batch.turn_rewards is None
+    with pytest.raises(ValueError, match="TRL: a rollout_func field 'turn_rewards'"):
+        Pipeline(cfg, tok).compute(batch, model)
