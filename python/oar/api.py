@@ -22,7 +22,8 @@ def token_advantages(rewards: torch.Tensor, *, completion_ids: torch.Tensor, com
                      offsets=None, group_ids=None, group_size: int | None = None, model=None, tokenizer=None,
                      prompt_ids: Sequence | None = None, answers: Sequence[str] | None = None, config=None,
                      eligible_mask: torch.Tensor | None = None, preset: str | None = None,
-                     span_starts: torch.Tensor | None = None, turn_rewards: Sequence | None = None) -> TokenAdvantages:
+                     span_starts: torch.Tensor | None = None,
+                     turn_rewards: Sequence | None = None) -> TokenAdvantages:
     """Group advantages + the configured method in one call (method.md sections 1-6 and 8).
 
     Args:

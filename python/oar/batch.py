@@ -162,7 +162,8 @@ class Batch:
     """A validated :class:`RolloutBatch` on the CPU (:func:`validate`): ``cids`` (B, C) int64, ``cmask`` /
     ``eligible`` (B, C) bool, ``rewards`` (B,) or None, ``group_ids`` B ids or None, ``entropy`` / ``scores`` (B, C)
     float32 or None, ``reasoning`` (B, C) bool or None, ``span_starts`` (B, C) bool or None, ``turn_weights`` (B, C)
-    float32 or None, ``turn_rewards`` B lists of floats (empty for None) or None; ``out_device``: where the outputs go."""
+    float32 or None, ``turn_rewards`` B lists of floats (empty for None) or None; ``out_device``: where the outputs
+    go."""
 
     B: int
     C: int
@@ -250,7 +251,8 @@ def _turn_rewards(turn_rewards, B: int) -> list[list[float]]:
     if isinstance(turn_rewards, (str, bytes)) or not hasattr(turn_rewards, "__len__") or len(turn_rewards) != B:
         got = len(turn_rewards) if hasattr(turn_rewards, "__len__") and not isinstance(turn_rewards, (str, bytes)) \
             else type(turn_rewards).__name__
-        raise ValueError(f"turn_rewards must have B = {B} entries (one sequence of per-turn rewards per row), got {got}")
+        raise ValueError(f"turn_rewards must have B = {B} entries (one sequence of per-turn rewards per row), "
+                         f"got {got}")
     out = []
     for i, row in enumerate(turn_rewards):
         if row is None:

@@ -21,7 +21,8 @@ from typing import Sequence
 import torch
 
 from oar import _args
-from oar.attribution import DEFAULT_ACTION_MARKERS, DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model, reasoning_length
+from oar.attribution import (DEFAULT_ACTION_MARKERS, DEFAULT_MARKERS, ProbeContextBuilder, as_probe_model,
+                             reasoning_length)
 from oar.attribution.spans import span_starts, span_sums, spans_of, token_texts
 from oar.attribution.turns import (answer_log_likelihoods, reward_turn_weights, turn_runs, turn_segments,
                                   turn_weights)

@@ -322,8 +322,8 @@ def test_reward_credit_without_or_with_misfit_rewards_is_refused(tiny):
     batch = _batch([(p, c, e)], [1.0], ["41"])
     cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards")
     with pytest.raises(ValueError, match=r"turn_credit 'rewards' needs the batch's per-turn rewards "
-                                         r"\(RolloutBatch.turn_rewards; verl: non_tensor_batch\['tool_rewards'\]; TRL: a rollout_func "
-                                         r"field 'turn_rewards'\)"):
+                                         r"\(RolloutBatch.turn_rewards; verl: non_tensor_batch\['tool_rewards'\]; "
+                                         r"TRL: a rollout_func field 'turn_rewards'\)"):
         Pipeline(cfg, tok).compute(batch, model)
     batch.turn_rewards = [[0.0, 1.0, 0.5, 2.0]]
     with pytest.raises(ValueError, match=r"turn_rewards\[0\]: rewards must hold one value per turn \(K = 3\).*got 4 "
