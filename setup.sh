@@ -55,7 +55,8 @@ if [ ! -f "$stamp" ]; then
   # verl / OpenRLHF integrations (tests/python/integrations/test_{verl,openrlhf}.py): the packages without their GPU
   # stacks, plus only what the modules oar imports need; the pins above stay as they are (-c).
   log "installing verl / OpenRLHF without their GPU stacks: pip may print a 'dependency conflicts' ERROR below; it"
-  log "names requirements of verl / OpenRLHF left out on purpose (GPU packages such as vllm) and is expected"
+  log "names requirements of verl / OpenRLHF left out or held at other versions on purpose (their GPU packages,"
+  log "their exact transformers / ray pins): expected; oar's tests run verl and OpenRLHF with what is installed here"
   "$VPY" -m pip install -q --no-deps -r requirements/trainers-nodeps.txt
   "$VPY" -m pip install -q -c "$VENV/.oar-pins.txt" -r requirements/trainers.txt
   rm -f "$VENV"/.oar-deps-*; touch "$stamp"
