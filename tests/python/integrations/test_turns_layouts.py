@@ -42,6 +42,26 @@ def _advantages(batch, model, tok, cfg, completions):
     return [out[i][m] for i, m in enumerate(completions)]
 
 
+def _trl_layout(rows, tok, cfg, C):
+    """(stand-in trainer, TRL's output dict) of ``rows``: prompts left-padded with prompt_mask, completions
+    right-padded to C, tool_mask 0 on the tool's replies (what ``OARTrainerMixin._oar_batch`` reads)."""
+    B = len(rows)
+    P = max(len(r["prompt"]) for r in rows)
+    pids, pmask = torch.zeros((B, P), dtype=torch.long), torch.zeros((B, P), dtype=torch.long)
+    cids, cmask = torch.zeros((B, C), dtype=torch.long), torch.zeros((B, C), dtype=torch.long)
+    tmask = torch.ones((B, C), dtype=torch.long)
+    for i, r in enumerate(rows):
+        pids[i, P - len(r["prompt"]):], pmask[i, P - len(r["prompt"]):] = torch.tensor(r["prompt"]), 1
+        cids[i, :len(r["ids"])], cmask[i, :len(r["ids"])] = torch.tensor(r["ids"]), 1
+        tmask[i, :len(r["ids"])] = torch.tensor(r["mask"])
+    trainer = SimpleNamespace(num_generations=B, accelerator=SimpleNamespace(process_index=0),
+                              oar_pipeline=Pipeline(cfg, tok), oar_answer_column="answer", oar_answer_extractor=None,
+                              oar_tokenizer=tok)
+    out = dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, tool_mask=tmask,
+               advantages=torch.tensor(ADV))
+    return trainer, out
+
+
 def test_trl_verl_and_openrlhf_layouts_give_the_same_advantages(setup):
     pytest.importorskip("verl")
     import numpy as np
@@ -57,18 +77,9 @@ def test_trl_verl_and_openrlhf_layouts_give_the_same_advantages(setup):
     C = max(len(r["ids"]) for r in rows) + 3  # extra right padding in every layout
 
     # TRL: prompts left-padded with prompt_mask; completions right-padded; tool_mask 0 on the tool's replies
-    pids, pmask = torch.zeros((B, P), dtype=torch.long), torch.zeros((B, P), dtype=torch.long)
-    cids, cmask = torch.zeros((B, C), dtype=torch.long), torch.zeros((B, C), dtype=torch.long)
-    tmask = torch.ones((B, C), dtype=torch.long)
-    for i, r in enumerate(rows):
-        pids[i, P - len(r["prompt"]):], pmask[i, P - len(r["prompt"]):] = torch.tensor(r["prompt"]), 1
-        cids[i, :len(r["ids"])], cmask[i, :len(r["ids"])] = torch.tensor(r["ids"]), 1
-        tmask[i, :len(r["ids"])] = torch.tensor(r["mask"])
-    trainer = SimpleNamespace(num_generations=B, accelerator=SimpleNamespace(process_index=0),
-                              oar_pipeline=Pipeline(cfg, tok), oar_answer_column="answer", oar_answer_extractor=None,
-                              oar_tokenizer=tok)
-    out = dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, tool_mask=tmask,
-               advantages=torch.tensor(ADV))
+    trainer, out = _trl_layout(rows, tok, cfg, C)
+    pids, pmask, cids, cmask, tmask = (out[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                          "completion_mask", "tool_mask"))
     trl_batch = OARTrainerMixin._oar_batch(trainer, [{"answer": "41"}] * B, out)
     trl = _advantages(trl_batch, model, tok, cfg, [cmask[i].bool() for i in range(B)])
 
@@ -125,19 +136,7 @@ def test_trl_reads_a_rollout_funcs_turn_rewards(setup):
     model, tok, rows, _ = setup
     cfg = oar.OARConfig(method="random", conclude=CONCLUDE, turn_credit="rewards")
     B = len(rows)
-    C = max(len(r["ids"]) for r in rows)
-    P = max(len(r["prompt"]) for r in rows)
-    pids, pmask = torch.zeros((B, P), dtype=torch.long), torch.zeros((B, P), dtype=torch.long)
-    cids, cmask, tmask = (torch.zeros((B, C), dtype=torch.long) for _ in range(3))
-    for i, r in enumerate(rows):
-        pids[i, P - len(r["prompt"]):], pmask[i, P - len(r["prompt"]):] = torch.tensor(r["prompt"]), 1
-        cids[i, :len(r["ids"])], cmask[i, :len(r["ids"])] = torch.tensor(r["ids"]), 1
-        tmask[i, :len(r["ids"])] = torch.tensor(r["mask"])
-    trainer = SimpleNamespace(num_generations=B, accelerator=SimpleNamespace(process_index=0),
-                              oar_pipeline=Pipeline(cfg, tok), oar_answer_column="answer", oar_answer_extractor=None,
-                              oar_tokenizer=tok)
-    out = dict(prompt_ids=pids, prompt_mask=pmask, completion_ids=cids, completion_mask=cmask, tool_mask=tmask,
-               advantages=torch.tensor(ADV))
+    trainer, out = _trl_layout(rows, tok, cfg, max(len(r["ids"]) for r in rows))
     inputs = [{"answer": "41", "turn_rewards": [-0.05, 1.0]}, {"answer": "41", "turn_rewards": []}]
     batch = OARTrainerMixin._oar_batch(trainer, inputs, out)
     assert batch.turn_rewards == [[-0.05, 1.0], []]
