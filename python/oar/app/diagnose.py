@@ -63,6 +63,9 @@ class DiagnoseSettings:
         reward_prompts, reward_samples: that evaluation's held-out prompts and samples per prompt.
         step_norm: length of that step along u / |u| (parameter units; 0: 4 x lr x sqrt(#params), about four
             Adam steps at the config's learning rate).
+        step_scales: the reward check's steps, as multiples of ``step_norm`` (a scan: at each, the sampled reward
+            change and the importance-weighted one next to its linear prediction; docs/diagnose.md). The main
+            table's column is the step of scale 1 (``-`` when 1 is not listed).
         seed: the seed of everything (prompt draws, sampling, random credit, OAR-G noise, the sketch).
     """
 
@@ -81,6 +84,7 @@ class DiagnoseSettings:
     reward_prompts: int = 64
     reward_samples: int = 4
     step_norm: float = 0.0
+    step_scales: list = field(default_factory=lambda: [1.0])
     seed: int = 0
 
     def check(self) -> None:
@@ -108,6 +112,12 @@ class DiagnoseSettings:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if not self.step_norm >= 0:
             raise ValueError(f"step_norm must be >= 0, got {self.step_norm!r}")
+        sc = self.step_scales
+        if not isinstance(sc, (list, tuple)) or not sc or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0 for x in sc):
+            raise ValueError(f"step_scales must be a non-empty list of finite numbers > 0, got {sc!r}")
+        if len(set(float(x) for x in sc)) != len(sc):
+            raise ValueError(f"step_scales lists a scale more than once: {sc!r}")
         if not self.methods:
             raise ValueError("methods must name at least one credit setting")
         labels = [core.parse_credit(m).label for m in self.methods]
@@ -235,14 +245,65 @@ def compute_reference(model, tok, source: TaskSource, s: DiagnoseSettings, out_d
     return ref
 
 
-def _heldout_reward(model, source: TaskSource, s: DiagnoseSettings) -> float:
+def _heldout_rollouts(model, source: TaskSource, s: DiagnoseSettings):
+    """The reward check's rollouts (the same prompts and sampling seed for every setting, step and the start)."""
     probs = source.heldout[s.ref_prompts: s.ref_prompts + s.reward_prompts]
     if not probs:
         raise ValueError(f"no held-out prompts left for the reward check: the task's test split has "
                          f"{len(source.heldout)} problems, ref_prompts uses {s.ref_prompts}")
-    r = source.rollouts(model, probs, group=s.reward_samples, temperature=s.temperature,
-                        max_new_tokens=s.max_new_tokens, seed=s.seed * 7919 + 900_001)  # the same seed for all
-    return float(r.rewards.mean())
+    return source.rollouts(model, probs, group=s.reward_samples, temperature=s.temperature,
+                           max_new_tokens=s.max_new_tokens, seed=s.seed * 7919 + 900_001)
+
+
+@dataclass
+class RewardCheck:
+    """The reward check's starting point: its rollouts ``r0`` at the current policy, their mean reward, sequence
+    log-probs and the gradient of the importance-weighted reward (:func:`oar.app.diagnose_core.
+    reward_slope_gradient`), whose inner product with a step is the step's linear prediction."""
+
+    r0: object
+    reward: float
+    logp0: torch.Tensor
+    slope: list
+
+
+def _reward_check(model, tok, source: TaskSource, s: DiagnoseSettings, params: list, out_dir: str) -> RewardCheck:
+    r0 = _heldout_rollouts(model, source, s)
+    reward = float(r0.rewards.mean())
+    bpath = os.path.join(out_dir, "base_reward.json")
+    if os.path.exists(bpath):
+        with open(bpath) as f:
+            stored = json.load(f)["reward"]
+        if abs(stored - reward) > 1e-9:  # another machine or library sampled other rollouts
+            raise ValueError(f"{out_dir}: the reward check's starting rollouts now have mean reward {reward:.6f}, "
+                             f"the stored run's had {stored:.6f} (another machine or library version samples "
+                             "differently): resume where it started, or use another output folder")
+    write_json_atomic(bpath, {"reward": reward})
+    pad = _pad_id(tok)
+    slope = core.reward_slope_gradient(model, r0, params, pad) if r0.group_size >= 2 else None
+    return RewardCheck(r0, reward, core.sequence_logprobs(model, r0, pad), slope)
+
+
+def _reward_scan(model, tok, source: TaskSource, s: DiagnoseSettings, params: list, u: list, step_norm: float,
+                 check: RewardCheck) -> list:
+    """Per step scale: the held-out reward after a step of ``scale * step_norm`` along u / |u|, sampled with the
+    start's seed (``reward_change``), its importance-weighted estimate on the start's rollouts (``is_change``) and
+    the linear prediction of that estimate (``linear_change``; None with one sample per prompt)."""
+    n = core.grad_norm(u)
+    slope = core.grad_dot(u, check.slope) / n if check.slope is not None and n > 0 else 0.0
+    out = []
+    for scale in s.step_scales:
+        length = float(scale) * step_norm
+        with _step_along(model, params, u, length):
+            after = float(_heldout_rollouts(model, source, s).rewards.mean())
+            is_change = None
+            if check.r0.group_size >= 2:
+                is_change = core.is_reward_change(check.r0, core.sequence_logprobs(model, check.r0, _pad_id(tok)),
+                                                  check.logp0)
+        out.append({"scale": float(scale), "step": length, "reward_after_step": after,
+                    "reward_change": after - check.reward, "is_change": is_change,
+                    "linear_change": length * slope if check.slope is not None else None})
+    return out
 
 
 def _step_along(model, params, u: list, length: float):
@@ -268,7 +329,7 @@ def _step_along(model, params, u: list, length: float):
 
 
 def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, ref: dict, b: int,
-              sketch: core.CountSketch, base_config, base_reward: float | None, step_norm: float) -> tuple[dict, dict]:
+              sketch: core.CountSketch, base_config, check: RewardCheck | None, step_norm: float) -> tuple[dict, dict]:
     """One batch: rollouts, every setting's advantages and update, its statistics. Returns ``(record, sketches)``."""
     t0 = time.perf_counter()
     params = _params(model)
@@ -299,10 +360,11 @@ def run_batch(model, tok, source: TaskSource, s: DiagnoseSettings, specs: list, 
                  "ess_ratio": metrics[spec.label].get("oar/ess_ratio"),
                  "attribution_seconds": metrics[spec.label].get("oar/attribution_seconds")}
         sk[spec.label] = sketch(u)
-        if base_reward is not None:
-            with _step_along(model, params, u, step_norm):
-                entry["reward_after_step"] = _heldout_reward(model, source, s)
-            entry["reward_change"] = entry["reward_after_step"] - base_reward
+        if check is not None:
+            entry["reward_scan"] = _reward_scan(model, tok, source, s, params, u, step_norm, check)
+            for x in entry["reward_scan"]:
+                if x["scale"] == 1.0:
+                    entry["reward_after_step"], entry["reward_change"] = x["reward_after_step"], x["reward_change"]
         rec["methods"][spec.label] = entry
     rec["seconds"] = {"generation": t_gen, "advantages": t_adv, "updates": t_upd, "total": time.perf_counter() - t0}
     return rec, sk
@@ -354,9 +416,11 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
             raise ValueError(f"{out_dir} holds a diagnostic of another version ({old.get('version', 1)}, this is "
                              f"{STATE_VERSION}: its batches measured other updates); use another output folder")
         # `batches` may change: batch b is the same draw whatever the total, so a pilot extends to a full run
-        # (and the report covers batches 0 .. batches - 1).
+        # (and the report covers batches 0 .. batches - 1). A setting added since a run started is compared at its
+        # default (what that run used).
+        dflt = asdict(DiagnoseSettings())
         diff = sorted(k for k in set(old["settings"]) | set(state["settings"])
-                      if k != "batches" and old["settings"].get(k) != state["settings"].get(k))
+                      if k != "batches" and old["settings"].get(k, dflt.get(k)) != state["settings"].get(k))
         if old.get("base_config") != state["base_config"]:
             diff.append("base_config")
         op, np_ = old.get("provenance", {}), state["provenance"]
@@ -375,21 +439,19 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
     ref = compute_reference(model, tok, source, s, out_dir, progress=bar.update)
     bar.close()
     done = {b: rec for b, rec in _load_batches(out_dir).items() if b < s.batches}
-    base_reward = None
-    if s.reward_batches:
-        bpath = os.path.join(out_dir, "base_reward.json")
-        if os.path.exists(bpath):
-            with open(bpath) as f:
-                base_reward = json.load(f)["reward"]
-        else:
-            base_reward = _heldout_reward(model, source, s)
-            write_json_atomic(bpath, {"reward": base_reward})
     sketch = core.CountSketch([p.numel() for p in params], s.sketch_dim, seed=s.seed)
     todo = [b for b in range(s.batches) if b not in done]
+    check, base_reward = None, None
+    if any(b < s.reward_batches for b in todo):
+        check = _reward_check(model, tok, source, s, params, out_dir)
+        base_reward = check.reward
+    elif s.reward_batches:
+        with open(os.path.join(out_dir, "base_reward.json")) as f:
+            base_reward = json.load(f)["reward"]
     with tqdm(total=s.batches, initial=len(done), desc="batches", disable=not progress, dynamic_ncols=True) as bar:
         for b in todo:
             rec, sk = run_batch(model, tok, source, s, specs, ref, b, sketch, base_config,
-                                base_reward if b < s.reward_batches else None, step_norm)
+                                check if b < s.reward_batches else None, step_norm)
             torch.save(sk, os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))
             with open(os.path.join(out_dir, "batches.jsonl"), "a+b") as f:
                 # A killed run may have left a cut last line without its newline: end it first, so that this

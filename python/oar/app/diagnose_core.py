@@ -394,6 +394,53 @@ def reference_gradient(model, r: Rollouts, params: list, pad_id: int, *, micro_b
     return acc
 
 
+def reward_slope_gradient(model, r: Rollouts, params: list, pad_id: int, *, micro_batch: int = 16) -> list:
+    """The gradient, at the current parameters, of :func:`is_reward_change` on ``r`` (``r`` sampled from the current
+    policy): (1 / B) sum_i (R_i - mean reward of its group) grad log pi(y_i | x_i), i.e. (G - 1) / G times
+    :func:`reference_gradient`. <delta, this> is the first-order (linear) prediction of the importance-weighted
+    reward change after a parameter step delta.
+
+    Returns:
+        per-parameter float32 tensors. Raises: ValueError: ``group_size`` < 2.
+    """
+    g = reference_gradient(model, r, params, pad_id, micro_batch=micro_batch)
+    c = (r.group_size - 1) / r.group_size
+    return [x * c for x in g]
+
+
+def sequence_logprobs(model, r: Rollouts, pad_id: int, *, micro_batch: int = 16) -> torch.Tensor:
+    """(B,) float64: sum_t log pi_T(y_t | ...) over each row's policy tokens (:func:`token_logprobs`, no autograd)."""
+    out = torch.zeros(r.batch_size, dtype=torch.float64)
+    with torch.no_grad():
+        for s in range(0, r.batch_size, micro_batch):
+            rows = list(range(s, min(r.batch_size, s + micro_batch)))
+            out[rows] = token_logprobs(model, r, rows, pad_id).double().sum(-1).cpu()
+    return out
+
+
+def is_reward_change(r: Rollouts, logp_new: torch.Tensor, logp_old: torch.Tensor) -> float:
+    """Importance-sampling estimate of E_new[R] - E_old[R] from rollouts ``r`` sampled from the old policy:
+    per prompt, the self-normalized weights w_i = softmax_group(logp_new - logp_old)_i give sum_i w_i R_i; the mean
+    over prompts minus the mean reward. Smooth in the step (no resampling), so a scan over step sizes shows where it
+    stops being linear; unreliable once a group's weights concentrate on one rollout.
+
+    Args:
+        r: the rollouts (``group_size`` consecutive rows per prompt); logp_new, logp_old: (B,) sequence log-probs
+            (:func:`sequence_logprobs`) under the stepped and the sampling policy.
+    Returns: the estimated change of the mean reward (float).
+    Raises: ValueError: logp_new / logp_old not of shape (B,), or not finite.
+    """
+    B, G = r.batch_size, r.group_size
+    for name, x in (("logp_new", logp_new), ("logp_old", logp_old)):
+        if tuple(x.shape) != (B,):
+            raise ValueError(f"{name} must have shape ({B},) (one log-prob per rollout), got {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} holds a non-finite log-prob")
+    w = torch.softmax((logp_new.double() - logp_old.double()).view(-1, G), dim=1)
+    R = r.rewards.double().view(-1, G)
+    return float((w * R).sum(1).mean() - R.mean())
+
+
 def grad_dot(a: list, b: list) -> float:
     """Inner product of two gradients given as per-parameter tensors (float64 accumulation)."""
     return float(sum(torch.dot(x.reshape(-1).double(), y.reshape(-1).double()) for x, y in zip(a, b)))

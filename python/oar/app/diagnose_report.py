@@ -153,6 +153,9 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
                     row["dreward"] = float(np.mean(dd))
                     if len(dd) >= 2 and any(dd):
                         row["dreward_ci"] = paired_t(dd).as_dict()
+            scan = _scan_rows(done, bs, lab, base)
+            if scan:
+                row["reward_scan"] = scan
         ess = [done[b]["methods"][lab].get("ess_ratio") for b in bs]
         ess = [e for e in ess if e is not None]
         row["ess_ratio"] = float(np.mean(ess)) if ess else None
@@ -180,6 +183,49 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
             "step_seconds": step_s,
             "batches_without_signal": silent,
             "sketch_gram": grams}
+
+
+def _scan_rows(done: dict, bs: list, lab: str, base: str) -> list:
+    """The step scan of one setting (batches' ``reward_scan`` records), per step scale: the sampled and the
+    importance-weighted reward change (means, t intervals over batches), the linear prediction of the latter and
+    their ratio (1 in the linear regime), and the sampled change's paired difference to ``base``."""
+    from oar.app.stats import paired_t
+
+    def ci(x):
+        return paired_t(x).as_dict() if len(x) >= 2 and np.ptp(x) > 0 else None
+
+    by = {}
+    for b in bs:
+        for x in done[b]["methods"][lab].get("reward_scan") or []:
+            by.setdefault(x["scale"], []).append((b, x))
+    out = []
+    for scale in sorted(by):
+        xs = by[scale]
+        rc = np.array([x["reward_change"] for _, x in xs])
+        row = {"scale": scale, "step": xs[0][1]["step"], "batches": len(xs), "reward_change": float(rc.mean()),
+               "reward_change_ci": ci(rc)}
+        isc = [x["is_change"] for _, x in xs if x.get("is_change") is not None]
+        lin = [x["linear_change"] for _, x in xs if x.get("linear_change") is not None]
+        if isc:
+            row["is_change"], row["is_change_ci"] = float(np.mean(isc)), ci(np.array(isc))
+        if lin:
+            row["linear_change"] = float(np.mean(lin))
+            # least-squares slope of the IS change on its prediction across batches (1: linear); a ratio of means
+            # would be unstable where batches' predictions have both signs
+            pairs = [(x["is_change"], x["linear_change"]) for _, x in xs
+                     if x.get("is_change") is not None and x.get("linear_change") is not None]
+            den = sum(lv * lv for _, lv in pairs)
+            row["is_over_linear"] = float(sum(iv * lv for iv, lv in pairs) / den) if den > 0 else None
+        if lab != base:
+            d = []
+            for b, x in xs:
+                y = next((y for y in done[b]["methods"][base].get("reward_scan") or [] if y["scale"] == scale), None)
+                if y is not None:
+                    d.append(x["reward_change"] - y["reward_change"])
+            if d:
+                row["dreward"], row["dreward_ci"] = float(np.mean(d)), ci(np.array(d))
+        out.append(row)
+    return out
 
 
 def summarize_stored(out_dir: str) -> dict:
@@ -262,6 +308,23 @@ def write_report(summary: dict, out_dir: str) -> None:
         lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is "
                   "the "
                   f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)."]
+    scan = [(r["method"], x) for r in summary["rows"] for x in r.get("reward_scan") or []]
+    if scan:
+        lines += ["", "Step scan (the reward check at each step length; `IS`: the importance-weighted change on the "
+                  "start's rollouts, `linear`: its first-order prediction <step, grad>; IS / linear near 1 is the linear "
+                  "regime; intervals are t over batches, without the reference's noise):", "",
+                  f"| setting | step | Δreward sampled [95% CI] | vs {base} | Δreward IS [95% CI] | linear | IS / linear |",
+                  "|---|---|---|---|---|---|---|"]
+
+        def cell(x, key):
+            c = x.get(key + "_ci")
+            v = x.get(key)
+            return "-" if v is None else f"{v:+.4f}" + (f" [{c['lo']:+.4f}, {c['hi']:+.4f}]" if c else "")
+
+        for lab, x in scan:
+            lines.append(f"| {lab} | {x['step']:.3g} ({x['scale']:g}x) | {cell(x, 'reward_change')} | "
+                         f"{cell(x, 'dreward') if lab != base else '(baseline)'} | {cell(x, 'is_change')} | "
+                         f"{_fmt(x.get('linear_change'))} | {_fmt(x.get('is_over_linear'), '.2f')} |")
     lines += ["", "How to read this and what it cannot tell: docs/diagnose.md."]
     with open(os.path.join(out_dir, "diagnose.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -559,7 +559,11 @@ def test_batches_without_signal_are_reported_not_averaged(tiny, tmp_path):
                                              ("temperature", 0.0, "temperature must be > 0"),
                                              ("methods", ["grpo", "grpo"], r"lists \['grpo'\] more than once"),
                                              ("reward_batches", 25,
-                                              r"reward_batches \(25\) must be <= batches \(24\)")])
+                                              r"reward_batches \(25\) must be <= batches \(24\)"),
+                                             ("step_scales", [], "step_scales must be a non-empty list"),
+                                             ("step_scales", [1.0, 0.0], "step_scales must be a non-empty list"),
+                                             ("step_scales", [float("nan")], "step_scales must be a non-empty"),
+                                             ("step_scales", [1, 1.0], "lists a scale more than once")])
 def test_settings_errors(field, value, msg):
     from oar.app.diagnose import DiagnoseSettings
 
@@ -582,3 +586,104 @@ def test_report_marks_a_missing_dcos_as_missing_not_as_the_baseline(tmp_path):
     head = rows[0]
     col = next(k for k, c in enumerate(head) if c.startswith("Δcos"))
     assert rows[1][col] == "(baseline)" and rows[2][col] == "-" and rows[3][col].startswith("+0.0021 [")
+
+
+# ---- the reward check's step scan (issue 42 item 2) -------------------------------------------------------------
+
+def test_is_reward_change_is_the_self_normalized_estimate():
+    """Against the formula written out in float64 per group, plus its two fixed points (no step: 0; all weight on
+    one rollout: that rollout's reward) and its shape errors."""
+    G = 4
+    r = core.Rollouts(prompt_ids=[torch.tensor([1])] * 8, completion_ids=torch.zeros(8, 2, dtype=torch.long),
+                      completion_mask=torch.ones(8, 2, dtype=torch.bool),
+                      rewards=torch.tensor([1., 0, 0, 1, 0, 0, 0, 1]), group_size=G)
+    g = torch.Generator().manual_seed(0)
+    old, new = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    want = 0.0
+    for p in range(2):
+        d = [float(new[p * G + j] - old[p * G + j]) for j in range(G)]
+        e = [np.exp(x - max(d)) for x in d]
+        want += sum(e[j] * float(r.rewards[p * G + j]) for j in range(G)) / sum(e) / 2
+    want -= float(r.rewards.double().mean())
+    assert core.is_reward_change(r, new, old) == pytest.approx(want, abs=1e-12)
+    assert core.is_reward_change(r, old, old) == pytest.approx(0.0, abs=1e-15)
+    spike = old.clone()
+    spike[[0, 4]] += 800.0  # float64 softmax: the other weights underflow to 0
+    assert core.is_reward_change(r, spike, old) == pytest.approx((1.0 + 0.0) / 2 - 3 / 8, abs=1e-12)
+    with pytest.raises(ValueError, match=r"logp_new must have shape \(8,\).*got \(4,\)"):
+        core.is_reward_change(r, new[:4], old)
+    bad = new.clone()
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match="logp_new holds a non-finite"):
+        core.is_reward_change(r, bad, old)
+
+
+def test_reward_slope_is_the_first_order_term_of_the_is_change(tiny):
+    """<delta, reward_slope_gradient> is the derivative of the importance-weighted change at delta = 0: its error
+    shrinks like |delta|^2 (halving the step quarters it) while the change itself halves."""
+    from oar.app.diagnose import _params, _step_along
+
+    model, tok = tiny
+    r0 = _sample(model, tok, _prompts(6), 4, seed=11)
+    assert 0 < float(r0.rewards.mean()) < 1
+    params = _params(model)
+    slope = core.reward_slope_gradient(model, r0, params, tok.pad_token_id)
+    lp0 = core.sequence_logprobs(model, r0, tok.pad_token_id)
+    u = slope  # the steepest direction: the largest linear term
+    n = core.grad_norm(u)
+    lin_per_unit = core.grad_dot(u, slope) / n
+    errs = []
+    for length in (0.005, 0.0025):  # |slope| ~ 8 on this model: a step of 0.005 changes the reward by ~0.04
+        with _step_along(model, params, u, length):
+            got = core.is_reward_change(r0, core.sequence_logprobs(model, r0, tok.pad_token_id), lp0)
+        lin = length * lin_per_unit
+        assert got == pytest.approx(lin, rel=0.1)
+        errs.append(abs(got - lin))
+    assert 3.0 < errs[0] / errs[1] < 6.0  # quadratic: 4 up to the next order and float32 log-probs
+    # the leave-one-out gradient is G / (G - 1) times the slope: the scale the linear prediction must not carry
+    ref = core.reference_gradient(model, r0, params, tok.pad_token_id)
+    assert core.grad_dot(u, ref) / n == pytest.approx(lin_per_unit * 4 / 3, rel=1e-5)
+
+
+def test_run_scans_step_sizes(tiny, tmp_path):
+    """--step-scales: every setting's reward check at each multiple of step_norm; the main column is the scale-1
+    step; the scan table is in the report; an earlier run's state without the field resumes at its default."""
+    from oar.app.diagnose import DiagnoseSettings, run
+
+    model, tok = tiny
+    s = DiagnoseSettings(methods=["grpo", "random"], batches=2, prompts=2, group=4, ref_prompts=8, ref_group=4,
+                         max_new_tokens=4, temperature=1.0, sketch_dim=256, reward_batches=2, reward_prompts=6,
+                         reward_samples=4, step_norm=0.05, step_scales=[0.5, 1.0, 4.0])
+    out = str(tmp_path / "scan")
+    summary = run(model, tok, _PlantedSource(tok), s, out, progress=False)
+    recs = [json.loads(x) for x in open(os.path.join(out, "batches.jsonl"))]
+    for rec in recs:
+        for lab, m in rec["methods"].items():
+            scan = m["reward_scan"]
+            assert [x["scale"] for x in scan] == [0.5, 1.0, 4.0]
+            assert [x["step"] for x in scan] == pytest.approx([0.025, 0.05, 0.2], rel=1e-12)
+            assert m["reward_change"] == scan[1]["reward_change"]
+            assert all(x["reward_change"] == pytest.approx(x["reward_after_step"] - summary["base_reward"], abs=1e-12)
+                       for x in scan)
+            lin = [x["linear_change"] for x in scan]
+            assert lin[2] == pytest.approx(8 * lin[0], rel=1e-9) and lin[1] == pytest.approx(2 * lin[0], rel=1e-9)
+    rows = {r["method"]: r for r in summary["rows"]}
+    for lab, row in rows.items():
+        got = {x["scale"]: x for x in row["reward_scan"]}
+        for sc in (0.5, 1.0, 4.0):
+            vals = [next(x for x in rec["methods"][lab]["reward_scan"] if x["scale"] == sc) for rec in recs]
+            assert got[sc]["reward_change"] == pytest.approx(np.mean([v["reward_change"] for v in vals]), abs=1e-12)
+            assert got[sc]["is_change"] == pytest.approx(np.mean([v["is_change"] for v in vals]), abs=1e-12)
+    d = [next(x for x in rec["methods"]["random"]["reward_scan"] if x["scale"] == 4.0)["reward_change"]
+         - next(x for x in rec["methods"]["grpo"]["reward_scan"] if x["scale"] == 4.0)["reward_change"] for rec in recs]
+    assert {x["scale"]: x for x in rows["random"]["reward_scan"]}[4.0]["dreward"] == pytest.approx(np.mean(d))
+    md = open(os.path.join(out, "diagnose.md")).read()
+    assert "Step scan" in md and "| random | 0.2 (4x) |" in md
+    # a state written before step_scales existed resumes (the field compared at its default); another scan does not
+    state = json.load(open(os.path.join(out, "state.json")))
+    s1 = DiagnoseSettings(**{**state["settings"], "step_scales": [1.0]})
+    state["settings"].pop("step_scales")
+    json.dump(state, open(os.path.join(out, "state.json"), "w"))
+    run(model, tok, _PlantedSource(tok), s1, out, progress=False)
+    with pytest.raises(ValueError, match=r"other settings \(\['step_scales'\]\)"):
+        run(model, tok, _PlantedSource(tok), s, out, progress=False)
