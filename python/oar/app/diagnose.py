@@ -66,6 +66,9 @@ class DiagnoseSettings:
         step_scales: the reward check's steps, as multiples of ``step_norm`` (a scan: at each, the sampled reward
             change and the importance-weighted one next to its linear prediction; docs/diagnose.md). The main
             table's column is the step of scale 1 (``-`` when 1 is not listed).
+        margins: pre-declared break-even margins ``{setting label: Δcos}`` (issue 42 item 7): the report tests
+            H1: Δcos > margin for each (one-sided, both noises; :func:`oar.app.stats.margin_pvalue`). Recorded in
+            ``state.json`` before the first batch, so a resume cannot change them.
         seed: the seed of everything (prompt draws, sampling, random credit, OAR-G noise, the sketch).
     """
 
@@ -85,6 +88,7 @@ class DiagnoseSettings:
     reward_samples: int = 4
     step_norm: float = 0.0
     step_scales: list = field(default_factory=lambda: [1.0])
+    margins: dict = field(default_factory=dict)
     seed: int = 0
 
     def check(self) -> None:
@@ -124,6 +128,14 @@ class DiagnoseSettings:
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"methods lists {dup} more than once")
+        if not isinstance(self.margins, dict):
+            raise ValueError(f"margins must be a dict {{setting: margin}}, got {self.margins!r}")
+        for k, v in self.margins.items():
+            if k not in labels[1:]:
+                raise ValueError(f"margins: {k!r} is not a compared setting (one of {labels[1:]}; the first, "
+                                 f"{labels[0]!r}, is the baseline)")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"margins[{k!r}] must be a finite number, got {v!r}")
 
 
 class TaskSource:
@@ -468,7 +480,7 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
             release_memory()
             bar.update(1)
     summary = summarize(done, ref, [sp.label for sp in specs], out_dir, step_norm=step_norm, base_reward=base_reward,
-                        n_params=n_params)
+                        n_params=n_params, margins=s.margins)
     write_report(summary, out_dir)
     return summary
 

@@ -81,15 +81,17 @@ def snr_from_gram(gram: np.ndarray, sq_norms: np.ndarray) -> tuple[float, float]
 
 
 def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: float, base_reward,
-              n_params: int, grams: dict | None = None) -> dict:
+              n_params: int, grams: dict | None = None, margins: dict | None = None) -> dict:
     """Per-setting statistics over the finished batches (the paired differences against ``labels[0]``).
 
     Intervals of cos and Δcos carry both noises: the batches' (t over batches) and the reference's (jackknife over
     its folds: each batch's cosine recomputed against the reference without fold c, from the stored <u, g_c>);
     :func:`oar.app.stats.t_with_reference`. The SNR's interval is a jackknife over batches. ``grams``: the sketches'
     Gram matrices ``{"batches": [...], "gram": {label: (B, B)}}`` as the summary stores them (``sketch_gram``);
-    None computes them from ``out_dir/sketches``."""
-    from oar.app.stats import break_even_dcos, jackknife_se, paired_t, sign_flip_pvalue, t_quantile, t_with_reference
+    None computes them from ``out_dir/sketches``. ``margins``: pre-declared ``{label: Δcos margin}``, each tested
+    (``margin``, ``dcos_minus_margin`` interval, one-sided ``margin_p``)."""
+    from oar.app.stats import (break_even_dcos, jackknife_se, margin_pvalue, paired_t, sign_flip_pvalue, t_quantile,
+                               t_with_reference)
 
     w_loo, n_loo = leave_one_fold_out(ref)
 
@@ -142,6 +144,11 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
                 row["dcos"] = t_with_reference(d, d_loo.mean(0)).as_dict() if np.any(d != 0) else \
                     {"mean": 0.0, "lo": 0.0, "hi": 0.0}
                 row["dcos_p_signflip"] = sign_flip_pvalue(d) if np.any(d != 0) else 1.0
+                if margins and lab in margins:
+                    mg = float(margins[lab])
+                    row["margin"] = mg
+                    row["dcos_minus_margin"] = t_with_reference(d - mg, d_loo.mean(0) - mg).as_dict()
+                    row["margin_p"] = margin_pvalue(d, d_loo.mean(0), mg)
             rc = [done[b]["methods"][lab].get("reward_change") for b in bs]
             rc = [x for x in rc if x is not None]
             if rc:
@@ -181,7 +188,7 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
             "median_batch_seconds": float(np.median(secs)) if secs else None,
             "mean_batch_reward": float(np.mean([done[b]["mean_reward"] for b in done])) if done else None,
             "step_seconds": step_s,
-            "batches_without_signal": silent,
+            "batches_without_signal": silent, **({"margins": dict(margins)} if margins else {}),
             "sketch_gram": grams}
 
 
@@ -253,7 +260,7 @@ def summarize_stored(out_dir: str) -> dict:
                 done[int(rec["batch"])] = rec
     return summarize(done, stored["reference"], [r["method"] for r in stored["rows"]], out_dir,
                      step_norm=stored["step_norm"], base_reward=stored["base_reward"], n_params=stored["n_params"],
-                     grams=stored["sketch_gram"])
+                     grams=stored["sketch_gram"], margins=stored.get("margins"))
 
 
 def _fmt(x, spec="+.4f"):
@@ -308,6 +315,16 @@ def write_report(summary: dict, out_dir: str) -> None:
         lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is "
                   "the "
                   f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)."]
+    tested = [r for r in summary["rows"] if r.get("margin") is not None]
+    if tested:
+        lines += ["", "Margin test (pre-declared margins, state.json): H1 Δcos > margin, one-sided t with both noises "
+                  "(oar.app.stats.margin_pvalue); the run's own break-even is next to it.", "",
+                  "| setting | margin | Δcos - margin [95% CI] | one-sided p | this run's break-even Δcos |",
+                  "|---|---|---|---|---|"]
+        for r in tested:
+            d = r["dcos_minus_margin"]
+            lines.append(f"| {r['method']} | {r['margin']:+.4f} | {d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] | "
+                         f"{r['margin_p']:.3g} | {_fmt(r.get('break_even_dcos'))} |")
     scan = [(r["method"], x) for r in summary["rows"] for x in r.get("reward_scan") or []]
     if scan:
         lines += ["", "Step scan (the reward check at each step length; `IS`: the importance-weighted change on the "

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Interval", "bootstrap_mean", "bootstrap_grid_mean", "t_quantile", "paired_t", "sign_flip_pvalue",
-           "jackknife_se", "t_with_reference", "break_even_dcos", "average_ranks", "spearman_rows", "spearman"]
+           "jackknife_se", "t_with_reference", "margin_pvalue", "break_even_dcos", "average_ranks", "spearman_rows",
+           "spearman"]
 
 
 @dataclass(frozen=True)
@@ -143,17 +144,19 @@ def bootstrap_grid_mean(values, *, level: float = 0.95, resamples: int = 4000, s
 
 
 def _t_cdf(x: float, df: float) -> float:
-    """Student-t CDF by Simpson integration of the density from 0 (error far below 1e-9 for df >= 1, |x| <= 1e3)."""
+    """Student-t CDF for df >= 1, any x (inf included): with t = sqrt(df) tan(u) the density becomes
+    Gamma((df + 1) / 2) / (Gamma(df / 2) sqrt(pi)) cos(u)^(df - 1) on u in (-pi / 2, pi / 2), integrated by Simpson
+    from 0 to arctan(x / sqrt(df)) (a bounded, smooth integrand: error far below 1e-9)."""
     if x == 0:
         return 0.5
-    a = abs(x)
+    theta = math.atan(abs(x) / math.sqrt(df))
     n = 4000
-    t = np.linspace(0.0, a, n + 1)
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    f = np.exp(logc - (df + 1) / 2 * np.log1p(t * t / df))
+    u = np.linspace(0.0, theta, n + 1)
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(math.pi)
+    f = np.exp(logc + (df - 1) * np.log(np.maximum(np.cos(u), 1e-300)))
     w = np.ones(n + 1)
     w[1:-1:2], w[2:-1:2] = 4, 2
-    half = float((a / n) / 3 * (w * f).sum())
+    half = min(0.5, float((theta / n) / 3 * (w * f).sum()))
     return 0.5 + half if x > 0 else 0.5 - half
 
 
@@ -218,19 +221,40 @@ def t_with_reference(per_unit, reference_leave_one_out, *, level: float = 0.95) 
         ValueError: fewer than 2 units or folds, non-finite values, ``level`` outside (0, 1).
     """
     _check_level(level, 1)
+    m, se, df, n = _with_reference_se(per_unit, reference_leave_one_out)
+    if se == 0:
+        return Interval(m, m, m, level, n)
+    h = t_quantile((1 + level) / 2, df) * se
+    return Interval(m, m - h, m + h, level, n)
+
+
+def _with_reference_se(per_unit, reference_leave_one_out) -> tuple:
+    """(mean, SE, Welch-Satterthwaite df, N) of :func:`t_with_reference`."""
     d = _vector(per_unit, "per_unit")
     n = d.size
     se_u2 = float(d.var(ddof=1)) / n
     se_r = jackknife_se(reference_leave_one_out)
     F = int(np.asarray(reference_leave_one_out).size)
     se2 = se_u2 + se_r ** 2
-    m = float(d.mean())
-    if se2 == 0:
-        return Interval(m, m, m, level, n)
     den = (se_u2 ** 2) / (n - 1) + (se_r ** 4) / (F - 1)
     df = max(1.0, se2 ** 2 / den) if den > 0 else float(n - 1)
-    h = t_quantile((1 + level) / 2, df) * math.sqrt(se2)
-    return Interval(m, m - h, m + h, level, n)
+    return float(d.mean()), math.sqrt(se2), df, n
+
+
+def margin_pvalue(per_unit, reference_leave_one_out, margin: float) -> float:
+    """One-sided p-value of H0: mean <= ``margin`` against H1: mean > ``margin``, with the standard error and degrees
+    of freedom of :func:`t_with_reference` (both noises): 1 - F_t((mean - margin) / SE; df). The margin test of
+    issue 42 item 7 (is a setting's Delta-cos above the break-even that pays for its cost?).
+
+    Raises:
+        ValueError: as :func:`t_with_reference`; a non-finite ``margin``.
+    """
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    m, se, df, _ = _with_reference_se(per_unit, reference_leave_one_out)
+    if se == 0:
+        return 0.0 if m > margin else 1.0
+    return float(1.0 - _t_cdf((m - margin) / se, df))
 
 
 def break_even_dcos(cos_base: float, snr_base: float, cost_ratio: float) -> float:

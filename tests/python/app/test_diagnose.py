@@ -687,3 +687,71 @@ def test_run_scans_step_sizes(tiny, tmp_path):
     run(model, tok, _PlantedSource(tok), s1, out, progress=False)
     with pytest.raises(ValueError, match=r"other settings \(\['step_scales'\]\)"):
         run(model, tok, _PlantedSource(tok), s, out, progress=False)
+
+
+# ---- the margin test (issue 42 item 7) ---------------------------------------------------------------------------
+
+def test_margin_pvalue_matches_the_interval_it_shares_its_error_with():
+    """At the 95% interval's lower end the one-sided p is 0.025 and at its upper end 0.975 (same SE and Welch df);
+    p falls as the margin falls; with no spread it is 0 or 1; bad margins are refused."""
+    from oar.app.stats import margin_pvalue, t_with_reference
+
+    rng = np.random.default_rng(5)
+    d, loo = rng.normal(0.01, 0.03, size=40), rng.normal(0.01, 0.004, size=4)
+    iv = t_with_reference(d, loo)
+    assert margin_pvalue(d, loo, iv.lo) == pytest.approx(0.025, abs=1e-6)
+    assert margin_pvalue(d, loo, iv.hi) == pytest.approx(0.975, abs=1e-6)
+    assert margin_pvalue(d, loo, iv.mean) == pytest.approx(0.5, abs=1e-9)
+    ps = [margin_pvalue(d, loo, m) for m in (0.03, 0.02, 0.0, -0.02)]
+    assert ps == sorted(ps, reverse=True)
+    assert margin_pvalue([0.1] * 5, [0.1] * 3, 0.05) == pytest.approx(0.0, abs=1e-9)
+    assert margin_pvalue([0.1] * 5, [0.1] * 3, 0.2) == pytest.approx(1.0, abs=1e-9)
+    with pytest.raises(ValueError, match="margin must be a finite number"):
+        margin_pvalue(d, loo, float("nan"))
+
+
+def test_run_tests_pre_declared_margins(tiny, tmp_path):
+    from oar.app.diagnose import DiagnoseSettings, run
+    from oar.app.diagnose_report import summarize_stored
+    from oar.app.stats import margin_pvalue
+
+    model, tok = tiny
+    s = DiagnoseSettings(methods=["grpo", "random", "random:beta=2"], batches=3, prompts=2, group=4, ref_prompts=8,
+                         ref_group=4, max_new_tokens=4, temperature=1.0, sketch_dim=256, reward_batches=0,
+                         margins={"random": 0.01})
+    out = str(tmp_path / "m")
+    summary = run(model, tok, _PlantedSource(tok), s, out, progress=False)
+    rows = {r["method"]: r for r in summary["rows"]}
+    r = rows["random"]
+    assert r["margin"] == 0.01 and "margin" not in rows["random:beta=2"]
+    assert r["dcos_minus_margin"]["mean"] == pytest.approx(r["dcos"]["mean"] - 0.01, abs=1e-12)
+    assert r["dcos_minus_margin"]["hi"] - r["dcos_minus_margin"]["lo"] == pytest.approx(
+        r["dcos"]["hi"] - r["dcos"]["lo"], rel=1e-9)  # a shift: the same interval width
+    # the p-value from the stored per-batch cosines and fold dots, recomputed outside the report
+    from oar.app.diagnose_report import leave_one_fold_out
+    recs = [json.loads(x) for x in open(os.path.join(out, "batches.jsonl"))]
+    recs = [x for x in recs if x["signal"]]
+    w, nrm = leave_one_fold_out(json.load(open(os.path.join(out, "diagnose.json")))["reference"])
+
+    def loo(lab):
+        return np.array([(w @ np.array(x["methods"][lab]["fold_dots"])) / (x["methods"][lab]["norm"] * nrm)
+                         for x in recs])
+
+    d = np.array([x["methods"]["random"]["cos"] - x["methods"]["grpo"]["cos"] for x in recs])
+    assert r["margin_p"] == pytest.approx(margin_pvalue(d, (loo("random") - loo("grpo")).mean(0), 0.01), abs=1e-12)
+    assert "Margin test" in open(os.path.join(out, "diagnose.md")).read()
+    assert summarize_stored(out)["rows"][1]["margin_p"] == pytest.approx(r["margin_p"], abs=1e-12)
+    with pytest.raises(ValueError, match=r"other settings \(\['margins'\]\)"):
+        run(model, tok, _PlantedSource(tok), DiagnoseSettings(**{**vars(s), "margins": {"random": 0.0}}), out,
+            progress=False)
+
+
+@pytest.mark.parametrize("margins,msg", [({"grpo": 0.01}, "'grpo' is not a compared setting"),
+                                         ({"oar_x": 0.01}, "'oar_x' is not a compared setting"),
+                                         ({"random": float("inf")}, r"margins\['random'\] must be a finite"),
+                                         ([0.01], "margins must be a dict")])
+def test_margin_errors(margins, msg):
+    from oar.app.diagnose import DiagnoseSettings
+
+    with pytest.raises(ValueError, match=msg):
+        DiagnoseSettings(methods=["grpo", "random"], margins=margins).check()
