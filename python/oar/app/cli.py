@@ -161,11 +161,15 @@ def _diagnose(a) -> int:
         for item in a.margins:
             label, sep, value = item.rpartition("=")
             try:
-                flags["margins"][label] = float(value)
+                v = float(value)
             except ValueError:
                 sep = ""
-            if not sep or not label:
+            if not sep or not label.strip():
                 a.parser.error(f"--margins takes SETTING=VALUE items (e.g. oar_g=0.02), got {item!r}")
+            label = label.strip()
+            if label in flags["margins"]:
+                a.parser.error(f"--margins names {label!r} twice ({flags['margins'][label]:g} and {v:g})")
+            flags["margins"][label] = v
     try:
         _task_problems(dict(load_config(a.config, a.set).task), "train")  # missing data fails before the model loads
         summary = diagnose_main(a.config, a.set, a.out, flags, progress=not a.no_progress)
@@ -275,10 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reward-samples", type=int, default=None, help="samples per prompt of the reward check (4)")
     d.add_argument("--step-norm", type=float, default=None,
                    help="length of the reward check's step along u/|u| (default: 4 x lr x sqrt(#params))")
-    d.add_argument("--margins", nargs="+", default=None, metavar="SETTING=VALUE",
+    d.add_argument("--margins", nargs="+", action="extend", default=None, metavar="SETTING=VALUE",
                    help="pre-declared break-even margins of Δcos, tested one-sided (e.g. oar_g=0.021); stored in "
                         "state.json, so a resume cannot change them")
-    d.add_argument("--step-scales", type=float, nargs="+", default=None,
+    d.add_argument("--step-scales", type=float, nargs="+", action="extend", default=None,
                    help="the reward check's steps as multiples of --step-norm, a scan of the linear regime (default: 1)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
     d.set_defaults(func=_diagnose, parser=d)

@@ -114,14 +114,15 @@ class DiagnoseSettings:
             raise ValueError(f"reward_batches ({self.reward_batches}) must be <= batches ({self.batches})")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        if not self.step_norm >= 0:
-            raise ValueError(f"step_norm must be >= 0, got {self.step_norm!r}")
+        if not (_real(self.step_norm) is not None and 0 <= self.step_norm < _MAX_STEP):
+            raise ValueError(f"step_norm must be a number in [0, {_MAX_STEP:g}) (0: the default), got {self.step_norm!r}")
         sc = self.step_scales
-        if not isinstance(sc, (list, tuple)) or not sc or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0 for x in sc):
+        vals = [_real(x) for x in sc] if isinstance(sc, (list, tuple)) else None
+        if not vals or any(v is None or not v > 0 for v in vals):
             raise ValueError(f"step_scales must be a non-empty list of finite numbers > 0, got {sc!r}")
-        if len(set(float(x) for x in sc)) != len(sc):
+        if len(set(vals)) != len(vals):
             raise ValueError(f"step_scales lists a scale more than once: {sc!r}")
+        self.step_scales = vals  # a list of floats, as state.json stores it (a resume compares equal)
         if not self.methods:
             raise ValueError("methods must name at least one credit setting")
         labels = [core.parse_credit(m).label for m in self.methods]
@@ -130,12 +131,34 @@ class DiagnoseSettings:
             raise ValueError(f"methods lists {dup} more than once")
         if not isinstance(self.margins, dict):
             raise ValueError(f"margins must be a dict {{setting: margin}}, got {self.margins!r}")
+        margins = {}
         for k, v in self.margins.items():
             if k not in labels[1:]:
                 raise ValueError(f"margins: {k!r} is not a compared setting (one of {labels[1:]}; the first, "
-                                 f"{labels[0]!r}, is the baseline)")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"margins[{k!r}] must be a finite number, got {v!r}")
+                                 f"{labels[0]!r}, is the baseline; an item is SETTING=VALUE, the margin being the "
+                                 "number after the last '=')")
+            m = _real(v)
+            if m is None or not -2.0 < m < 2.0:
+                raise ValueError(f"margins[{k!r}] must be a number in (-2, 2) (a difference of cosines), got {v!r}")
+            margins[k] = m
+        self.margins = margins
+
+
+#: Upper bound of a reward-check step's length (parameter units): far beyond any useful step, below float32's range.
+_MAX_STEP = 1e30
+
+
+def _real(x) -> float | None:
+    """``x`` as a finite float (Python or numpy reals, not bool), else None."""
+    import numbers
+
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        v = float(x)
+    except (OverflowError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 class TaskSource:
@@ -445,6 +468,9 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
     params = _params(model)
     n_params = sum(p.numel() for p in params)
     step_norm = s.step_norm or 4.0 * lr * math.sqrt(n_params)
+    if s.reward_batches and max(s.step_scales) * step_norm >= _MAX_STEP:
+        raise ValueError(f"step_scales: {max(s.step_scales):g} x step_norm {step_norm:.3g} is a step beyond "
+                         f"{_MAX_STEP:g} (float32 parameters would overflow)")
     from tqdm.auto import tqdm
 
     bar = tqdm(total=s.ref_prompts, desc="reference gradient (prompts)", disable=not progress, dynamic_ncols=True)

@@ -425,19 +425,40 @@ def is_reward_change(r: Rollouts, logp_new: torch.Tensor, logp_old: torch.Tensor
     stops being linear; unreliable once a group's weights concentrate on one rollout.
 
     Args:
-        r: the rollouts (``group_size`` consecutive rows per prompt); logp_new, logp_old: (B,) sequence log-probs
-            (:func:`sequence_logprobs`) under the stepped and the sampling policy.
+        r: the rollouts (``group_size`` >= 2 consecutive rows per prompt, B >= 1 a multiple of it, finite rewards);
+            logp_new, logp_old: (B,) floating sequence log-probs (:func:`sequence_logprobs`) under the stepped and
+            the sampling policy (logp_old finite: the rows were sampled from it; logp_new may be -inf, a row the new
+            policy cannot produce, weight 0, but not on every row of a group).
     Returns: the estimated change of the mean reward (float).
-    Raises: ValueError: logp_new / logp_old not of shape (B,), or not finite.
+    Raises: ValueError: any of the above violated (naming the argument and the row).
     """
     B, G = r.batch_size, r.group_size
+    if B < 1 or G < 2 or B % G:
+        raise ValueError(f"rollouts: is_reward_change needs >= 2 rollouts per prompt and B a positive multiple of "
+                         f"group_size, got B = {B}, group_size = {G}")
+    R = r.rewards.double()
+    if not bool(torch.isfinite(R).all()):
+        raise ValueError(f"rollouts: reward of row {int((~torch.isfinite(R)).nonzero()[0])} is not finite")
     for name, x in (("logp_new", logp_new), ("logp_old", logp_old)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating torch.Tensor of shape ({B},), got {type(x).__name__}"
+                             f"{'' if not isinstance(x, torch.Tensor) else ' of dtype ' + str(x.dtype)}")
         if tuple(x.shape) != (B,):
             raise ValueError(f"{name} must have shape ({B},) (one log-prob per rollout), got {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} holds a non-finite log-prob")
-    w = torch.softmax((logp_new.double() - logp_old.double()).view(-1, G), dim=1)
-    R = r.rewards.double().view(-1, G)
+    new, old = logp_new.double().cpu(), logp_old.double().cpu()
+    bad = ~torch.isfinite(old) | torch.isnan(new) | (new == float("inf"))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"log-probs of row {i}: logp_old must be finite and logp_new finite or -inf, got "
+                         f"logp_old = {float(old[i])}, logp_new = {float(new[i])}")
+    diff = (new - old).view(-1, G)
+    if bool(torch.isinf(diff).all(1).any()):
+        raise ValueError(f"logp_new is -inf on every row of prompt {int(torch.isinf(diff).all(1).nonzero()[0])}: "
+                         "the self-normalized weights are undefined")
+    if bool((diff == float("inf")).any()):
+        raise ValueError("logp_new - logp_old overflows")
+    w = torch.softmax(diff, dim=1)
+    R = R.view(-1, G)
     return float((w * R).sum(1).mean() - R.mean())
 
 

@@ -146,7 +146,6 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
                 row["dcos_p_signflip"] = sign_flip_pvalue(d) if np.any(d != 0) else 1.0
                 if margins and lab in margins:
                     mg = float(margins[lab])
-                    row["margin"] = mg
                     row["dcos_minus_margin"] = t_with_reference(d - mg, d_loo.mean(0) - mg).as_dict()
                     row["margin_p"] = margin_pvalue(d, d_loo.mean(0), mg)
             rc = [done[b]["methods"][lab].get("reward_change") for b in bs]
@@ -163,12 +162,20 @@ def summarize(done: dict, ref: dict, labels: list, out_dir: str, *, step_norm: f
             scan = _scan_rows(done, bs, lab, base)
             if scan:
                 row["reward_scan"] = scan
+        if margins and lab in margins:
+            row["margin"] = float(margins[lab])
         ess = [done[b]["methods"][lab].get("ess_ratio") for b in bs]
         ess = [e for e in ess if e is not None]
         row["ess_ratio"] = float(np.mean(ess)) if ess else None
         att_s = [done[b]["methods"][lab].get("attribution_seconds") or 0.0 for b in bs]
         row["attribution_seconds"] = float(np.median(att_s)) if att_s else None
         rows.append(row)
+    # Holm's step-down adjustment over the margin tests (family: every setting with a declared margin and a p)
+    tested = sorted((r for r in rows if r.get("margin_p") is not None), key=lambda r: r["margin_p"])
+    run_max = 0.0
+    for i, r in enumerate(tested):
+        run_max = max(run_max, min(1.0, (len(tested) - i) * r["margin_p"]))
+        r["margin_p_holm"] = run_max
     # break-even: the Δcos that pays for a setting's attribution if that compute bought grpo more rollouts instead
     # (oar.app.stats.break_even_dcos); a step = generation + one update (the batch's update time shared by the
     # settings: one backward each on a shared forward)
@@ -312,26 +319,40 @@ def write_report(summary: dict, out_dir: str) -> None:
                                    if n <= 16 else f"Monte Carlo, 20,000 random sign patterns of the {n} paired batch "
                                    "differences (the observed one counted; exact enumeration is used up to 16).")]
     if summary.get("base_reward") is not None:
+        scanned = {x["scale"] for r in summary["rows"] for x in r.get("reward_scan") or []}
         lines += ["", f"Reward check: held-out reward {summary['base_reward']:.4f} before; each setting's column is "
                   "the "
-                  f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)."]
+                  f"change after one step of length {summary['step_norm']:.3g} along u / |u| (same sampling seeds)"
+                  + ("." if not scanned or 1.0 in scanned else
+                     "; that step (scale 1) was not among the scanned ones, so the column is empty: see the step "
+                     "scan.")]
     tested = [r for r in summary["rows"] if r.get("margin") is not None]
     if tested:
         lines += ["", "Margin test (pre-declared margins, state.json): H1 Δcos > margin, one-sided t with both noises "
-                  "(oar.app.stats.margin_pvalue); the run's own break-even is next to it.", "",
-                  "| setting | margin | Δcos - margin [95% CI] | one-sided p | this run's break-even Δcos |",
-                  "|---|---|---|---|---|"]
+                  "(oar.app.stats.margin_pvalue), Holm's adjustment over the settings tested; a setting pays for its "
+                  "cost at α = 0.05 when its Holm p is below 0.05, does not pay when the interval's upper end is "
+                  "below 0. The run's own break-even (from its measured cost) is next to it.", "",
+                  "| setting | margin | Δcos - margin [95% CI] | one-sided p | Holm p | this run's break-even Δcos |",
+                  "|---|---|---|---|---|---|"]
         for r in tested:
-            d = r["dcos_minus_margin"]
+            d = r.get("dcos_minus_margin")
+            if d is None:
+                lines.append(f"| {r['method']} | {r['margin']:+.4f} | untestable: {r['batches']} batches with signal "
+                             "(2 needed) | - | - | - |")
+                continue
+            p_, ph = r.get("margin_p"), r.get("margin_p_holm")
             lines.append(f"| {r['method']} | {r['margin']:+.4f} | {d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] | "
-                         f"{r['margin_p']:.3g} | {_fmt(r.get('break_even_dcos'))} |")
+                         f"{'- (no spread)' if p_ is None else format(p_, '.3g')} | "
+                         f"{'-' if ph is None else format(ph, '.3g')} | {_fmt(r.get('break_even_dcos'))} |")
     scan = [(r["method"], x) for r in summary["rows"] for x in r.get("reward_scan") or []]
     if scan:
         lines += ["", "Step scan (the reward check at each step length; `IS`: the importance-weighted change on the "
-                  "start's rollouts, `linear`: its first-order prediction <step, grad>; IS / linear near 1 is the linear "
-                  "regime; intervals are t over batches, without the reference's noise):", "",
-                  f"| setting | step | Δreward sampled [95% CI] | vs {base} | Δreward IS [95% CI] | linear | IS / linear |",
-                  "|---|---|---|---|---|---|---|"]
+                  "start's rollouts, `linear`: its first-order prediction <step, grad>, both means over the batches; "
+                  "`IS / linear`: the least-squares slope of the batches' IS changes on their predictions, 1 in the "
+                  "linear regime; intervals are t over batches, without the reference's noise):", "",
+                  f"| setting | step | batches | Δreward sampled [95% CI] | vs {base} | Δreward IS [95% CI] | linear | "
+                  "IS / linear (slope) |",
+                  "|---|---|---|---|---|---|---|---|"]
 
         def cell(x, key):
             c = x.get(key + "_ci")
@@ -339,7 +360,7 @@ def write_report(summary: dict, out_dir: str) -> None:
             return "-" if v is None else f"{v:+.4f}" + (f" [{c['lo']:+.4f}, {c['hi']:+.4f}]" if c else "")
 
         for lab, x in scan:
-            lines.append(f"| {lab} | {x['step']:.3g} ({x['scale']:g}x) | {cell(x, 'reward_change')} | "
+            lines.append(f"| {lab} | {x['step']:.6g} ({x['scale']:.6g}x) | {x['batches']} | {cell(x, 'reward_change')} | "
                          f"{cell(x, 'dreward') if lab != base else '(baseline)'} | {cell(x, 'is_change')} | "
                          f"{_fmt(x.get('linear_change'))} | {_fmt(x.get('is_over_linear'), '.2f')} |")
     lines += ["", "How to read this and what it cannot tell: docs/diagnose.md."]

@@ -614,7 +614,7 @@ def test_is_reward_change_is_the_self_normalized_estimate():
         core.is_reward_change(r, new[:4], old)
     bad = new.clone()
     bad[3] = float("nan")
-    with pytest.raises(ValueError, match="logp_new holds a non-finite"):
+    with pytest.raises(ValueError, match="log-probs of row 3: .*logp_new = nan"):
         core.is_reward_change(r, bad, old)
 
 
@@ -704,8 +704,15 @@ def test_margin_pvalue_matches_the_interval_it_shares_its_error_with():
     assert margin_pvalue(d, loo, iv.mean) == pytest.approx(0.5, abs=1e-9)
     ps = [margin_pvalue(d, loo, m) for m in (0.03, 0.02, 0.0, -0.02)]
     assert ps == sorted(ps, reverse=True)
-    assert margin_pvalue([0.1] * 5, [0.1] * 3, 0.05) == pytest.approx(0.0, abs=1e-9)
-    assert margin_pvalue([0.1] * 5, [0.1] * 3, 0.2) == pytest.approx(1.0, abs=1e-9)
+    assert margin_pvalue([0.1] * 5, [0.1] * 3, 0.05) is None  # no spread: undefined, not a confident 0
+    # scale-free: the same data in other units gives the same p (no underflow of squared standard errors)
+    x, r = np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0])
+    p0 = margin_pvalue(x, r, 0.0)
+    for k in (1e-160, 1e-300, 1e150):
+        assert margin_pvalue(x * k, r * k, 0.0) == pytest.approx(p0, rel=1e-9)
+    assert margin_pvalue(d, loo, np.float32(0.01)) == pytest.approx(margin_pvalue(d, loo, 0.01), rel=1e-6)
+    with pytest.raises(ValueError, match="overflows"):
+        margin_pvalue([1e308, 1e308, -1e308], [0.0, 0.1], 0.0)
     with pytest.raises(ValueError, match="margin must be a finite number"):
         margin_pvalue(d, loo, float("nan"))
 
@@ -740,6 +747,11 @@ def test_run_tests_pre_declared_margins(tiny, tmp_path):
     d = np.array([x["methods"]["random"]["cos"] - x["methods"]["grpo"]["cos"] for x in recs])
     assert r["margin_p"] == pytest.approx(margin_pvalue(d, (loo("random") - loo("grpo")).mean(0), 0.01), abs=1e-12)
     assert "Margin test" in open(os.path.join(out, "diagnose.md")).read()
+    assert r["margin_p_holm"] == r["margin_p"]  # one setting tested: Holm leaves its p
+    silent = run(model, tok, _SilentSource(tok), DiagnoseSettings(**{**vars(s), "batches": 2}), str(tmp_path / "s"),
+                 progress=False)
+    assert {r["method"]: r for r in silent["rows"]}["random"]["margin"] == 0.01
+    assert "| random | +0.0100 | untestable: 0 batches with signal" in open(tmp_path / "s" / "diagnose.md").read()
     assert summarize_stored(out)["rows"][1]["margin_p"] == pytest.approx(r["margin_p"], abs=1e-12)
     with pytest.raises(ValueError, match=r"other settings \(\['margins'\]\)"):
         run(model, tok, _PlantedSource(tok), DiagnoseSettings(**{**vars(s), "margins": {"random": 0.0}}), out,
@@ -748,10 +760,99 @@ def test_run_tests_pre_declared_margins(tiny, tmp_path):
 
 @pytest.mark.parametrize("margins,msg", [({"grpo": 0.01}, "'grpo' is not a compared setting"),
                                          ({"oar_x": 0.01}, "'oar_x' is not a compared setting"),
-                                         ({"random": float("inf")}, r"margins\['random'\] must be a finite"),
+                                         ({"random": float("inf")}, r"margins\['random'\] must be a number in"),
                                          ([0.01], "margins must be a dict")])
 def test_margin_errors(margins, msg):
     from oar.app.diagnose import DiagnoseSettings
 
     with pytest.raises(ValueError, match=msg):
         DiagnoseSettings(methods=["grpo", "random"], margins=margins).check()
+
+
+def test_t_cdf_against_closed_forms():
+    """Student-t CDFs with closed forms (df = 1: Cauchy, 2, 4) at moderate and extreme x, the normal limit, and the
+    quantiles of the published tables far into the tails."""
+    from oar.app.stats import _t_cdf
+
+    for x in (-1e9, -37.0, -2.0, -0.3, 1e-6, 0.7, 3.0, 250.0, 1e12):
+        assert _t_cdf(x, 1) == pytest.approx(0.5 + np.arctan(x) / np.pi, abs=1e-13)
+        assert _t_cdf(x, 2) == pytest.approx(0.5 + x / (2 * np.sqrt(2 + x * x)), abs=1e-13)
+        th = np.arctan(x / 2.0)  # df = 4: 1/2 + (3/4) sin(th) (1 - sin(th)^2 / 3)
+        assert _t_cdf(x, 4) == pytest.approx(0.5 + 0.75 * np.sin(th) * (1 - np.sin(th) ** 2 / 3), abs=1e-13)
+    assert _t_cdf(float("inf"), 1.05) == 1.0 and _t_cdf(-float("inf"), 3) == 0.0
+    assert np.isnan(_t_cdf(float("nan"), 3))
+    assert t_quantile(0.975, float("inf")) == pytest.approx(1.959963984540054, abs=1e-9)
+    assert t_quantile(0.975, 1e14) == pytest.approx(1.959963984540054, abs=1e-9)
+    assert t_quantile(0.99999, 1) == pytest.approx(np.tan(np.pi * (0.99999 - 0.5)), rel=1e-8)  # beyond 1e3
+
+
+def test_is_reward_change_refuses_what_it_cannot_estimate():
+    def rollouts(rewards, G):
+        n = len(rewards)
+        return core.Rollouts(prompt_ids=[torch.tensor([1])] * n, completion_ids=torch.zeros(n, 1, dtype=torch.long),
+                             completion_mask=torch.ones(n, 1, dtype=torch.bool),
+                             rewards=torch.tensor(rewards, dtype=torch.float32), group_size=G)
+
+    lp = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs >= 2 rollouts per prompt.*group_size = 1"):
+        core.is_reward_change(rollouts([1.0, 0, 0, 1], 1), lp, lp)
+    with pytest.raises(ValueError, match="B a positive multiple of group_size, got B = 4, group_size = 3"):
+        core.is_reward_change(rollouts([1.0, 0, 0, 1], 3), lp, lp)
+    with pytest.raises(ValueError, match="reward of row 2 is not finite"):
+        core.is_reward_change(rollouts([1.0, 0, float("nan"), 1], 2), lp, lp)
+    with pytest.raises(ValueError, match="logp_new must be a floating torch.Tensor of shape \\(4,\\), got ndarray"):
+        core.is_reward_change(rollouts([1.0, 0, 0, 1], 2), np.zeros(4), lp)
+    with pytest.raises(ValueError, match="got Tensor of dtype torch.int64"):
+        core.is_reward_change(rollouts([1.0, 0, 0, 1], 2), torch.zeros(4, dtype=torch.long), lp)
+    r = rollouts([1.0, 0, 0, 1], 2)
+    new = lp.clone()
+    new[1] = -float("inf")  # the new policy cannot produce row 1: prompt 0's weight all on row 0 (reward 1)
+    assert core.is_reward_change(r, new, lp) == pytest.approx((1.0 + 0.5) / 2 - 0.5, abs=1e-12)
+    new[0] = -float("inf")
+    with pytest.raises(ValueError, match="-inf on every row of prompt 0"):
+        core.is_reward_change(r, new, lp)
+    old = lp.clone()
+    old[3] = -float("inf")
+    with pytest.raises(ValueError, match="log-probs of row 3: logp_old must be finite"):
+        core.is_reward_change(r, lp, old)
+
+
+def test_settings_normalize_scales_and_margins():
+    from oar.app.diagnose import DiagnoseSettings
+
+    s = DiagnoseSettings(methods=["grpo", "oar_g"], step_scales=(np.int64(1), np.float32(4.0)),
+                         margins={"oar_g": np.float32(0.25)})
+    s.check()
+    assert s.step_scales == [1.0, 4.0] and type(s.step_scales[0]) is float
+    assert s.margins == {"oar_g": 0.25} and type(s.margins["oar_g"]) is float
+    for bad in ([10 ** 400], [True]):
+        with pytest.raises(ValueError, match="step_scales must be a non-empty list"):
+            DiagnoseSettings(step_scales=bad).check()
+    with pytest.raises(ValueError, match=r"margins\['oar_g'\] must be a number in \(-2, 2\)"):
+        DiagnoseSettings(methods=["grpo", "oar_g"], margins={"oar_g": 2.5}).check()
+    with pytest.raises(ValueError, match="step_norm must be a number in"):
+        DiagnoseSettings(step_norm=float("inf")).check()
+
+
+def test_cli_margins_and_scales_accumulate_and_refuse_repeats(monkeypatch, tmp_path, capsys):
+    """Two --margins flags add up (argparse 'extend'), a setting named twice is an error, --step-scales extends."""
+    from oar.app import cli
+
+    seen = {}
+
+    def fake_main(config, overrides, out_dir, flags, *, progress=True):
+        seen.update(flags)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("oar.app.diagnose.diagnose_main", fake_main)
+    monkeypatch.setattr(cli, "_task_problems", lambda *a, **k: None)
+    out = str(tmp_path / "o")
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--out", out, "--methods", "grpo", "oar_g", "oar_g:credit_rows=positive",
+                  "--margins", "oar_g=0.021", "--margins", "oar_g:credit_rows=positive=0.008",
+                  "--step-scales", "0.5", "1", "--step-scales", "4"])
+    assert seen["margins"] == {"oar_g": 0.021, "oar_g:credit_rows=positive": 0.008}
+    assert seen["step_scales"] == [0.5, 1.0, 4.0]
+    with pytest.raises(SystemExit):
+        cli.main(["diagnose", "--out", out, "--margins", "oar_g=0.01", "oar_g=0.02"])
+    assert "--margins names 'oar_g' twice (0.01 and 0.02)" in capsys.readouterr().err
