@@ -51,8 +51,9 @@ def row_noise(base: int, row: int, noise_draws: int, length: int, hidden_size: i
 
 def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: int, width: int, p: int, dev):
     """Key/value cache (per layer (keys, values), each (n, kv_heads, p, head_dim)) of window columns [0, p) of
-    ``chunk_rows`` (window = batch columns [off, off + width)), computed once per distinct prompt: rollouts of
-    one group share their prompt, so its forward runs once and its cache is copied to each row.
+    ``chunk_rows`` (window = batch columns [off, off + width)), computed once per distinct maximal prompt: rollouts
+    of one group share their prompt, and a session's turn rows have nested prompts, so one forward serves them all
+    and its cache is copied to each row.
 
     Row r's context starts at window column a_r = width - context_len[r]; columns [a_r, p) hold the first
     p - a_r tokens of its prompt (p never exceeds a row's reasoning start), and position ids restart at 0 at
@@ -62,7 +63,17 @@ def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: i
     starts = [int(batch.reasoning_start[r]) for r in chunk_rows]
     firsts = [int(batch.input_ids.shape[1]) - int(batch.context_len[r]) for r in chunk_rows]  # batch columns
     keys = [tuple(batch.input_ids[r, a:s].tolist()) for r, a, s in zip(chunk_rows, firsts, starts)]
-    distinct = list(dict.fromkeys(keys))
+    # A prompt that is a prefix of another (a multi-turn session's turn rows: turn k's prompt is the stored session
+    # before turn k) reads its keys/values from the longer one's first columns (causal: equal up to float
+    # rounding), so only maximal prompts run. In lexicographic order, a key with extensions is followed directly by
+    # one of them, and its maximal extension is that one's.
+    order = sorted(set(keys))
+    longest = {}
+    for i in range(len(order) - 1, -1, -1):
+        k = order[i]
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        longest[k] = longest[nxt] if nxt is not None and nxt[:len(k)] == k else k
+    distinct = list(dict.fromkeys(longest[k] for k in keys))
     slot = {k: i for i, k in enumerate(distinct)}
     Pm = max(1, max(len(k) for k in distinct))
     n = len(distinct)
@@ -81,10 +92,11 @@ def _shared_prompt_cache(model, batch: ProbeBatch, chunk_rows: list[int], off: i
     U = torch.empty((len(chunk_rows), p), dtype=torch.long)
     C = torch.zeros((len(chunk_rows), p), dtype=torch.long)
     for i, (k, a) in enumerate(zip(keys, firsts)):
-        U[i] = slot[k]
+        K = longest[k]  # k is K's first len(k) tokens
+        U[i] = slot[K]
         a_w = a - off  # window column of the row's first token
         cols = torch.arange(p) - a_w
-        C[i] = torch.where(cols >= 0, Pm - len(k) + cols, torch.zeros_like(cols))
+        C[i] = torch.where(cols >= 0, Pm - len(K) + cols, torch.zeros_like(cols))
     U, C = U.to(dev), C.to(dev)
     cache = [(k.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous(),
               v.permute(0, 2, 1, 3)[U, C].permute(0, 2, 1, 3).contiguous()) for k, v in kv_u]

@@ -583,6 +583,40 @@ def test_oar_g_prefix_path_equals_plain_path(tiny, probe, draws):
     assert torch.equal(fast.mask, plain.mask)
 
 
+def test_oar_g_nested_prompts_share_one_prefix_forward(tiny, monkeypatch):
+    """Turn rows of a multi-turn session have nested prompts (turn 2's prompt is the session up to it): the prefix
+    cache runs only the maximal prompts and gives every row its first columns; the scores equal the plain path's
+    (float64 model, as above)."""
+    model, tok = tiny
+    pids, rids, answers = probe_rollouts(tok)
+    nested = [pids[0], pids[0] + rids[0][:-1] + tok.encode(" [r] ok", add_special_tokens=False), pids[1], pids[0]]
+    resp = [rids[0], rids[2], rids[1], rids[2]]
+    batch = ProbeContextBuilder(tok, CONCLUDE).build(nested, resp, [answers[0], answers[2], answers[1], answers[2]])
+    m64 = HFProbeModel(float64_model(model))
+    calls = []
+    real = type(m64).tail_logits_and_cache
+
+    def counting(self, *a, **kw):
+        calls.append(int(kw["input_ids"].shape[0]))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(m64), "tail_logits_and_cache", counting)
+    fast = oar_g_scores(m64, batch, probe="answer_mean", sigma=1e-2, noise_draws=1,
+                        generator=torch.Generator().manual_seed(3))
+    assert fast.stats["chunks"] == 1 and calls == [2]  # rows 0, 1, 3 from row 1's prompt; row 2 its own
+    truth = oar_g_scores(_NoPrefixGrad(m64), batch, probe="answer_mean", sigma=1e-2, noise_draws=1,
+                         generator=torch.Generator().manual_seed(3))
+    assert truth.scores.abs().max() > 1e-4
+    # float64 throughout: the two paths differ by float64 rounding and the one float32 rounding of the logits
+    # the float64 runs of both paths differ only where a logit rounds to the other neighbouring float32 value: within
+    # the float32 budget of OAR-G's scores (random-rounding estimate around the float64 reference, as above)
+    noises = _engine_noises(batch, 3, 1, model.config.hidden_size)
+    e64 = float64_copy(model, exact_norms=True)
+    exact = random_rounding(lambda: oar_g_reference(e64, batch, noises, "answer_mean", 1e-2))
+    Lm = exact.value.shape[1]
+    assert_within(fast.scores[:, :Lm], truth.scores[:, :Lm], exact.bound, what="nested prompts vs plain path")
+
+
 class _EmbedCall:
     """A ProbeModel view of HFProbeModel that does not take the embeddings inside the forward (OAR-G then calls
     ``embed`` and runs the forward on ``inputs_embeds``, as for models without the capability)."""
