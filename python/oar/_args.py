@@ -25,7 +25,7 @@ def float_arg(name: str, value) -> float:
         raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         return float(value)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
 
 

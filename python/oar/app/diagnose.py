@@ -149,14 +149,12 @@ _MAX_STEP = 1e30
 
 
 def _real(x) -> float | None:
-    """``x`` as a finite float (Python or numpy reals, not bool), else None."""
-    import numbers
+    """``x`` as a finite float (:func:`oar._args.float_arg`'s real numbers), else None."""
+    from oar._args import float_arg
 
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        return None
     try:
-        v = float(x)
-    except (OverflowError, ValueError):
+        v = float_arg("value", x)
+    except ValueError:
         return None
     return v if math.isfinite(v) else None
 
@@ -488,8 +486,9 @@ def run(model, tok, source: TaskSource, s: DiagnoseSettings, out_dir: str, *, ba
             base_reward = json.load(f)["reward"]
     with tqdm(total=s.batches, initial=len(done), desc="batches", disable=not progress, dynamic_ncols=True) as bar:
         for b in todo:
-            rec, sk = run_batch(model, tok, source, s, specs, ref, b, sketch, base_config,
-                                check if b < s.reward_batches else None, step_norm)
+            if b >= s.reward_batches:
+                check = None  # its slope gradient (parameter-sized) is no longer needed
+            rec, sk = run_batch(model, tok, source, s, specs, ref, b, sketch, base_config, check, step_norm)
             torch.save(sk, os.path.join(out_dir, "sketches", f"batch_{b:04d}.pt"))
             with open(os.path.join(out_dir, "batches.jsonl"), "a+b") as f:
                 # A killed run may have left a cut last line without its newline: end it first, so that this

@@ -224,11 +224,10 @@ def t_quantile(p: float, df: float) -> float:
         raise ValueError(f"df must be >= 1, got {df!r}")
     if p == 0.5:
         return 0.0
-    hi = 1.0
-    while _t_cdf(hi, df) < max(p, 1.0 - p) and hi < 1e300:
+    target = max(p, 1.0 - p)  # the upper quantile, mirrored for p < 1/2
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < target and hi < 1e300:
         hi *= 2.0
-    lo = 0.0
-    target = max(p, 1.0 - p)
     for _ in range(200):
         mid = (lo + hi) / 2
         if _t_cdf(mid, df) < target:
@@ -324,9 +323,10 @@ def margin_pvalue(per_unit, reference_leave_one_out, margin: float) -> float | N
     Raises:
         ValueError: as :func:`t_with_reference`; a ``margin`` that is not a finite real number.
     """
-    import numbers
+    from oar._args import float_arg
 
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not math.isfinite(float(margin)):
+    margin = float_arg("margin", margin)
+    if not math.isfinite(margin):
         raise ValueError(f"margin must be a finite number, got {margin!r}")
     m, se, df, _ = _with_reference_se(per_unit, reference_leave_one_out)
     if se == 0:
