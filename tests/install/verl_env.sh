@@ -25,7 +25,15 @@ if [ -z "$WHEEL" ] || [ ! -f "$WHEEL" ]; then
 fi
 BASE_PY=${OAR_VENV:-$ROOT/.venv}/bin/python
 [ -x "$BASE_PY" ] || BASE_PY=${PYTHON:-python3}
-WORK=$(mktemp -d /tmp/oar-install-test.XXXXXX)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/oar-install-test.XXXXXX")
+# The venv takes about 6.3 GiB (torch's CUDA build and its nvidia-* wheels): refuse at once rather than halfway through pip.
+NEED_KIB=$((8 * 1024 * 1024))
+FREE_KIB=$(df -Pk "$WORK" | awk 'NR == 2 {print $4}')
+if [ "$FREE_KIB" -lt "$NEED_KIB" ]; then
+  rmdir "$WORK"
+  echo "[install-test] $(dirname "$WORK") has $((FREE_KIB / 1024)) MiB free; the verl venv needs about 8 GiB" >&2
+  exit 3
+fi
 if [ "${OAR_INSTALL_TEST_KEEP:-0}" = 1 ]; then echo "[install-test] keeping $WORK"; else trap 'rm -rf "$WORK"' EXIT; fi
 log() { echo "[install-test] $*"; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1
