@@ -23,9 +23,6 @@ import pytest
 from _paths import ROOT, WORKERS
 
 SCRIPT = os.path.join(ROOT, "tests", "install", "verl_env.sh")
-# What the test venv takes on disk (torch 2.14.1's CUDA build with its nvidia-* wheels, verl, transformers), measured
-# with `du -s` on a finished venv (docs/design.md, "Disk the tests need"), plus room for pip's unpacking.
-VENV_DISK_GIB = 8.0  # 6.3 GiB measured, with room to unpack
 
 
 @pytest.mark.skipif(os.environ.get("OAR_INSTALL_TEST") != "1",
@@ -34,13 +31,11 @@ def test_oar_installs_beside_verl_without_moving_its_packages():
     build = os.environ.get("OAR_BUILD_DIR") or os.path.join(ROOT, "build")
     wheel = os.environ.get("OAR_WHEEL") or next(iter(sorted(glob.glob(os.path.join(build, "dist", "oar-*.whl")))), None)
     assert wheel is not None, f"no oar wheel in {build}/dist: ./setup.sh builds one (or set OAR_WHEEL)"
-    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
-    if free < VENV_DISK_GIB:  # a machine without the room: say so instead of failing halfway through pip
-        pytest.skip(f"the verl test venv needs about {VENV_DISK_GIB:.0f} GiB free in {tempfile.gettempdir()}; "
-                    f"{free:.1f} GiB are free")
     p = subprocess.run(["bash", SCRIPT, wheel], capture_output=True, text=True, timeout=1800, cwd=ROOT,
                        env=dict({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OAR_BUILD_DIR")},
                                 OAR_INSTALL_TEST_KEEP="1"))  # the venv imports its own oar; kept for the scoring check
+    if p.returncode == 3:  # the script's disk check (docs/design.md, "Disk the tests need"): no room for the venv
+        pytest.skip(p.stderr.strip().splitlines()[-1])
     kept = re.search(r"\[install-test\] keeping (\S+)", p.stdout)
     try:
         out = p.stdout + p.stderr
